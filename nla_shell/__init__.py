@@ -1,0 +1,1 @@
+"""The imperative shell of nla: models, rollout engines, data, logging, checkpoints, CLI."""

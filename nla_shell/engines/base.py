@@ -1,0 +1,68 @@
+"""The contract every rollout engine keeps with the trainer.
+
+An engine turns B prompts (token ids holding one injection marker, and the activation
+to inject there) into B x G sampled continuations, returned prompt-major: prompt 0's G
+samples first, then prompt 1's, and so on. Each carries the behaviour log-probs of the
+policy that actually sampled it, one per generated token, so the trainer can correct
+for engine/trainer mismatch (TIS).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, Sequence, runtime_checkable
+
+import torch
+
+
+@dataclass(frozen=True)
+class RolloutRequest:
+    """One prompt to sample from."""
+
+    prompt_ids: tuple[int, ...]
+    """Chat-templated prompt token ids, exactly one well-formed injection marker."""
+    activation: torch.Tensor
+    """[D] float32 activation injected (norm-matched) at the marker, at the output of block 1."""
+
+
+@dataclass(frozen=True)
+class Rollout:
+    """One sampled continuation."""
+
+    full_ids: torch.Tensor
+    """[L] int64: prompt ids followed by the generated ids (EOS kept when sampled, nothing after)."""
+    prompt_len: int
+    """Number of prompt tokens at the front of `full_ids`."""
+    behavior_logp: torch.Tensor
+    """[L - prompt_len] float32: log-prob of each generated token under the sampling policy."""
+    text: str
+    """The generated tokens decoded, special tokens skipped."""
+    prompt_index: int
+    """Index of the request this sample belongs to (its GRPO group)."""
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """Generates rollouts; engines with their own weight copy take weight pushes."""
+
+    shares_actor_weights: bool
+    """True when the engine samples with the trainer's actor itself (no sync needed)."""
+
+    def generate(
+        self,
+        requests: Sequence[RolloutRequest],
+        *,
+        group_size: int,
+        max_new_tokens: int,
+        generator: torch.Generator | None = None,
+    ) -> list[Rollout]:
+        """B requests -> B * group_size rollouts, prompt-major, temperature 1, full vocabulary."""
+        ...
+
+    def sync_weights(self, actor: torch.nn.Module) -> float:
+        """Push the actor's current (LoRA-merged) weights; returns seconds spent (0 when shared)."""
+        ...
+
+    def close(self) -> None:
+        """Release the engine's resources."""
+        ...

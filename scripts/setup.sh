@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Creates .venv and installs nla with its test extras. CPU torch goes in first:
+# a bare `torch` requirement would pull a multi-GB CUDA build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if [ ! -x .venv/bin/python ]; then
+  python3 -m venv .venv
+fi
+if ! .venv/bin/python -c "import torch" 2>/dev/null; then
+  .venv/bin/python -m pip install -q --upgrade pip
+  .venv/bin/python -m pip install -q "torch==2.13.0"
+fi
+.venv/bin/python -m pip install -q -e ".[test]"

@@ -1,0 +1,49 @@
+"""Per-token estimators of KL(pi || pi_ref) from sampled-token log-probs (Schulman's k1/k2/k3)."""
+
+from __future__ import annotations
+
+import torch
+
+from nla_core._checks import float32_or_wider, require_floating, require_same_shape
+
+
+def _delta(logp: torch.Tensor, ref_logp: torch.Tensor, clamp: float | None) -> torch.Tensor:
+    require_floating("logp", logp)
+    require_floating("ref_logp", ref_logp)
+    require_same_shape("ref_logp", ref_logp, "logp", logp)
+    if clamp is not None and not clamp > 0:
+        raise ValueError(f"clamp must be a positive float or None, got {clamp!r}")
+    delta = float32_or_wider(ref_logp) - float32_or_wider(logp)
+    if clamp is not None:
+        delta = delta.clamp(-clamp, clamp)
+    return delta
+
+
+def kl_k1(logp: torch.Tensor, ref_logp: torch.Tensor, *, clamp: float | None = None) -> torch.Tensor:
+    """k1 = -delta with delta = ref_logp - logp; unbiased, high variance, can be negative.
+
+    Args: logp, ref_logp: [...] log-probs of the sampled tokens (same shape).
+    Returns: [...] float32 (float64 for float64 inputs).
+    """
+    return -_delta(logp, ref_logp, clamp)
+
+
+def kl_k2(logp: torch.Tensor, ref_logp: torch.Tensor, *, clamp: float | None = None) -> torch.Tensor:
+    """k2 = delta^2 / 2 with delta = ref_logp - logp; biased, low variance, >= 0.
+
+    Args: logp, ref_logp: [...] (same shape). Returns: [...] float32 or wider.
+    """
+    return 0.5 * _delta(logp, ref_logp, clamp).square()
+
+
+def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor, *, clamp: float | None = None) -> torch.Tensor:
+    """k3 = exp(delta) - 1 - delta with delta = ref_logp - logp; unbiased and >= 0.
+
+    expm1 keeps precision when delta is small (where exp(delta) - 1 cancels). Under samples
+    from pi, E[k3] = KL(pi || pi_ref); over a full categorical, sum_v p_v k3 = KL(p || q).
+
+    Args: logp, ref_logp: [...] (same shape). Returns: [...] float32 or wider, never negative.
+    """
+    delta = _delta(logp, ref_logp, clamp)
+    # Mathematically >= 0; the clamp removes a possible last-ulp negative from rounding.
+    return (torch.expm1(delta) - delta).clamp_min(0.0)

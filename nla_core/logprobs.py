@@ -1,0 +1,187 @@
+"""Log-probs of chosen tokens without a float32 copy of the whole [.., T, V] logits.
+
+At V = 151,936 a float32 log_softmax of a micro-batch's logits is the largest tensor of a
+GRPO step. These functions work on row chunks: the forward keeps only the log-sum-exp
+per row ([rows] float32), and a hand-written backward recomputes each chunk's softmax.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from nla_core._checks import float32_or_wider, require_floating, require_integer, require_ndim
+
+_DEFAULT_CHUNK_ELEMENTS = 1 << 22  # ~16 MB of float32 per chunk
+
+
+def _rows_per_chunk(chunk_size: int | None, vocab: int) -> int:
+    if chunk_size is None:
+        return max(1, _DEFAULT_CHUNK_ELEMENTS // max(vocab, 1))
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive number of tokens, got {chunk_size}")
+    return chunk_size
+
+
+class _TokenLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, targets, rows_per_chunk):  # logits [R, V], targets [R]
+        acc = torch.promote_types(logits.dtype, torch.float32)
+        out = torch.empty(logits.shape[0], dtype=acc, device=logits.device)
+        lse = torch.empty_like(out)
+        for start in range(0, logits.shape[0], rows_per_chunk):
+            part = float32_or_wider(logits[start : start + rows_per_chunk])
+            tgt = targets[start : start + rows_per_chunk]
+            lse[start : start + rows_per_chunk] = torch.logsumexp(part, dim=-1)
+            out[start : start + rows_per_chunk] = (
+                part.gather(-1, tgt.unsqueeze(-1)).squeeze(-1) - lse[start : start + rows_per_chunk]
+            )
+        ctx.save_for_backward(logits, targets, lse)
+        ctx.rows_per_chunk = rows_per_chunk
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):  # d out_r / d logits_rv = 1[v = t_r] - softmax_rv
+        logits, targets, lse = ctx.saved_tensors
+        grad = torch.empty_like(logits)
+        step = ctx.rows_per_chunk
+        for start in range(0, logits.shape[0], step):
+            g = grad_out[start : start + step].to(lse.dtype).unsqueeze(-1)
+            probs = torch.exp(float32_or_wider(logits[start : start + step]) - lse[start : start + step, None])
+            part = -g * probs
+            part.scatter_add_(-1, targets[start : start + step].unsqueeze(-1), g)
+            grad[start : start + step] = part.to(grad.dtype)
+        return grad, None, None
+
+
+def token_logprobs(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    chunk_size: int | None = None,
+) -> torch.Tensor:
+    """logp[..., t] = log_softmax(float32(logits[..., t, :]))[targets[..., t]].
+
+    Computed chunk by chunk over tokens so no float32 copy of the whole logits tensor is
+    made, in the forward or the backward (which recomputes each chunk's softmax).
+
+    Args:
+      logits: [..., T, V] floating (bf16/fp16/fp32/fp64).
+      targets: [..., T] integer token ids in [0, V).
+      chunk_size: tokens per chunk; default keeps a chunk near 4M elements.
+    Returns:
+      [..., T] float32 log-probs (float64 for float64 logits), differentiable w.r.t. logits.
+    """
+    require_floating("logits", logits)
+    require_integer("targets", targets)
+    if logits.dim() < 2 or logits.shape[:-1] != targets.shape:
+        raise ValueError(
+            f"logits must be [..., T, V] and targets [..., T]; got logits {tuple(logits.shape)} "
+            f"and targets {tuple(targets.shape)}"
+        )
+    vocab = logits.shape[-1]
+    flat_logits = logits.reshape(-1, vocab)
+    flat_targets = targets.reshape(-1).long()
+    out = _TokenLogprobs.apply(flat_logits, flat_targets, _rows_per_chunk(chunk_size, vocab))
+    return out.reshape(targets.shape)
+
+
+class _HiddenTokenLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, rows_per_chunk):  # hidden [R, D], weight [V, D]
+        acc = torch.promote_types(hidden.dtype, torch.float32)
+        out = torch.empty(hidden.shape[0], dtype=acc, device=hidden.device)
+        lse = torch.empty_like(out)
+        for start in range(0, hidden.shape[0], rows_per_chunk):
+            sl = slice(start, start + rows_per_chunk)
+            logits = float32_or_wider(torch.nn.functional.linear(hidden[sl], weight))
+            lse[sl] = torch.logsumexp(logits, dim=-1)
+            out[sl] = logits.gather(-1, targets[sl].unsqueeze(-1)).squeeze(-1) - lse[sl]
+        ctx.save_for_backward(hidden, weight, targets, lse)
+        ctx.rows_per_chunk = rows_per_chunk
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        hidden, weight, targets, lse = ctx.saved_tensors
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_h = torch.empty_like(hidden) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=lse.dtype, device=weight.device) if need_w else None
+        step = ctx.rows_per_chunk
+        for start in range(0, hidden.shape[0], step):
+            sl = slice(start, start + step)
+            logits = float32_or_wider(torch.nn.functional.linear(hidden[sl], weight))
+            g = grad_out[sl].to(lse.dtype).unsqueeze(-1)
+            d_logits = -g * torch.exp(logits - lse[sl, None])
+            d_logits.scatter_add_(-1, targets[sl].unsqueeze(-1), g)
+            d_logits = d_logits.to(hidden.dtype)
+            if need_h:
+                grad_h[sl] = d_logits @ weight
+            if need_w:
+                grad_w += d_logits.to(lse.dtype).T @ hidden[sl].to(lse.dtype)
+        return grad_h, (grad_w.to(weight.dtype) if need_w else None), None, None
+
+
+def token_logprobs_from_hidden(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    chunk_size: int | None = None,
+) -> torch.Tensor:
+    """logp[..., t] = log_softmax(float32(hidden[..., t, :] @ weight.T))[targets[..., t]].
+
+    The fused lm_head + log-prob: the [..., T, V] logits never exist at once, in the forward
+    or the backward. The matmul runs in the inputs' dtype (as the model's lm_head would),
+    the softmax in float32.
+
+    Args:
+      hidden: [..., T, D] final hidden states (after the model's last norm).
+      weight: [V, D] lm_head weight (same dtype as hidden).
+      targets: [..., T] integer token ids.
+      chunk_size: tokens per chunk; default keeps a chunk's logits near 4M elements.
+    Returns:
+      [..., T] float32 (float64 for float64 inputs), differentiable w.r.t. hidden (and
+      weight when it requires grad).
+    """
+    require_floating("hidden", hidden)
+    require_floating("weight", weight)
+    require_integer("targets", targets)
+    require_ndim("weight", weight, 2, "[V, D]")
+    if hidden.dim() < 2 or hidden.shape[:-1] != targets.shape or hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(
+            f"hidden must be [..., T, D], weight [V, D] and targets [..., T]; got hidden "
+            f"{tuple(hidden.shape)}, weight {tuple(weight.shape)}, targets {tuple(targets.shape)}"
+        )
+    if hidden.dtype != weight.dtype:
+        raise ValueError(f"hidden has dtype {hidden.dtype} but weight has {weight.dtype}; cast one")
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    out = _HiddenTokenLogprobs.apply(
+        flat, weight, targets.reshape(-1).long(), _rows_per_chunk(chunk_size, weight.shape[0])
+    )
+    return out.reshape(targets.shape)
+
+
+class SampledTokens(NamedTuple):
+    tokens: torch.Tensor
+    """[B] int64 sampled token ids."""
+    logp: torch.Tensor
+    """[B] float32 log-prob of each sampled token under the sampling distribution."""
+
+
+def sample_tokens(logits: torch.Tensor, *, generator: torch.Generator | None = None) -> SampledTokens:
+    """Sample one token per row from softmax(float32(logits)) at temperature 1, full vocabulary.
+
+    Args:
+      logits: [B, V] floating.
+      generator: optional torch.Generator on logits' device, for reproducible draws.
+    Returns:
+      SampledTokens(tokens [B] int64, logp [B] float32) — logp is exactly the behaviour
+      log-prob an importance ratio needs.
+    """
+    require_floating("logits", logits)
+    require_ndim("logits", logits, 2, "[B, V]")
+    logp_all = torch.log_softmax(logits.float(), dim=-1)
+    tokens = torch.multinomial(logp_all.exp(), 1, generator=generator).squeeze(-1)
+    return SampledTokens(tokens, logp_all.gather(-1, tokens.unsqueeze(-1)).squeeze(-1))

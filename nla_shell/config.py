@@ -1,0 +1,470 @@
+"""Run configuration: frozen dataclasses read from YAML plus `key=value` overrides.
+
+Every command (train, sft, eval, datagen) describes its settings as a frozen dataclass
+whose field annotations are the schema: `load_dataclass(cls, mapping, overrides)` checks
+keys against the fields, coerces values to the annotated types and constructs `cls`,
+whose `__post_init__` calls `normalize_fields(self)` and then its own range checks.
+Supported annotations: `str`, `int`, `float`, `bool`, `Literal[...]` (the choices),
+`X | None`, and `tuple[X, ...]`.
+
+Every problem is a `ConfigError` whose message names the key, the bad value and the fix.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import functools
+import inspect
+import math
+import os
+import re
+import textwrap
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+import yaml
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A configuration problem; the message names the key, the bad value and the fix."""
+
+
+# --------------------------------------------------------------------------- the schema
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """Settings of `nla train`: the reference trainer's flags, plus engine/loss/logging choices.
+
+    Defaults are those of the reference trainer (train_rl_vllm.py) except where a field's
+    docstring says otherwise.
+    """
+
+    # Inputs and outputs.
+    av_ckpt: str
+    """Activation-verbaliser (actor) checkpoint dir: HF model + tokenizer from AV SFT."""
+    ar_ckpt: str
+    """Activation-reconstructor (critic) dir: truncated backbone + value_head.safetensors."""
+    rl_parquet: str
+    """RL dataset parquet (columns prompt, activation_vector, doc_id)."""
+    sidecar: str | None = None
+    """Sidecar YAML; None finds `<rl_parquet>.nla_meta.yaml` or the directory's `nla_meta.yaml`."""
+    save_dir: str
+    """Run directory: config.yaml, metrics.jsonl, samples.jsonl, step_NNNNNN/ checkpoints."""
+
+    # Schedule and batch shape.
+    num_steps: int = 100
+    """Number of optimizer steps (the run's total, counting steps done before a resume)."""
+    batch_prompts: int = 8
+    """Prompts per step (B)."""
+    group_size: int = 4
+    """Samples per prompt (G), the GRPO group; at least 2 for a group baseline."""
+    max_new_tokens: int = 160
+    """Longest rollout, in generated tokens."""
+    temperature: float = 1.0
+    """Sampling temperature; must be 1.0 (behaviour log-probs are taken at temperature 1)."""
+
+    # Actor optimisation.
+    lr: float = 5e-6
+    """Actor (LoRA) learning rate."""
+    max_grad_norm: float = 1.0
+    """Gradient-norm clip for the actor; a non-finite norm skips the optimizer step."""
+    lora_r: int = 128
+    """LoRA rank on q, k, v, o projections."""
+    lora_alpha: int = 16
+    """LoRA alpha."""
+    use_rslora: bool = True
+    """rsLoRA scaling alpha/sqrt(r) instead of alpha/r (at r=128 plain LoRA scales by 0.125)."""
+    gradient_checkpointing: bool = False
+    """Recompute actor activations in backward (less memory, about 30% more compute)."""
+    logp_micro_batch: int = 2
+    """Sequences per micro-batch in the training / reference forward."""
+    resume_from_lora: str | None = None
+    """PEFT adapter dir to start the actor from (a fresh run only; checkpoints resume themselves)."""
+    start_step: int = 0
+    """Step counter of a fresh run's first step (ignored when resuming from a checkpoint)."""
+
+    # Critic.
+    train_critic: bool = False
+    """Co-train the AR critic: one supervised MSE step per RL step on that step's pairs."""
+    critic_lr: float = 1e-5
+    """Critic learning rate (when train_critic)."""
+    critic_micro_batch: int = 4
+    """Explanations per critic forward (scoring and training)."""
+
+    # GRPO loss.
+    clip_eps: float = 0.2
+    """PPO ratio clip: ratios are clipped to [1 - clip_eps, 1 + clip_eps_high]."""
+    clip_eps_high: float | None = None
+    """Upper clip (DAPO clip-higher); None uses clip_eps. Not in the reference."""
+    kl_beta: float = 0.04
+    """Weight of the k3 KL penalty against the adapter-off reference policy."""
+    kl_clamp: float | None = None
+    """Clamp on the per-token log-ratio inside the KL estimator; None leaves it unclamped. Not in the reference."""
+    tis: Literal[
+        "ratio_cap", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask", "none"
+    ] = "ratio_cap"
+    """Truncated-importance-sampling mode of nla_core.grpo_loss ("ratio_cap" is the reference's)."""
+    tis_cap: float = 2.0
+    """TIS cap C on the trainer/behaviour importance ratio."""
+    aggregation: Literal["sequence_mean", "token_mean"] = "sequence_mean"
+    """Loss aggregation: mean over each sequence then over sequences (reference), or over all tokens."""
+    advantage_scale: Literal["std", "none"] = "std"
+    """Group advantage: (r - mean) / std (reference) or r - mean (Dr. GRPO)."""
+    reward: Literal["neg_log", "neg"] = "neg_log"
+    """Reward from normalised MSE: -log(mse) (reference) or -mse."""
+    max_explanation_tokens: int = 1024
+    """Explanations longer than this (critic tokens) get the failed-extraction reward."""
+    mismatch_threshold: float | None = None
+    """Mask rollouts whose mean |behaviour - trainer log-prob| exceeds this; None masks none."""
+
+    # Held-out evaluation.
+    eval_every: int = 10
+    """Run the held-out eval every N steps; 0 disables it."""
+    eval_n_prompts: int = 20
+    """Fixed held-out prompts per eval; 0 disables eval."""
+    eval_skip_rows: int = 30000
+    """Eval prompts come from rows at or past this index (must not overlap the training rows)."""
+    eval_max_new_tokens: int | None = None
+    """Longest eval rollout; None uses max_new_tokens."""
+    max_rows: int | None = None
+    """Cap on training rows read from the parquet; None reads them all."""
+
+    # Rollout engine.
+    engine: Literal["hf", "vllm", "native"] = "hf"
+    """Rollout engine: the HF actor itself, vLLM, or the native fast engine."""
+    vllm_gpu_mem: float = 0.35
+    """vLLM gpu_memory_utilization (fraction of GPU memory, 0 < x <= 1)."""
+    vllm_max_len: int = 1024
+    """vLLM max_model_len (prompt + generation tokens)."""
+    vllm_tp: int = 1
+    """vLLM tensor_parallel_size."""
+    vllm_sync_every: int = 20
+    """Push the actor's merged weights to an engine with its own copy every N steps."""
+
+    # Bookkeeping.
+    save_every: int = 50
+    """Checkpoint every N steps (and always at the end)."""
+    resume: Literal["auto", "never"] = "auto"
+    """"auto" continues from the newest complete checkpoint in save_dir; "never" starts fresh."""
+    overwrite: bool = False
+    """Allow deleting a save_dir that holds a different run (or any run, with resume=never)."""
+    logger: tuple[Literal["console", "jsonl", "wandb"], ...] = ("console",)
+    """Metric sinks; save_dir/metrics.jsonl is written whatever this says."""
+    wandb_project: str = "nla"
+    """wandb project (reference: nla-qwen3-8b)."""
+    wandb_name: str | None = None
+    """wandb run name; None lets wandb choose."""
+    seed: int = 0
+    """Seed of python, numpy and torch RNGs (0 <= seed < 2**32)."""
+    device: str = "auto"
+    """"auto" (cuda if available, else cpu), "cpu", "cuda" or "cuda:N"."""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Model dtype; "auto" is bfloat16 on cuda and float32 on cpu."""
+
+    def __post_init__(self) -> None:
+        normalize_fields(self)
+        _check_train_config(self)
+
+
+RESUME_MUTABLE_KEYS: frozenset[str] = frozenset(
+    {
+        # How long and how often: extending a run or changing its cadence is a resume.
+        "num_steps", "save_every", "eval_every",
+        # Where it runs and where it reports, not what it computes.
+        "save_dir", "resume", "overwrite", "logger", "wandb_project", "wandb_name", "device",
+        # Memory/speed knobs: mathematically neutral (not bit-exact: summation order moves).
+        "logp_micro_batch", "critic_micro_batch", "gradient_checkpointing",
+        "vllm_gpu_mem", "vllm_max_len", "vllm_tp",
+    }
+)
+"""TrainConfig keys a resumed run may change. Every other key is part of the run's identity:
+it decides what is learned (data, models, loss, optimiser, seed, engine, dtype) or what is
+measured (the eval set), so a save_dir whose config.yaml differs in one refuses to resume."""
+
+_DEVICE_RE = re.compile(r"auto|cpu|cuda(:\d+)?")
+
+
+def _check_train_config(cfg: TrainConfig) -> None:
+    """Range and consistency checks that the types alone cannot express."""
+    for key in ("av_ckpt", "ar_ckpt", "rl_parquet", "save_dir"):
+        _require(getattr(cfg, key) != "", key, "", "give a path")
+    _require(
+        cfg.temperature == 1.0, "temperature", cfg.temperature,
+        "set it to 1.0: old_logp semantics require temperature 1.0",
+    )
+    for key in (
+        "num_steps", "batch_prompts", "max_new_tokens", "lora_r", "lora_alpha",
+        "logp_micro_batch", "critic_micro_batch", "max_explanation_tokens",
+        "vllm_max_len", "vllm_tp", "vllm_sync_every", "save_every",
+    ):
+        _require(getattr(cfg, key) >= 1, key, getattr(cfg, key), "use an integer >= 1")
+    for key in ("max_rows", "eval_max_new_tokens"):
+        value = getattr(cfg, key)
+        _require(value is None or value >= 1, key, value, "use an integer >= 1 or null")
+    for key in ("start_step", "eval_every", "eval_n_prompts", "eval_skip_rows"):
+        _require(getattr(cfg, key) >= 0, key, getattr(cfg, key), "use an integer >= 0")
+    _require(
+        cfg.group_size >= 2, "group_size", cfg.group_size,
+        "use an integer >= 2: a group of one has no baseline to compare against",
+    )
+    _require(0 <= cfg.seed < 2**32, "seed", cfg.seed, "use 0 <= seed < 2**32 (numpy's range)")
+    for key in ("lr", "critic_lr", "max_grad_norm", "tis_cap"):
+        _require(getattr(cfg, key) > 0, key, getattr(cfg, key), "use a number > 0")
+    for key in ("clip_eps_high", "kl_clamp", "mismatch_threshold"):
+        value = getattr(cfg, key)
+        _require(value is None or value > 0, key, value, "use a number > 0 or null")
+    _require(0 < cfg.clip_eps < 1, "clip_eps", cfg.clip_eps, "use 0 < clip_eps < 1")
+    _require(cfg.kl_beta >= 0, "kl_beta", cfg.kl_beta, "use a number >= 0 (0 disables the KL term)")
+    _require(0 < cfg.vllm_gpu_mem <= 1, "vllm_gpu_mem", cfg.vllm_gpu_mem, "use 0 < vllm_gpu_mem <= 1")
+    _require(
+        _DEVICE_RE.fullmatch(cfg.device) is not None, "device", cfg.device,
+        "use one of 'auto', 'cpu', 'cuda', 'cuda:N'",
+    )
+    # Only the window the config itself fixes is checked here; with max_rows unset the
+    # data loader checks the parquet's length against eval_skip_rows.
+    if cfg.eval_every > 0 and cfg.eval_n_prompts > 0 and cfg.max_rows is not None:
+        _require(
+            cfg.max_rows <= cfg.eval_skip_rows, "max_rows", cfg.max_rows,
+            f"training rows would overlap the eval rows starting at eval_skip_rows="
+            f"{cfg.eval_skip_rows}; lower max_rows, raise eval_skip_rows, or set eval_every=0",
+        )
+
+
+def _require(ok: bool, key: str, value: Any, fix: str) -> None:
+    if not ok:
+        raise ConfigError(f"config key '{key}' = {value!r} is invalid: {fix}")
+
+
+# --------------------------------------------------------------------------- generic loader
+
+
+def load_dataclass(
+    cls: type[T], mapping: Mapping[str, Any], overrides: Sequence[str] = ()
+) -> T:
+    """Build the frozen dataclass `cls` from a mapping (e.g. parsed YAML) and `key=value` overrides.
+
+    Overrides win over the mapping; their keys may use the reference's CLI spelling
+    (`--num-steps=3`). Strings are parsed into the annotated type both here and from YAML
+    (PyYAML reads `5e-6` as a string): `true/false/yes/no/on/off`, integers, floats,
+    `null`/`none` for optional fields, and comma-separated lists for tuple fields.
+    """
+    if not isinstance(mapping, Mapping):
+        raise ConfigError(f"a config must be a mapping of key: value, got {type(mapping).__name__}")
+    names = [f.name for f in dataclasses.fields(cls)]
+    raw: dict[str, Any] = {}
+    for key, value in mapping.items():
+        raw[_known_key(cls, names, key)] = value
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ConfigError(f"override {item!r} is not key=value (e.g. num_steps=3)")
+        raw[_known_key(cls, names, key.strip().lstrip("-").replace("-", "_"))] = value.strip()
+    missing = [
+        f.name for f in dataclasses.fields(cls)
+        if f.name not in raw
+        and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    ]
+    if missing:
+        raise ConfigError(
+            f"missing required config key(s) {', '.join(map(repr, missing))}; "
+            f"set them in the YAML or as key=value overrides"
+        )
+    hints = _type_hints(cls)
+    return cls(**{k: _coerce(k, hints[k], v, parse_strings=True) for k, v in raw.items()})
+
+
+def normalize_fields(obj: Any) -> None:
+    """Type-check a dataclass instance's fields against their annotations, in place.
+
+    Call first in `__post_init__`. Values are not parsed from strings here (that is the
+    loader's job), but widened where lossless: an int for a float field becomes a float,
+    a list for a tuple field becomes a tuple.
+    """
+    hints = _type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        value = _coerce(f.name, hints[f.name], getattr(obj, f.name), parse_strings=False)
+        # The dataclass is frozen; this runs during construction, before anyone can see it.
+        object.__setattr__(obj, f.name, value)
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """Each field's attribute docstring (the string literal after it), read from the source."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs: dict[str, str] = {}
+    for node, following in zip(body, body[1:]):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(following, ast.Expr)
+            and isinstance(following.value, ast.Constant)
+            and isinstance(following.value.value, str)
+        ):
+            docs[node.target.id] = following.value.value
+    return docs
+
+
+def load_config(
+    path: str | os.PathLike[str] | None,
+    overrides: Sequence[str] = (),
+    *,
+    cls: type[Any] = TrainConfig,
+) -> Any:
+    """Read a YAML mapping (None: start empty), apply `key=value` overrides, build `cls`."""
+    mapping: Any = {}
+    if path is not None:
+        try:
+            text = Path(path).read_text()
+        except OSError as e:
+            raise ConfigError(f"cannot read config file {str(path)!r}: {e.strerror}") from e
+        try:
+            mapping = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {str(path)!r} is not valid YAML: {e}") from e
+        if mapping is None:  # an empty file
+            mapping = {}
+        if not isinstance(mapping, Mapping):
+            raise ConfigError(
+                f"config file {str(path)!r} must hold a mapping of key: value, "
+                f"not a {type(mapping).__name__}"
+            )
+    return load_dataclass(cls, mapping, overrides)
+
+
+def config_to_dict(cfg: Any) -> dict[str, Any]:
+    """The config as plain YAML/JSON types (tuples become lists), in field order."""
+    return {
+        f.name: list(v) if isinstance(v := getattr(cfg, f.name), tuple) else v
+        for f in dataclasses.fields(cfg)
+    }
+
+
+def save_config(cfg: Any, path: str | os.PathLike[str]) -> None:
+    """Write the resolved config as YAML that `load_config` reads back to an equal config.
+
+    Written to a temp file then renamed, so a crash never leaves a truncated config.yaml.
+    """
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+    os.replace(tmp, path)
+
+
+# --------------------------------------------------------------------------- coercion
+
+
+@functools.cache
+def _type_hints(cls: type) -> dict[str, Any]:
+    # Annotations are strings under `from __future__ import annotations`; resolve once.
+    return typing.get_type_hints(cls)
+
+
+def _known_key(cls: type, names: list[str], key: Any) -> str:
+    if isinstance(key, str) and key in names:
+        return key
+    close = difflib.get_close_matches(str(key), names, n=1)
+    hint = f"did you mean '{close[0]}'? " if close else ""
+    raise ConfigError(
+        f"unknown config key {key!r} for {cls.__name__}; {hint}valid keys: {', '.join(names)}"
+    )
+
+
+_TRUE = {"true", "yes", "on", "1"}
+_FALSE = {"false", "no", "off", "0"}
+_NULL = {"null", "none", "~", ""}
+
+
+def _coerce(key: str, tp: Any, value: Any, *, parse_strings: bool) -> Any:
+    """`value` as type `tp`, or a ConfigError naming the key, the value and what is expected."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+
+    def bad() -> ConfigError:
+        return ConfigError(
+            f"config key '{key}' = {value!r} ({type(value).__name__}) is invalid: "
+            f"expected {_describe(tp)}"
+        )
+
+    if origin in (typing.Union, types.UnionType):
+        if value is None or (parse_strings and isinstance(value, str) and value.lower() in _NULL):
+            if type(None) in args:
+                return None
+            raise bad()
+        (inner,) = [a for a in args if a is not type(None)]
+        try:
+            return _coerce(key, inner, value, parse_strings=parse_strings)
+        except ConfigError:
+            raise bad() from None
+    if origin is Literal:
+        if value not in args:
+            raise bad()
+        return value
+    if origin is tuple:
+        items = value
+        if parse_strings and isinstance(value, str):
+            items = [part.strip() for part in value.split(",") if part.strip()]
+        if not isinstance(items, (list, tuple)):
+            raise bad()
+        try:
+            return tuple(_coerce(key, args[0], v, parse_strings=parse_strings) for v in items)
+        except ConfigError:
+            raise bad() from None
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if parse_strings and isinstance(value, str) and value.lower() in _TRUE | _FALSE:
+            return value.lower() in _TRUE
+        raise bad()
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if parse_strings and isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                raise bad() from None
+        raise bad()
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            number = float(value)
+        elif parse_strings and isinstance(value, str):
+            try:
+                number = float(value)
+            except ValueError:
+                raise bad() from None
+        else:
+            raise bad()
+        # A nan/inf setting is never intended, and would slip past every range check.
+        if not math.isfinite(number):
+            raise bad()
+        return number
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise bad()
+    raise TypeError(f"config field '{key}' has an unsupported annotation {tp!r}")
+
+
+def _describe(tp: Any) -> str:
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        (inner,) = [a for a in args if a is not type(None)]
+        return f"{_describe(inner)}, or null"
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in args)
+    if origin is tuple:
+        return f"a list (YAML list or comma-separated) whose items are each {_describe(args[0])}"
+    return {
+        bool: "true or false",
+        int: "an integer",
+        float: "a finite number",
+        str: "a string (quote it in YAML if it looks like a number or boolean)",
+    }[tp]

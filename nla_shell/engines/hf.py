@@ -1,0 +1,122 @@
+"""HF `generate` on the actor itself: the simplest engine, and the behaviour-policy baseline.
+
+The engine samples with the trainer's own module (adapter on), so it needs no weight sync
+and its behaviour log-probs are the trainer's up to padding-side numerics.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from nla_shell.engines.base import Rollout, RolloutRequest
+from nla_shell.models import Injector, inner_lm
+
+
+def left_pad(sequences: Sequence[Sequence[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token lists -> ([n, S] ids, [n, S] attention mask), padded on the left for generation."""
+    width = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for row, seq in enumerate(sequences):
+        ids[row, width - len(seq) :] = torch.as_tensor(list(seq), dtype=torch.long)
+        mask[row, width - len(seq) :] = 1
+    return ids.to(device), mask.to(device)
+
+
+def trim_at_eos(generated: torch.Tensor, eos_id: int) -> int:
+    """Length of a generated row up to and including its first EOS (all of it when none)."""
+    hits = (generated == eos_id).nonzero()
+    return int(hits[0, 0]) + 1 if hits.numel() else int(generated.shape[0])
+
+
+class HFRolloutEngine:
+    """Batched `generate` with the actor: left padding, injection in prefill, temperature 1.
+
+    Sampling draws from torch's global RNG (HF `generate` takes no generator), so a seeded
+    run is reproducible and resume restores that RNG.
+    """
+
+    shares_actor_weights = True
+
+    def __init__(self, actor: torch.nn.Module, injector: Injector, tokenizer, *, max_batch: int = 256) -> None:
+        self.actor, self.injector, self.tokenizer = actor, injector, tokenizer
+        self.max_batch = max_batch
+        self.eos_id, self.pad_id = tokenizer.eos_token_id, tokenizer.pad_token_id
+        # Spelled out so the checkpoint's generation_config cannot slip in top-k/top-p/penalties:
+        # the importance ratio assumes samples from the plain softmax.
+        self.base_generation = dict(
+            do_sample=True,
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+            min_p=None,
+            typical_p=1.0,
+            repetition_penalty=1.0,
+            eos_token_id=self.eos_id,
+            pad_token_id=self.pad_id,
+            return_dict_in_generate=True,
+            output_logits=True,
+        )
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.actor.parameters()).device
+
+    def generate(
+        self,
+        requests: Sequence[RolloutRequest],
+        *,
+        group_size: int,
+        max_new_tokens: int,
+        generator: torch.Generator | None = None,
+    ) -> list[Rollout]:
+        flat = [(i, req) for i, req in enumerate(requests) for _ in range(group_size)]
+        rollouts: list[Rollout] = []
+        for start in range(0, len(flat), self.max_batch):
+            rollouts += self._generate_chunk(flat[start : start + self.max_batch], max_new_tokens)
+        return rollouts
+
+    @torch.no_grad()
+    def _generate_chunk(self, flat: list[tuple[int, RolloutRequest]], max_new_tokens: int) -> list[Rollout]:
+        from transformers import GenerationConfig
+
+        ids, mask = left_pad([req.prompt_ids for _, req in flat], self.pad_id, self.device)
+        vectors = torch.stack([req.activation for _, req in flat]).to(self.device, torch.float32)
+        lm = inner_lm(self.actor)
+        was_training = lm.training
+        lm.eval()
+        try:
+            with self.injector.inject(ids, vectors):
+                out = lm.generate(
+                    input_ids=ids,
+                    attention_mask=mask,
+                    generation_config=GenerationConfig(**self.base_generation, max_new_tokens=max_new_tokens),
+                )
+        finally:
+            lm.train(was_training)
+        generated = out.sequences[:, ids.shape[1] :]
+        # [n, T_gen] log-probs of the sampled tokens under the raw (unprocessed) logits.
+        step_logits = torch.stack(out.logits, dim=1).float()
+        logp = torch.log_softmax(step_logits, dim=-1).gather(-1, generated.unsqueeze(-1)).squeeze(-1)
+        rollouts = []
+        for row, (prompt_index, req) in enumerate(flat):
+            n = trim_at_eos(generated[row], self.eos_id)
+            gen_ids = generated[row, :n].cpu()
+            rollouts.append(
+                Rollout(
+                    full_ids=torch.cat([torch.as_tensor(req.prompt_ids, dtype=torch.long), gen_ids]),
+                    prompt_len=len(req.prompt_ids),
+                    behavior_logp=logp[row, :n].cpu(),
+                    text=self.tokenizer.decode(gen_ids, skip_special_tokens=True),
+                    prompt_index=prompt_index,
+                )
+            )
+        return rollouts
+
+    def sync_weights(self, actor: torch.nn.Module) -> float:
+        return 0.0
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,336 @@
+"""The two networks of an NLA: the actor (AV + LoRA + injection hook) and the critic (AR).
+
+The actor is the AV checkpoint with a PEFT LoRA on q, k, v, o. An `Injector` on the output
+of decoder block 1 adds the activation at the marker (norm-matched) in every forward that
+sees the whole prompt: training, reference and generation-prefill forwards; decode steps
+(one new token) pass through untouched.
+
+The critic is an `ARModel`: the LM truncated after the extraction layer, its final norm
+bypassed, and a float32 `Linear(D, D)` value head on the normalised last-token hidden state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+import nla_core
+
+VALUE_HEAD_FILE = "value_head.safetensors"
+REFERENCE_ADAPTER = "reference"
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def inner_lm(model: nn.Module) -> nn.Module:
+    """The HF *ForCausalLM under any PEFT wrapping."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    return inner_lm(model).model.layers
+
+
+# --------------------------------------------------------------------------- injection
+
+
+@dataclass
+class _Batch:
+    seq_len: int
+    sites: torch.Tensor  # [B, 2] the prompt marker of each row
+    vectors: torch.Tensor  # [B, D]
+
+
+class Injector:
+    """Norm-matched injection at the output of one decoder block, driven by `with inject(...)`.
+
+    The hook never skips a row: entering `inject` with a row that has no well-formed marker
+    raises. A row whose tokens hold more than one well-formed marker (a response that echoed
+    the marker between the canonical neighbours) is injected at its first one only, which
+    is the prompt's, and counted in `echo_rows`.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        marker_id: int,
+        left_id: int,
+        right_id: int,
+        layer_index: int = 1,
+        scale: float = 1.0,
+    ) -> None:
+        self.marker_id, self.left_id, self.right_id = marker_id, left_id, right_id
+        self.scale = scale
+        self.echo_rows = 0
+        self._batch: _Batch | None = None
+        self._handle = decoder_layers(model)[layer_index].register_forward_hook(self._hook)
+
+    def remove(self) -> None:
+        self._handle.remove()
+
+    def prompt_sites(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """[B, 2] (row, position) of each row's first well-formed marker, and the echo count."""
+        sites = nla_core.find_injection_sites(
+            input_ids, marker_id=self.marker_id, left_id=self.left_id, right_id=self.right_id
+        )
+        rows = sites[:, 0]
+        first = torch.ones_like(rows, dtype=torch.bool)
+        first[1:] = rows[1:] != rows[:-1]
+        kept = sites[first]
+        if kept.shape[0] != input_ids.shape[0] or not torch.equal(
+            kept[:, 0], torch.arange(input_ids.shape[0], device=kept.device)
+        ):
+            missing = sorted(set(range(input_ids.shape[0])) - set(kept[:, 0].tolist()))
+            raise ValueError(
+                f"rows {missing} of input_ids {tuple(input_ids.shape)} hold no well-formed marker "
+                f"(token {self.marker_id} between {self.left_id} and {self.right_id}); every prompt "
+                "needs one — check the prompt template and the sidecar's token ids"
+            )
+        return kept, int(sites.shape[0] - kept.shape[0])
+
+    @contextlib.contextmanager
+    def inject(self, input_ids: torch.Tensor, vectors: torch.Tensor) -> Iterator[None]:
+        """Inject vectors[b] at row b's marker in forwards over exactly these input_ids' length.
+
+        Args: input_ids: [B, S]; vectors: [B, D], one per row.
+        """
+        if vectors.dim() != 2 or vectors.shape[0] != input_ids.shape[0]:
+            raise ValueError(
+                f"need one vector per row: input_ids {tuple(input_ids.shape)}, vectors {tuple(vectors.shape)}"
+            )
+        sites, echoes = self.prompt_sites(input_ids)
+        self.echo_rows += echoes
+        self._batch = _Batch(input_ids.shape[1], sites, vectors)
+        try:
+            yield
+        finally:
+            self._batch = None
+
+    def _hook(self, module: nn.Module, args: tuple, output):
+        batch = self._batch
+        resid = output[0] if isinstance(output, tuple) else output
+        # Decode steps see one new token: the marker lives in the (cached) prompt.
+        if batch is None or resid.shape[1] != batch.seq_len:
+            return output
+        vectors = batch.vectors.to(resid.device)
+        injected = nla_core.inject_norm_matched(resid, batch.sites.to(resid.device), vectors, scale=self.scale)
+        return (injected, *output[1:]) if isinstance(output, tuple) else injected
+
+
+# --------------------------------------------------------------------------- actor
+
+
+def load_actor(
+    av_ckpt: str | Path,
+    *,
+    lora_r: int,
+    lora_alpha: int,
+    use_rslora: bool,
+    resume_adapter: str | Path | None,
+    dtype: torch.dtype,
+    device: torch.device,
+    gradient_checkpointing: bool = False,
+) -> nn.Module:
+    """The trainable actor: a PEFT model whose "default" adapter is trained.
+
+    av_ckpt is either a full HF checkpoint (a fresh rsLoRA is attached; the reference policy
+    is the adapter disabled) or a LoRA adapter dir from `nla sft --mode av` (that adapter is
+    continued, and a frozen copy named "reference" is the KL reference, so the reference is
+    the SFT'd policy). resume_adapter, when given, replaces the trained adapter's weights.
+    """
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    av_ckpt = Path(av_ckpt)
+    sft_adapter = (av_ckpt / "adapter_config.json").exists()
+    base_dir = json.loads((av_ckpt / "adapter_config.json").read_text())["base_model_name_or_path"] if sft_adapter else av_ckpt
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=dtype).to(device)
+    if gradient_checkpointing:
+        # LoRA leaves the embeddings frozen; checkpointed blocks need an input that requires grad.
+        base.enable_input_require_grads()
+    if sft_adapter:
+        actor = PeftModel.from_pretrained(base, resume_adapter or av_ckpt, is_trainable=True)
+        actor.load_adapter(str(av_ckpt), adapter_name=REFERENCE_ADAPTER, is_trainable=False)
+        actor.set_adapter("default")
+    elif resume_adapter is not None:
+        actor = PeftModel.from_pretrained(base, resume_adapter, is_trainable=True)
+    else:
+        lora = LoraConfig(
+            r=lora_r,
+            lora_alpha=lora_alpha,
+            target_modules=list(LORA_TARGETS),
+            lora_dropout=0.0,
+            bias="none",
+            task_type="CAUSAL_LM",
+            use_rslora=use_rslora,
+        )
+        actor = get_peft_model(base, lora)
+    if gradient_checkpointing:
+        inner_lm(actor).gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return actor
+
+
+@contextlib.contextmanager
+def reference_policy(actor: nn.Module) -> Iterator[None]:
+    """The KL reference: the frozen SFT adapter when there is one, else the adapter disabled."""
+    if REFERENCE_ADAPTER in getattr(actor, "peft_config", {}):
+        actor.set_adapter(REFERENCE_ADAPTER, inference_mode=True)
+        try:
+            yield
+        finally:
+            actor.set_adapter("default")
+    else:
+        with actor.disable_adapter():
+            yield
+
+
+def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def response_logprobs(
+    actor: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    positions: torch.Tensor,
+    targets: torch.Tensor,
+) -> torch.Tensor:
+    """log pi(targets[i, t] | input_ids[i, :positions[i, t] + 1]) without full-vocab logits.
+
+    Runs the decoder to its last hidden states and applies the fused lm_head + log-prob
+    (`nla_core.token_logprobs_from_hidden`) at the requested positions only.
+
+    Args: input_ids, attention_mask: [n, S]; positions, targets: [n, T] (positions index S).
+    Returns: [n, T] float32.
+    """
+    lm = inner_lm(actor)
+    hidden = lm.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    picked = hidden.gather(1, positions.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
+    return nla_core.token_logprobs_from_hidden(picked, lm.lm_head.weight, targets)
+
+
+# --------------------------------------------------------------------------- critic
+
+
+class ARModel(nn.Module):
+    """Activation reconstructor: explanation text -> predicted activation [D].
+
+    pred = value_head(normalize(h_last, mse_scale)), h_last the truncated backbone's hidden
+    state at the last real token (final norm bypassed: the AR reads the raw residual stream
+    of the extraction layer, as the activations were captured).
+    """
+
+    def __init__(self, lm: nn.Module, value_head: nn.Linear, *, mse_scale: float | None) -> None:
+        super().__init__()
+        self.lm = lm
+        self.value_head = value_head
+        self.mse_scale = mse_scale
+        self._final_norm = lm.model.norm
+        lm.model.norm = nn.Identity()
+
+    @property
+    def num_layers(self) -> int:
+        return self.lm.config.num_hidden_layers
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | Path,
+        *,
+        mse_scale: float | None,
+        extraction_layer_index: int | None = None,
+        create_head: bool = False,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> "ARModel":
+        """Load an AR dir (backbone + value_head.safetensors).
+
+        With create_head=True, `path` may be any causal-LM checkpoint: it is truncated after
+        `extraction_layer_index` and given an identity value head (the AR warm start).
+        """
+        from transformers import AutoModelForCausalLM
+
+        path = Path(path)
+        head_file = path / VALUE_HEAD_FILE
+        if not head_file.exists() and not create_head:
+            raise FileNotFoundError(
+                f"ar_ckpt {path} has no {VALUE_HEAD_FILE}: it is not a trained AR. Train one with "
+                "`nla sft --mode ar`, or pass create_head=True to start from an identity head."
+            )
+        lm = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        if extraction_layer_index is not None:
+            keep = extraction_layer_index + 1
+            if keep > lm.config.num_hidden_layers:
+                raise ValueError(
+                    f"extraction_layer_index={extraction_layer_index} but {path} has only "
+                    f"{lm.config.num_hidden_layers} layers"
+                )
+            lm.model.layers = lm.model.layers[:keep]
+            lm.config.num_hidden_layers = keep
+            if hasattr(lm.config, "layer_types") and lm.config.layer_types is not None:
+                lm.config.layer_types = lm.config.layer_types[:keep]
+        d = lm.config.hidden_size
+        head = nn.Linear(d, d, bias=False, dtype=torch.float32)
+        if head_file.exists():
+            weight = load_file(str(head_file))["weight"]
+            if weight.shape != (d, d):
+                raise ValueError(f"{head_file} holds weight {tuple(weight.shape)}, expected [{d}, {d}]")
+            head.weight.data.copy_(weight)
+        else:
+            nn.init.eye_(head.weight)
+        return cls(lm, head, mse_scale=mse_scale).to(device)
+
+    def save_pretrained(self, path: str | Path) -> None:
+        """A plain HF causal-LM checkpoint of the truncated backbone + value_head.safetensors."""
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        identity = self.lm.model.norm
+        self.lm.model.norm = self._final_norm
+        try:
+            self.lm.save_pretrained(path)
+        finally:
+            self.lm.model.norm = identity
+        save_file({"weight": self.value_head.weight.detach().float().cpu().contiguous()}, str(path / VALUE_HEAD_FILE))
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """Args: input_ids, attention_mask: [B, S] (any padding side). Returns: [B, D] float32."""
+        hidden = self.lm.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+        last = torch.where(attention_mask.bool(), positions, -1).amax(dim=1)
+        h_last = hidden[torch.arange(hidden.shape[0], device=hidden.device), last].float()
+        return self.value_head(nla_core.normalize_activation(h_last, self.mse_scale))
+
+
+def pad_right(sequences: Sequence[Sequence[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token lists -> ([n, S] ids, [n, S] attention mask), padded on the right."""
+    width = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for row, seq in enumerate(sequences):
+        ids[row, : len(seq)] = torch.as_tensor(list(seq), dtype=torch.long)
+        mask[row, : len(seq)] = 1
+    return ids.to(device), mask.to(device)
+
+
+def ar_predict(
+    ar: ARModel,
+    token_lists: Sequence[Sequence[int]],
+    *,
+    pad_id: int,
+    micro_batch: int,
+    device: torch.device,
+) -> torch.Tensor:
+    """Batched AR predictions for many AR inputs. Returns [N, D] float32 (no grad)."""
+    preds = []
+    with torch.no_grad():
+        for start in range(0, len(token_lists), micro_batch):
+            ids, mask = pad_right(token_lists[start : start + micro_batch], pad_id, device)
+            preds.append(ar(ids, mask))
+    return torch.cat(preds) if preds else torch.zeros(0, ar.value_head.in_features)

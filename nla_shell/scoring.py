@@ -1,0 +1,101 @@
+"""Explanations -> AR inputs -> reconstruction MSE -> reward, and the AR's regression step."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+import nla_core
+from nla_shell.models import ARModel, ar_predict, pad_right, trainable_parameters
+
+
+@dataclass(frozen=True)
+class Scores:
+    """Per-sample results of scoring N explanations."""
+
+    mse: torch.Tensor
+    """[N] float32 normalised reconstruction MSE; NaN where the sample failed."""
+    reward: torch.Tensor
+    """[N] float32; FAILED_EXTRACTION_REWARD where the sample failed."""
+    valid: torch.Tensor
+    """[N] bool: an explanation was extracted, fit the AR and scored finitely."""
+    ar_inputs: list[list[int] | None]
+    """AR token ids per sample (None where failed), reused by the critic step."""
+
+
+def ar_token_ids(explanation: str | None, template: str, tokenizer, *, max_tokens: int) -> list[int] | None:
+    """The AR's input ids for one explanation, or None when absent, empty-encoded or too long."""
+    if explanation is None:
+        return None
+    ids = tokenizer.encode(template.format(explanation=explanation), add_special_tokens=False)
+    return ids if 0 < len(ids) <= max_tokens else None
+
+
+def score_explanations(
+    ar: ARModel,
+    tokenizer,
+    explanations: Sequence[str | None],
+    golds: torch.Tensor,
+    *,
+    template: str,
+    mse_scale: float | None,
+    reward_kind: str,
+    max_tokens: int,
+    micro_batch: int,
+) -> Scores:
+    """Reconstruct each gold activation from its explanation with the AR, in micro-batches.
+
+    Args: explanations: N texts (None = extraction failed); golds: [N, D].
+    """
+    inputs = [ar_token_ids(e, template, tokenizer, max_tokens=max_tokens) for e in explanations]
+    keep = [i for i, ids in enumerate(inputs) if ids is not None]
+    device = ar.value_head.weight.device
+    mse = torch.full((len(inputs),), math.nan)
+    if keep:
+        pred = ar_predict(ar, [inputs[i] for i in keep], pad_id=tokenizer.pad_token_id, micro_batch=micro_batch, device=device)
+        mse[keep] = nla_core.reconstruction_mse(pred.cpu(), golds[keep].float(), scale=mse_scale)
+    valid = torch.isfinite(mse)
+    reward = torch.where(
+        valid,
+        nla_core.reward_from_mse(torch.nan_to_num(mse, nan=1.0), kind=reward_kind),
+        torch.tensor(nla_core.FAILED_EXTRACTION_REWARD),
+    )
+    ar_inputs = [ids if bool(valid[i]) else None for i, ids in enumerate(inputs)]
+    return Scores(mse=mse, reward=reward.float(), valid=valid, ar_inputs=ar_inputs)
+
+
+def critic_step(
+    ar: ARModel,
+    optimizer: torch.optim.Optimizer,
+    ar_inputs: Sequence[Sequence[int]],
+    golds: torch.Tensor,
+    *,
+    pad_id: int,
+    micro_batch: int,
+    max_grad_norm: float,
+) -> tuple[float, float]:
+    """One optimizer step on mean_i reconstruction_mse(AR(z_i), h_i), micro-batched.
+
+    Each micro-batch's loss is weighted by its share of the batch, so the accumulated
+    gradient is the full batch's. Returns (loss, grad_norm); a non-finite loss or grad norm
+    skips the step (NaN returned) rather than corrupting Adam's moments.
+    """
+    n = len(ar_inputs)
+    optimizer.zero_grad(set_to_none=True)
+    device = ar.value_head.weight.device
+    total = 0.0
+    for start in range(0, n, micro_batch):
+        ids, mask = pad_right(ar_inputs[start : start + micro_batch], pad_id, device)
+        gold = golds[start : start + micro_batch].to(device)
+        loss = nla_core.reconstruction_mse(ar(ids, mask), gold.float(), scale=ar.mse_scale).sum() / n
+        loss.backward()
+        total += float(loss)
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(trainable_parameters(ar), max_grad_norm))
+    if not (math.isfinite(total) and math.isfinite(grad_norm)):
+        optimizer.zero_grad(set_to_none=True)
+        return math.nan, math.nan
+    optimizer.step()
+    return total, grad_norm

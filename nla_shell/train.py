@@ -1,0 +1,391 @@
+"""`nla train`: GRPO on the activation verbaliser, scored by the activation reconstructor.
+
+One step: sample B prompts -> the engine writes G explanations each -> the AR reconstructs
+the activation from each -> reward = -log(normalised MSE) -> group-relative advantages ->
+micro-batched GRPO update of the LoRA -> optional AR step -> weight push to engines that
+keep their own copy -> held-out eval, logs, atomic checkpoint.
+"""
+
+from __future__ import annotations
+
+import math
+import resource
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+import nla_core
+from nla_shell import checkpoint as ckpt
+from nla_shell.config import TrainConfig, config_to_dict
+from nla_shell.data import build_prompt_ids, check_tokenizer, find_sidecar, load_eval_rows, load_rows, load_sidecar
+from nla_shell.engines.base import RolloutEngine, RolloutRequest
+from nla_shell.logging import make_logger
+from nla_shell.metrics import cjk_fraction
+from nla_shell.models import ARModel, Injector, load_actor, trainable_parameters
+from nla_shell.scoring import critic_step, score_explanations
+from nla_shell.update import LossOptions, policy_update
+
+
+# --------------------------------------------------------------------------- small pieces
+
+
+def resolve_device(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
+    """"auto" -> cuda when available, else cpu; dtype "auto" -> bf16 on cuda, fp32 on cpu."""
+    dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device))
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r} but CUDA is not available; use device=cpu or device=auto")
+    if dtype == "auto":
+        return dev, torch.bfloat16 if dev.type == "cuda" else torch.float32
+    return dev, {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+
+
+def make_optimizer(params: list[torch.nn.Parameter], lr: float, *, device: torch.device, label: str) -> torch.optim.Optimizer:
+    """8-bit AdamW (bitsandbytes) on CUDA when installed, else torch AdamW; says which."""
+    if device.type == "cuda":
+        try:
+            import bitsandbytes as bnb
+
+            print(f"[optim] {label}: bitsandbytes AdamW8bit", flush=True)
+            return bnb.optim.AdamW8bit(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+        except ImportError:
+            pass
+    print(f"[optim] {label}: torch AdamW (fp32 moments)", flush=True)
+    return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+
+
+def make_engine(cfg: TrainConfig, actor, injector: Injector, tokenizer, *, layer_index: int) -> RolloutEngine:
+    if cfg.engine == "hf":
+        from nla_shell.engines.hf import HFRolloutEngine
+
+        return HFRolloutEngine(actor, injector, tokenizer)
+    if cfg.engine == "native":
+        from nla_shell.engines.native import NativeRolloutEngine
+
+        return NativeRolloutEngine(actor, injector, tokenizer)
+    from nla_shell.engines.vllm import VLLMRolloutEngine
+
+    return VLLMRolloutEngine.from_train_config(cfg, tokenizer, injection_layer=layer_index)
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    # ru_maxrss is KiB on Linux: the process's peak resident memory.
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+@dataclass
+class DataOrder:
+    """Epoch-wise seeded permutations of the training rows; the cursor is (epoch, offset)."""
+
+    n_rows: int
+    seed: int
+    epoch: int = 0
+    offset: int = 0
+
+    def next_batch(self, size: int) -> list[int]:
+        if self.offset + size > self.n_rows:
+            self.epoch, self.offset = self.epoch + 1, 0
+        order = np.random.default_rng([self.seed, self.epoch]).permutation(self.n_rows)
+        picked = order[self.offset : self.offset + size].tolist()
+        self.offset += size
+        return picked
+
+    def state(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "offset": self.offset}
+
+
+def _stats(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {"mean": math.nan, "std": math.nan, "min": math.nan, "max": math.nan}
+    arr = np.asarray(values, dtype=np.float64)
+    return {"mean": float(arr.mean()), "std": float(arr.std()), "min": float(arr.min()), "max": float(arr.max())}
+
+
+def _nanmean(x: torch.Tensor) -> float:
+    finite = x[torch.isfinite(x)]
+    return float(finite.mean()) if finite.numel() else math.nan
+
+
+# --------------------------------------------------------------------------- the run
+
+
+def train(cfg: TrainConfig) -> Path:
+    """Run (or resume) GRPO training as configured; returns save_dir."""
+    from transformers import AutoTokenizer
+
+    # --- validate every input before anything is written ------------------------------
+    device, dtype = resolve_device(cfg.device, cfg.dtype)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.av_ckpt)
+    nla = load_sidecar(cfg.sidecar or find_sidecar(cfg.rl_parquet))
+    check_tokenizer(nla, tokenizer)
+    mse_scale = nla_core.resolve_target_scale(nla.mse_scale, nla.d_model)
+    rows = load_rows(cfg.rl_parquet, nla, max_rows=cfg.max_rows, min_rows=cfg.batch_prompts)
+    prompt_ids = [build_prompt_ids(r.prompt, nla, tokenizer, row=r.index) for r in rows]
+    eval_on = cfg.eval_every > 0 and cfg.eval_n_prompts > 0
+    eval_rows = (
+        load_eval_rows(cfg.rl_parquet, nla, skip_rows=cfg.eval_skip_rows, n=cfg.eval_n_prompts, train_stop=len(rows))
+        if eval_on
+        else []
+    )
+    eval_prompt_ids = [build_prompt_ids(r.prompt, nla, tokenizer, row=r.index) for r in eval_rows]
+    critic = ARModel.from_pretrained(cfg.ar_ckpt, mse_scale=mse_scale, dtype=dtype, device=device)
+    if critic.lm.config.hidden_size != nla.d_model:
+        raise ValueError(f"ar_ckpt has hidden size {critic.lm.config.hidden_size}, the sidecar's d_model is {nla.d_model}")
+
+    save_dir = Path(cfg.save_dir)
+    config_dict = config_to_dict(cfg)
+    ckpt.claim_save_dir(save_dir, config_dict, overwrite=cfg.overwrite, resume=cfg.resume)
+    resume_from = ckpt.latest_checkpoint(save_dir) if cfg.resume == "auto" else None
+
+    # --- models --------------------------------------------------------------------------
+    torch.manual_seed(cfg.seed)
+    np.random.seed(cfg.seed)
+    actor = load_actor(
+        cfg.av_ckpt,
+        lora_r=cfg.lora_r,
+        lora_alpha=cfg.lora_alpha,
+        use_rslora=cfg.use_rslora,
+        resume_adapter=(resume_from / "adapter") if resume_from else cfg.resume_from_lora,
+        dtype=dtype,
+        device=device,
+        gradient_checkpointing=cfg.gradient_checkpointing,
+    )
+    if nla.injection_token_id >= actor.get_base_model().config.vocab_size:
+        raise ValueError(f"sidecar's injection_token_id {nla.injection_token_id} is outside the AV's vocabulary")
+    injector = Injector(
+        actor,
+        marker_id=nla.injection_token_id,
+        left_id=nla.injection_left_neighbor_id,
+        right_id=nla.injection_right_neighbor_id,
+        scale=nla.injection_scale,
+    )
+    if resume_from is not None and cfg.train_critic and (resume_from / "critic").exists():
+        critic = ARModel.from_pretrained(resume_from / "critic", mse_scale=mse_scale, dtype=dtype, device=device)
+    critic.requires_grad_(cfg.train_critic)
+    critic.eval()  # Qwen3 has no dropout: eval mode serves the gradient steps too
+
+    # --- engine, optimisers, baselines ---------------------------------------------------
+    engine = make_engine(cfg, actor, injector, tokenizer, layer_index=1)
+    optimizer = make_optimizer(trainable_parameters(actor), cfg.lr, device=device, label="actor")
+    critic_optimizer = (
+        make_optimizer(trainable_parameters(critic), cfg.critic_lr, device=device, label="critic")
+        if cfg.train_critic
+        else None
+    )
+    baselines = nla_core.predict_mean_baselines(
+        torch.stack([r.activation for r in rows[:4000]]), scale=mse_scale
+    )
+    rawvar, meannorm = float(baselines.rawvar), float(baselines.meannorm)
+    print(f"[fve] predict-the-mean mse: rawvar {rawvar:.4f} (paper), meannorm {meannorm:.4f}", flush=True)
+
+    # --- resume --------------------------------------------------------------------------
+    order = DataOrder(len(rows), cfg.seed)
+    start_step, skipped_steps = cfg.start_step, 0
+    if resume_from is not None:
+        state = ckpt.load_training_state(resume_from)
+        start_step = state.step
+        order.epoch, order.offset = state.data_cursor["epoch"], state.data_cursor["offset"]
+        optimizer.load_state_dict(state.optimizer_states["actor"])
+        if critic_optimizer is not None:
+            critic_optimizer.load_state_dict(state.optimizer_states["critic"])
+        skipped_steps = int(state.extra.get("skipped_steps", 0))
+        ckpt.set_rng_state(state.rng)
+        print(f"[resume] from {resume_from} at step {start_step}", flush=True)
+    logger = make_logger(
+        cfg.logger, save_dir=save_dir, config_dict=config_dict, project=cfg.wandb_project,
+        run_name=cfg.wandb_name, start_step=start_step,
+    )
+    if not engine.shares_actor_weights:
+        print(f"[sync] initial weight push: {engine.sync_weights(actor):.2f}s", flush=True)
+
+    def save(step_done: int) -> None:
+        def write(tmp: Path) -> None:
+            actor.save_pretrained(tmp / "adapter", selected_adapters=["default"])
+            if cfg.train_critic:
+                critic.save_pretrained(tmp / "critic")
+            optimizers = {"actor": optimizer.state_dict()}
+            if critic_optimizer is not None:
+                optimizers["critic"] = critic_optimizer.state_dict()
+            ckpt.save_training_state(
+                tmp, step=step_done, data_cursor=order.state(), optimizer_states=optimizers,
+                rng=ckpt.rng_state(), extra={"skipped_steps": skipped_steps},
+            )
+            (tmp / ckpt.CONFIG_NAME).write_text((save_dir / ckpt.CONFIG_NAME).read_text())
+
+        path = ckpt.save_checkpoint(save_dir, step_done, write=write)
+        print(f"[save] {path}", flush=True)
+
+    loss_options = LossOptions(
+        clip_eps=cfg.clip_eps, clip_eps_high=cfg.clip_eps_high, kl_beta=cfg.kl_beta, kl_clamp=cfg.kl_clamp,
+        tis=None if cfg.tis == "none" else cfg.tis, tis_cap=cfg.tis_cap, aggregation=cfg.aggregation,
+    )
+    score_kwargs = dict(
+        template=nla.critic_prompt_template, mse_scale=mse_scale, reward_kind=cfg.reward,
+        max_tokens=cfg.max_explanation_tokens, micro_batch=cfg.critic_micro_batch,
+    )
+    last_record: dict[str, Any] = {}
+
+    for step in range(start_step, cfg.num_steps):
+        t_step = time.perf_counter()
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+
+        # --- rollouts --------------------------------------------------------------------
+        t0 = time.perf_counter()
+        batch_idx = order.next_batch(cfg.batch_prompts)
+        requests = [RolloutRequest(tuple(prompt_ids[i]), rows[i].activation) for i in batch_idx]
+        rollouts = engine.generate(requests, group_size=cfg.group_size, max_new_tokens=cfg.max_new_tokens)
+        golds = torch.stack([requests[r.prompt_index].activation for r in rollouts])
+        n_generated = sum(r.full_ids.numel() - r.prompt_len for r in rollouts)
+        time_rollout = time.perf_counter() - t0
+
+        # --- score: extraction -> AR -> reward -> advantages ------------------------------
+        t0 = time.perf_counter()
+        explanations = [nla_core.extract_explanation(r.text) for r in rollouts]
+        scores = score_explanations(critic, tokenizer, explanations, golds, **score_kwargs)
+        group_ids = torch.tensor([r.prompt_index for r in rollouts])
+        advantages = nla_core.group_advantages(scores.reward, group_ids, scale=cfg.advantage_scale)
+        time_score = time.perf_counter() - t0
+
+        # --- policy update -----------------------------------------------------------------
+        t0 = time.perf_counter()
+        actor.train()
+        update = policy_update(
+            actor, injector, optimizer, rollouts, advantages, golds,
+            loss=loss_options, micro_batch=cfg.logp_micro_batch, max_grad_norm=cfg.max_grad_norm,
+            pad_id=tokenizer.pad_token_id, mismatch_threshold=cfg.mismatch_threshold,
+        )
+        if not update.stepped:
+            skipped_steps += 1
+            print(f"[warn] step {step}: grad norm {update.grad_norm} is not finite; optimizer step skipped "
+                  f"({skipped_steps} so far)", file=sys.stderr, flush=True)
+        time_update = time.perf_counter() - t0
+
+        # --- critic co-training: one regression step on this step's explanations -----------
+        t0 = time.perf_counter()
+        critic_loss = math.nan
+        if critic_optimizer is not None:
+            kept = [i for i, ids in enumerate(scores.ar_inputs) if ids is not None]
+            if kept:
+                critic_loss, _ = critic_step(
+                    critic, critic_optimizer, [scores.ar_inputs[i] for i in kept], golds[kept],
+                    pad_id=tokenizer.pad_token_id, micro_batch=cfg.critic_micro_batch, max_grad_norm=cfg.max_grad_norm,
+                )
+        time_critic = time.perf_counter() - t0
+
+        # --- weight push to engines with their own copy -------------------------------------
+        time_sync = 0.0
+        if not engine.shares_actor_weights and cfg.vllm_sync_every > 0 and (step + 1) % cfg.vllm_sync_every == 0:
+            time_sync = engine.sync_weights(actor)
+
+        # --- metrics -------------------------------------------------------------------------
+        valid_mse = scores.mse[scores.valid].tolist()
+        reward_stats = _stats(scores.reward[scores.valid].tolist())
+        mse_mean = float(np.mean(valid_mse)) if valid_mse else math.nan
+        time_step = time.perf_counter() - t_step
+        record: dict[str, Any] = {
+            "loss": update.loss,
+            **{f"reward_{k}": v for k, v in reward_stats.items()},
+            "mse_mean": mse_mean,
+            "fve": nla_core.fve(mse_mean, rawvar),
+            "fve_meannorm": nla_core.fve(mse_mean, meannorm),
+            "advantage_mean": float(advantages.mean()),
+            "advantage_std": float(advantages.std()) if advantages.numel() > 1 else 0.0,
+            "extraction_rate": float(scores.valid.float().mean()),
+            "cjk_fraction": float(np.mean([cjk_fraction(r.text) for r in rollouts])),
+            "response_len_mean": n_generated / len(rollouts),
+            "kl_mean": update.kl_mean,
+            "clip_frac": update.clip_frac,
+            "tis_frac": update.tis_frac,
+            "logp_diff_mean": update.logp_diff_mean,
+            "logp_diff_max": update.logp_diff_max,
+            "grad_norm": update.grad_norm,
+            "skipped_steps": skipped_steps,
+            "critic_loss": critic_loss,
+            "time_rollout": time_rollout,
+            "time_score": time_score,
+            "time_update": time_update,
+            "time_critic": time_critic,
+            "time_sync": time_sync,
+            "time_step": time_step,
+            "tokens_per_s": n_generated / max(time_rollout, 1e-9),
+            "peak_mem_gb": peak_memory_gb(device),
+            "marker_echo_count": sum(
+                int((r.full_ids[r.prompt_len :] == nla.injection_token_id).any()) for r in rollouts
+            ),
+            "mismatch_masked_frac": update.mismatch_masked_frac,
+        }
+
+        # --- held-out eval (document-disjoint rows) ------------------------------------------
+        if eval_on and step % cfg.eval_every == 0:
+            record.update(evaluate_rows(
+                engine, critic, tokenizer, eval_rows, eval_prompt_ids, logger=logger, step=step,
+                max_new_tokens=cfg.eval_max_new_tokens or cfg.max_new_tokens,
+                rawvar=rawvar, meannorm=meannorm, score_kwargs=score_kwargs,
+            ))
+        logger.log(step, record)
+        last_record = {"step": step, **record}
+
+        # --- checkpoint ------------------------------------------------------------------------
+        if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.num_steps:
+            save(step + 1)
+
+    engine.close()
+    logger.close()
+    write_summary(save_dir, last_record, rawvar=rawvar, meannorm=meannorm)
+    return save_dir
+
+
+def evaluate_rows(
+    engine: RolloutEngine,
+    critic: ARModel,
+    tokenizer,
+    rows,
+    prompt_ids,
+    *,
+    logger,
+    step: int,
+    max_new_tokens: int,
+    rawvar: float,
+    meannorm: float,
+    score_kwargs: dict[str, Any],
+) -> dict[str, float]:
+    """One sample per held-out prompt: reward, FVE (both baselines), extraction rate, samples table."""
+    requests = [RolloutRequest(tuple(ids), r.activation) for ids, r in zip(prompt_ids, rows)]
+    rollouts = engine.generate(requests, group_size=1, max_new_tokens=max_new_tokens)
+    explanations = [nla_core.extract_explanation(r.text) for r in rollouts]
+    golds = torch.stack([r.activation for r in rows])
+    scores = score_explanations(critic, tokenizer, explanations, golds, **score_kwargs)
+    mse_mean = _nanmean(scores.mse)
+    logger.log_table(
+        "eval_samples",
+        ["step", "idx", "doc_id", "reward", "mse", "fve", "extracted", "explanation"],
+        [
+            [step, i, rows[i].doc_id, float(scores.reward[i]), float(scores.mse[i]),
+             float(nla_core.fve(scores.mse[i], rawvar)), explanations[i] is not None,
+             (explanations[i] if explanations[i] is not None else "<extraction failed>")[:500]]
+            for i in range(len(rows))
+        ],
+    )
+    return {
+        "eval/reward_mean": float(scores.reward.mean()),
+        "eval/mse_mean": mse_mean,
+        "eval/fve": nla_core.fve(mse_mean, rawvar),
+        "eval/fve_meannorm": nla_core.fve(mse_mean, meannorm),
+        "eval/extraction_rate": float(scores.valid.float().mean()),
+    }
+
+
+def write_summary(save_dir: Path, last: dict[str, Any], *, rawvar: float, meannorm: float) -> None:
+    """save_dir/summary.json: the final step's metrics and the FVE baselines."""
+    import json
+
+    summary = {"final": {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in last.items()},
+               "baselines": {"rawvar": rawvar, "meannorm": meannorm}}
+    (save_dir / "summary.json").write_text(json.dumps(summary, indent=2))

@@ -1,0 +1,174 @@
+"""The GRPO policy update: fused micro-batched forward / reference forward / loss / backward."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+import nla_core
+from nla_shell.engines.base import Rollout
+from nla_shell.models import Injector, pad_right, reference_policy, response_logprobs
+
+
+@dataclass(frozen=True)
+class LossOptions:
+    """The `nla_core.grpo_loss` keywords, unpacked from the run config."""
+
+    clip_eps: float = 0.2
+    clip_eps_high: float | None = None
+    kl_beta: float = 0.04
+    kl_clamp: float | None = None
+    tis: str | None = "ratio_cap"
+    tis_cap: float = 2.0
+    aggregation: str = "sequence_mean"
+
+
+@dataclass(frozen=True)
+class ResponseBatch:
+    """Right-padded rollouts with their response positions, ready for a forward."""
+
+    input_ids: torch.Tensor  # [n, S]
+    attention_mask: torch.Tensor  # [n, S]
+    positions: torch.Tensor  # [n, T] position whose output predicts response token t
+    targets: torch.Tensor  # [n, T] response token ids
+    mask: torch.Tensor  # [n, T] bool, True on real response tokens
+    behavior_logp: torch.Tensor  # [n, T] float32, 0 at padding
+
+
+def response_batch(rollouts: Sequence[Rollout], *, pad_id: int, device: torch.device) -> ResponseBatch:
+    ids, attn = pad_right([r.full_ids.tolist() for r in rollouts], pad_id, device)
+    lengths = torch.tensor([r.full_ids.numel() - r.prompt_len for r in rollouts])
+    width = max(1, int(lengths.max()))
+    t = torch.arange(width)
+    starts = torch.tensor([r.prompt_len for r in rollouts])
+    mask = t[None, :] < lengths[:, None]
+    last = torch.tensor([r.full_ids.numel() - 1 for r in rollouts])
+    # Positions past a row's end are clamped onto its last token; the mask drops them.
+    token_pos = torch.minimum(starts[:, None] + t[None, :], last[:, None])
+    behavior = torch.zeros(len(rollouts), width)
+    for row, r in enumerate(rollouts):
+        behavior[row, : r.behavior_logp.numel()] = r.behavior_logp
+    token_pos = token_pos.to(device)
+    return ResponseBatch(
+        input_ids=ids,
+        attention_mask=attn,
+        positions=token_pos - 1,
+        targets=ids.gather(1, token_pos),
+        mask=mask.to(device),
+        behavior_logp=behavior.to(device),
+    )
+
+
+@dataclass(frozen=True)
+class UpdateStats:
+    loss: float
+    grad_norm: float
+    stepped: bool
+    kl_mean: float
+    clip_frac: float
+    tis_frac: float
+    logp_diff_mean: float
+    logp_diff_max: float
+    mismatch_masked_frac: float
+
+
+def policy_update(
+    actor: torch.nn.Module,
+    injector: Injector,
+    optimizer: torch.optim.Optimizer,
+    rollouts: Sequence[Rollout],
+    advantages: torch.Tensor,
+    activations: torch.Tensor,
+    *,
+    loss: LossOptions,
+    micro_batch: int,
+    max_grad_norm: float,
+    pad_id: int,
+    mismatch_threshold: float | None = None,
+    step_optimizer: bool = True,
+) -> UpdateStats:
+    """One GRPO step over all rollouts, one micro-batch graph alive at a time.
+
+    Each micro-batch's loss uses the whole batch's denominator (N samples, or all response
+    tokens for token_mean), so the summed micro-batch gradients equal the full-batch
+    gradient whatever `micro_batch` is. A non-finite grad norm skips the optimizer step.
+
+    Args:
+      rollouts: N rollouts; advantages: [N]; activations: [N, D] (each rollout's prompt vector).
+      step_optimizer: False leaves the accumulated gradient in place (tests, distributed).
+    """
+    n = len(rollouts)
+    if advantages.shape != (n,) or activations.shape[0] != n:
+        raise ValueError(f"{n} rollouts but advantages {tuple(advantages.shape)}, activations {tuple(activations.shape)}")
+    device = next(actor.parameters()).device
+    n_tokens = sum(r.full_ids.numel() - r.prompt_len for r in rollouts)
+    denominator = n if loss.aggregation == "sequence_mean" else max(1, n_tokens)
+    optimizer.zero_grad(set_to_none=True)
+    sums = dict(loss=0.0, kl=0.0, clip=0.0, tis=0.0, diff=0.0, tokens=0.0, masked=0.0)
+    diff_max = 0.0
+    for start in range(0, n, micro_batch):
+        chunk = rollouts[start : start + micro_batch]
+        batch = response_batch(chunk, pad_id=pad_id, device=device)
+        vectors = activations[start : start + micro_batch].to(device, torch.float32)
+        with injector.inject(batch.input_ids, vectors):
+            logp = response_logprobs(actor, batch.input_ids, batch.attention_mask, batch.positions, batch.targets)
+            ref_logp = None
+            if loss.kl_beta != 0:
+                with torch.no_grad(), reference_policy(actor):
+                    ref_logp = response_logprobs(actor, batch.input_ids, batch.attention_mask, batch.positions, batch.targets)
+        mask = batch.mask
+        diff = torch.where(mask, (batch.behavior_logp - logp.detach()).abs(), torch.zeros_like(logp))
+        if mismatch_threshold is not None:
+            row_diff = diff.sum(-1) / mask.sum(-1).clamp_min(1)
+            off_policy = row_diff > mismatch_threshold
+            sums["masked"] += float(off_policy.sum())
+            mask = mask & ~off_policy[:, None]
+        decoupled = loss.tis not in ("ratio_cap", None)
+        out = nla_core.grpo_loss(
+            logp,
+            logp.detach() if decoupled else batch.behavior_logp,
+            advantages[start : start + micro_batch].to(device),
+            mask,
+            ref_logp=ref_logp,
+            behavior_logp=batch.behavior_logp if decoupled else None,
+            clip_eps=loss.clip_eps,
+            clip_eps_high=loss.clip_eps_high,
+            kl_beta=loss.kl_beta,
+            kl_clamp=loss.kl_clamp,
+            tis=loss.tis,
+            tis_cap=loss.tis_cap,
+            aggregation=loss.aggregation,
+            denominator=denominator,
+        )
+        out.loss.backward()
+        tokens = float(mask.sum())
+        sums["loss"] += float(out.loss.detach())
+        sums["kl"] += float(out.kl_mean) * tokens
+        sums["clip"] += float(out.clip_frac) * tokens
+        sums["tis"] += float(out.tis_frac) * tokens
+        sums["diff"] += float(diff.sum())
+        sums["tokens"] += tokens
+        diff_max = max(diff_max, float(diff.max()) if diff.numel() else 0.0)
+    params = [p for p in actor.parameters() if p.requires_grad]
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm))
+    stepped = math.isfinite(grad_norm)
+    if step_optimizer:
+        if stepped:
+            optimizer.step()
+        # Clip does not sanitise NaN/inf: stepping on them would corrupt the moments and weights.
+        optimizer.zero_grad(set_to_none=True)
+    tokens = max(sums["tokens"], 1.0)
+    return UpdateStats(
+        loss=sums["loss"],
+        grad_norm=grad_norm,
+        stepped=stepped,
+        kl_mean=sums["kl"] / tokens,
+        clip_frac=sums["clip"] / tokens,
+        tis_frac=sums["tis"] / tokens,
+        logp_diff_mean=sums["diff"] / max(n_tokens, 1),
+        logp_diff_max=diff_max,
+        mismatch_masked_frac=sums["masked"] / max(n, 1),
+    )

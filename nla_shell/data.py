@@ -1,0 +1,391 @@
+"""Sidecar loading, tokenizer checks, the streamed RL parquet and its doc-disjoint eval split.
+
+An RL parquet holds one row per sampled (document, position): `prompt`, a list of chat
+messages ({"role", "content"}) whose contents hold the placeholder `<INJECT>` exactly
+once; `activation_vector`, D floats (fixed_size_list<float32>[D] as written by
+`nla_shell.toy`, or any list of floats); `doc_id`, a string. Its sidecar
+(`<parquet>.nla_meta.yaml`) says D, the layer, the prompt templates and the injection
+token with the ids of its neighbours. Every problem raises `DataError` naming the field
+and the fix, before the trainer writes anything.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Mapping, Sequence
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import torch
+import yaml
+
+from nla_core import NLAConfig, canonical_neighbors, doc_disjoint_rows, marker_well_formed, parse_sidecar
+
+__all__ = [
+    "INJECT_PLACEHOLDER",
+    "REQUIRED_COLUMNS",
+    "DataError",
+    "RLRow",
+    "av_prompt_messages",
+    "build_prompt_ids",
+    "chat_prompt_ids",
+    "check_tokenizer",
+    "find_sidecar",
+    "load_eval_rows",
+    "load_rows",
+    "load_sidecar",
+    "stream_rows",
+    "validate_parquet_schema",
+]
+
+INJECT_PLACEHOLDER = "<INJECT>"
+REQUIRED_COLUMNS = ("prompt", "activation_vector", "doc_id")
+_DRIFT_FIX = "regenerate the sidecar with this tokenizer or point av_ckpt at the tokenizer the data was made with"
+
+
+class DataError(ValueError):
+    """A dataset, sidecar or tokenizer problem; the message names the field and the fix."""
+
+
+# ---------------------------------------------------------------- sidecar
+
+
+def find_sidecar(parquet_path: str | Path) -> Path:
+    """`<parquet>.nla_meta.yaml` if it exists, else the directory's `nla_meta.yaml`."""
+    parquet_path = Path(parquet_path)
+    candidates = (parquet_path.with_name(parquet_path.name + ".nla_meta.yaml"), parquet_path.parent / "nla_meta.yaml")
+    for candidate in candidates:
+        if candidate.is_file():
+            return candidate
+    raise DataError(
+        f"sidecar: no sidecar for {parquet_path}; tried {candidates[0]} and {candidates[1]}. "
+        "Write one (docs/sidecar.md) or pass `sidecar` explicitly"
+    )
+
+
+def load_sidecar(path: str | Path) -> NLAConfig:
+    """Read a sidecar YAML into an NLAConfig; any problem raises DataError naming the file."""
+    path = Path(path)
+    try:
+        mapping = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError) as err:
+        raise DataError(f"sidecar: cannot read {path}: {err}") from None
+    try:
+        return parse_sidecar(mapping)
+    except ValueError as err:
+        raise DataError(f"sidecar {path}: {err}") from None
+
+
+# ---------------------------------------------------------------- prompts and the tokenizer
+
+
+def av_prompt_messages(template: str) -> list[dict[str, str]]:
+    """The AV prompt for a template holding `<INJECT>`: one user message."""
+    return [{"role": "user", "content": template}]
+
+
+def chat_prompt_ids(messages: Sequence[Mapping[str, Any]], injection_char: str, tokenizer: Any) -> list[int]:
+    """Token ids of the chat-templated prompt with `<INJECT>` replaced by `injection_char`.
+
+    Templated as text (generation prompt added), then encoded without special tokens: the
+    template already writes them, and a second pass would add a BOS on tokenizers that have
+    one. Non-string contents pass through untouched, as in the reference.
+    """
+    msgs = [
+        {**m, "content": m["content"].replace(INJECT_PLACEHOLDER, injection_char)}
+        if isinstance(m.get("content"), str)
+        else dict(m)
+        for m in messages
+    ]
+    text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def _row_label(row: int | None, doc_id: str | None = None) -> str:
+    if row is None:
+        return "the prompt"
+    return f"row {row}" + (f" (doc_id {doc_id!r})" if doc_id is not None else "")
+
+
+def _check_placeholders(messages: Sequence[Mapping[str, Any]], label: str) -> None:
+    n = sum(m["content"].count(INJECT_PLACEHOLDER) for m in messages if isinstance(m.get("content"), str))
+    if n != 1:
+        raise DataError(
+            f"prompt: {label} holds {n} {INJECT_PLACEHOLDER} placeholders; each prompt needs exactly one "
+            "(fix the dataset's prompt column)"
+        )
+
+
+def check_tokenizer(
+    cfg: NLAConfig, tokenizer: Any, prompt_messages: Sequence[Mapping[str, Any]] | None = None
+) -> None:
+    """Check the live tokenizer against the sidecar.
+
+    The injection char must encode to exactly `tokens.injection_token_id`, and in the
+    chat-templated AV prompt (`prompt_messages`, default the sidecar's AV template) the
+    marker's neighbours must be the sidecar's. Raises DataError on any drift.
+    """
+    char, marker = cfg.injection_char, cfg.injection_token_id
+    ids = list(tokenizer.encode(char, add_special_tokens=False))
+    if len(ids) != 1:
+        raise DataError(
+            f"tokens.injection_char: {char!r} encodes to {len(ids)} tokens {ids} with this tokenizer, "
+            f"the sidecar expects the single token {marker}; {_DRIFT_FIX}"
+        )
+    if ids[0] != marker:
+        raise DataError(
+            f"tokens.injection_token_id: sidecar says {marker}, the tokenizer gives {ids[0]} for {char!r}; {_DRIFT_FIX}"
+        )
+
+    messages = av_prompt_messages(cfg.actor_prompt_template) if prompt_messages is None else prompt_messages
+    _check_placeholders(messages, "the AV prompt")
+    prompt_ids = chat_prompt_ids(messages, char, tokenizer)
+    try:
+        left, right = canonical_neighbors(prompt_ids, marker)
+    except ValueError as err:
+        raise DataError(f"tokens.injection_token_id: in the chat-templated AV prompt, {err}; {_DRIFT_FIX}") from None
+    for name, expected, live in (
+        ("tokens.injection_left_neighbor_id", cfg.injection_left_neighbor_id, left),
+        ("tokens.injection_right_neighbor_id", cfg.injection_right_neighbor_id, right),
+    ):
+        if live != expected:
+            raise DataError(
+                f"{name}: sidecar says {expected}, the tokenizer gives {live} "
+                f"({tokenizer.convert_ids_to_tokens(live)!r}) next to the marker in the chat-templated AV prompt; "
+                f"{_DRIFT_FIX}"
+            )
+
+
+def build_prompt_ids(
+    messages: Sequence[Mapping[str, Any]], cfg: NLAConfig, tokenizer: Any, *, row: int | None = None
+) -> list[int]:
+    """Prompt token ids for one row, with exactly one well-formed injection marker.
+
+    `row` only labels error messages. Raises DataError when the messages hold zero or
+    several `<INJECT>`, or when the marker ends up with other neighbours than the
+    sidecar's (the prompt text differs around `<INJECT>`, or contains the injection char).
+    """
+    label = _row_label(row)
+    _check_placeholders(messages, label)
+    ids = chat_prompt_ids(messages, cfg.injection_char, tokenizer)
+    marker = cfg.injection_token_id
+    if not marker_well_formed(
+        ids, marker_id=marker, left_id=cfg.injection_left_neighbor_id, right_id=cfg.injection_right_neighbor_id
+    ):
+        count = ids.count(marker)
+        if count != 1:
+            why = (
+                f"the injection char {cfg.injection_char!r} occurs {count} times after templating "
+                "(the prompt text itself holds it)"
+            )
+        else:
+            p = ids.index(marker)
+            got = (ids[p - 1] if p > 0 else None, ids[p + 1] if p + 1 < len(ids) else None)
+            why = (
+                f"the marker's neighbours are {got}, the sidecar's tokens.injection_left_neighbor_id/"
+                f"right_neighbor_id are {(cfg.injection_left_neighbor_id, cfg.injection_right_neighbor_id)}"
+            )
+        raise DataError(
+            f"prompt: {label}: injection marker not well-formed: {why}. Write {INJECT_PLACEHOLDER} in the same "
+            "surrounding text as the sidecar's AV template, or regenerate the sidecar for these prompts"
+        )
+    return ids
+
+
+# ---------------------------------------------------------------- the parquet
+
+
+@dataclass(frozen=True)
+class RLRow:
+    """One RL example."""
+
+    prompt: list[dict[str, Any]]
+    """Chat messages; string contents hold `<INJECT>` exactly once in all."""
+    activation: torch.Tensor
+    """[D] float32, finite, non-zero."""
+    doc_id: str
+    """Source document; eval rows never share one with training rows."""
+    index: int
+    """Row number in the parquet file (0-based)."""
+    extras: dict[str, Any] = field(default_factory=dict)
+    """Values of the `extra_columns` asked for (e.g. position, context)."""
+
+
+def validate_parquet_schema(path: str | Path, *, d_model: int) -> pq.ParquetFile:
+    """Check the required columns and the activation width D; return the open file.
+
+    Fixed-size activation lists are checked from the schema alone; variable-length lists
+    by the lengths in the first row group (stream_rows checks every row).
+    """
+    try:
+        pf = pq.ParquetFile(path)
+    except (OSError, pa.ArrowException) as err:
+        raise DataError(f"rl_parquet: cannot open {path} as parquet: {err}") from None
+    schema = pf.schema_arrow
+    for name in REQUIRED_COLUMNS:
+        if name not in schema.names:
+            raise DataError(
+                f"{name}: column missing from {path} (columns present: {schema.names}); "
+                f"an RL parquet needs {list(REQUIRED_COLUMNS)}"
+            )
+    prompt_type = schema.field("prompt").type
+    if not (
+        (pa.types.is_list(prompt_type) or pa.types.is_large_list(prompt_type))
+        and pa.types.is_struct(prompt_type.value_type)
+        and {"role", "content"} <= {f.name for f in prompt_type.value_type}
+    ):
+        raise DataError(
+            f"prompt: column type is {prompt_type}, expected chat messages, list<struct<role: string, content: string>>"
+        )
+    act_type = schema.field("activation_vector").type
+    is_list = pa.types.is_list(act_type) or pa.types.is_large_list(act_type) or pa.types.is_fixed_size_list(act_type)
+    if not (is_list and pa.types.is_floating(act_type.value_type)):
+        raise DataError(
+            f"activation_vector: column type is {act_type}, expected a list of floats (fixed_size_list<float32>[D])"
+        )
+    if pa.types.is_fixed_size_list(act_type):
+        widths = {act_type.list_size}
+    elif pf.num_row_groups:
+        lengths = pc.list_value_length(pf.read_row_group(0, columns=["activation_vector"]).column(0))
+        widths = set(pc.unique(lengths.drop_null()).to_pylist())
+    else:
+        widths = set()
+    if widths - {d_model}:
+        raise DataError(
+            f"activation_vector: length {sorted(widths)} in {path}, but the sidecar's d_model is {d_model}; "
+            "use the sidecar written with this parquet (or regenerate the data)"
+        )
+    return pf
+
+
+def _activation_matrix(column: pa.ChunkedArray, d_model: int, labels: list[str]) -> np.ndarray:
+    """[n, D] float32 from a list column, via numpy on the flattened values.
+
+    Converting 4096-float lists row by row with to_pylist dominates load time on real
+    data (minutes for a full file), so the values go through numpy in one piece.
+    `labels` name the n rows in error messages.
+    """
+    arr = column.combine_chunks()
+    if arr.null_count:
+        i = int(np.flatnonzero(arr.is_null().to_numpy(zero_copy_only=False))[0])
+        raise DataError(f"activation_vector: {labels[i]} is null; every row needs an activation")
+    if not pa.types.is_fixed_size_list(arr.type):
+        lengths = pc.list_value_length(arr).to_numpy()
+        bad = np.flatnonzero(lengths != d_model)
+        if bad.size:
+            i = int(bad[0])
+            raise DataError(
+                f"activation_vector: {labels[i]} has length {lengths[i]}, the sidecar's d_model is {d_model}; "
+                "regenerate the row or use the matching sidecar"
+            )
+    # flatten() (not .values) honours the slice offset; nulls inside a list become NaN.
+    values = arr.flatten().to_numpy(zero_copy_only=False)
+    acts = values.astype(np.float32).reshape(len(arr), d_model)
+    problems = (
+        (~np.isfinite(acts).all(axis=1), "holds NaN or inf"),
+        (~acts.any(axis=1), "is all zeros, which cannot be norm-matched at injection"),
+    )
+    for bad, what in problems:
+        rows = np.flatnonzero(bad)
+        if rows.size:
+            raise DataError(
+                f"activation_vector: {labels[int(rows[0])]} {what} ({rows.size} such rows in this row group); "
+                "drop or regenerate those rows"
+            )
+    return acts
+
+
+def _stream(
+    pf: pq.ParquetFile,
+    cfg: NLAConfig,
+    start: int,
+    stop: int | None,
+    keep: set[int] | None,
+    extra_columns: Sequence[str],
+) -> Iterator[RLRow]:
+    """Validated rows [start, stop) (only those in `keep`, when given), row group by row group."""
+    missing = [c for c in extra_columns if c not in pf.schema_arrow.names]
+    if missing:
+        raise DataError(f"{missing[0]}: column missing (columns present: {pf.schema_arrow.names})")
+    stop = pf.metadata.num_rows if stop is None else min(stop, pf.metadata.num_rows)
+    columns = [*REQUIRED_COLUMNS, *extra_columns]
+    group_start = 0
+    for g in range(pf.num_row_groups):
+        if group_start >= stop:
+            break
+        n = pf.metadata.row_group(g).num_rows
+        lo, hi = max(start - group_start, 0), min(stop - group_start, n)
+        indices = [group_start + i for i in range(lo, hi) if keep is None or group_start + i in keep]
+        group_start += n
+        if not indices:
+            continue
+        # Select rows before converting anything: only they pay for to_pylist / numpy.
+        table = pf.read_row_group(g, columns=columns)
+        table = table.slice(lo, hi - lo) if keep is None else table.take([i - (group_start - n) for i in indices])
+        doc_ids = table.column("doc_id").to_pylist()
+        for index, doc_id in zip(indices, doc_ids):
+            if doc_id is None:
+                raise DataError(f"doc_id: {_row_label(index)} is null; every row needs its document id")
+        labels = [_row_label(index, str(doc_id)) for index, doc_id in zip(indices, doc_ids)]
+        acts = torch.from_numpy(_activation_matrix(table.column("activation_vector"), cfg.d_model, labels))
+        prompts = table.column("prompt").to_pylist()
+        extras = {c: table.column(c).to_pylist() for c in extra_columns}
+        for j, (index, prompt) in enumerate(zip(indices, prompts)):
+            if not prompt:
+                raise DataError(f"prompt: {labels[j]} has no messages; each prompt is a list of chat messages")
+            _check_placeholders(prompt, labels[j])
+            yield RLRow(prompt, acts[j], str(doc_ids[j]), index, {c: v[j] for c, v in extras.items()})
+
+
+def stream_rows(
+    path: str | Path, cfg: NLAConfig, *, start: int = 0, stop: int | None = None, extra_columns: Sequence[str] = ()
+) -> Iterator[RLRow]:
+    """Validated rows [start, stop) of an RL parquet, read one row group at a time.
+
+    Reads only `prompt`, `activation_vector`, `doc_id` and the `extra_columns` asked for
+    (their values land in RLRow.extras). Each activation must have length cfg.d_model, be
+    finite and be non-zero; each prompt must hold one `<INJECT>`. Raises DataError naming
+    the row and its doc_id otherwise.
+    """
+    pf = validate_parquet_schema(path, d_model=cfg.d_model)
+    return _stream(pf, cfg, start, stop, None, extra_columns)
+
+
+def load_rows(path: str | Path, cfg: NLAConfig, *, max_rows: int | None = None, min_rows: int = 1) -> list[RLRow]:
+    """The first max_rows validated rows (all when None); DataError when fewer than min_rows."""
+    rows = list(stream_rows(path, cfg, stop=max_rows))
+    if len(rows) < min_rows:
+        raise DataError(
+            f"rl_parquet: {path} yields {len(rows)} rows (max_rows={max_rows}), fewer than the {min_rows} needed "
+            "(batch_prompts); use a larger dataset, raise max_rows or lower batch_prompts"
+        )
+    return rows
+
+
+def load_eval_rows(path: str | Path, cfg: NLAConfig, *, skip_rows: int, n: int, train_stop: int) -> list[RLRow]:
+    """Up to n held-out rows from [skip_rows, end) whose documents never occur in [0, train_stop).
+
+    Rows of a shuffled dataset share documents (in the reference's data about half the
+    rows past the training window do), so eval takes only unseen documents. DataError
+    when the windows overlap or no such row exists.
+    """
+    if train_stop > skip_rows:
+        raise DataError(
+            f"eval_skip_rows: eval rows overlap the training window (training reads rows [0, {train_stop}), "
+            f"eval starts at row {skip_rows}); set max_rows <= eval_skip_rows"
+        )
+    pf = validate_parquet_schema(path, d_model=cfg.d_model)
+    # The doc_id column alone is small next to the activations: read it whole, once.
+    doc_ids = [str(d) for d in pf.read(columns=["doc_id"]).column("doc_id").to_pylist()]
+    picked = [skip_rows + i for i in doc_disjoint_rows(doc_ids[:train_stop], doc_ids[skip_rows:], n)]
+    if not picked:
+        if n == 0:
+            return []
+        raise DataError(
+            f"eval_skip_rows: no row past row {skip_rows} of {path} ({len(doc_ids)} rows) comes from a document "
+            "outside the training window; lower eval_skip_rows, lower max_rows, or add held-out documents"
+        )
+    return list(_stream(pf, cfg, picked[0], picked[-1] + 1, set(picked), ()))

@@ -1,0 +1,43 @@
+"""Shared pytest fixtures: the toy tokenizer, a saved tiny AV, a toy RL dataset.
+
+The builders live in tests/fixtures.py (importable as `fixtures`, since pytest puts this
+directory on sys.path); the expensive artefacts are built once per session. `fixtures` is
+imported inside each fixture so that test runs that never use them (tests/core) do not
+pay for, or see, transformers.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def nla_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A directory shared by the whole session for artefacts built once."""
+    return tmp_path_factory.mktemp("nla_cache")
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer():
+    """The toy byte-level BPE with a Qwen chat template and a single-token "§". Read-only."""
+    import fixtures
+
+    return fixtures.tiny_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def tiny_av_dir(nla_cache_dir: Path, tiny_tokenizer) -> Path:
+    """A saved tiny Qwen3 (D=64, 2 layers) plus its tokenizer. Read-only: copy it to modify."""
+    import fixtures
+
+    return fixtures.build_av_dir(nla_cache_dir / "tiny_av", tiny_tokenizer)
+
+
+@pytest.fixture
+def toy_rl_dir(tmp_path: Path, tiny_tokenizer) -> Path:
+    """A fresh directory holding rl.parquet (48 rows, 40 docs, row groups of 8) and its sidecar."""
+    import fixtures
+
+    return fixtures.build_toy_rl(tmp_path / "toy_rl", tiny_tokenizer).parent

@@ -1,0 +1,165 @@
+"""Builders of the hub-free artefacts the shell tests share: tokenizer, tiny AV, RL data.
+
+Plain functions, so any test (or a script) can call them; tests/conftest.py wraps them
+as pytest fixtures with a session-wide cache. Everything is built from nla_shell.toy,
+the same code `nla demo` uses.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+from transformers import PreTrainedTokenizerFast
+
+from nla_shell import toy
+
+D_MODEL = 64
+"""Hidden size of the tiny AV (and width of the toy activations)."""
+LAYER_INDEX = 1
+"""Injection / extraction layer of the toy data (the reference's block 1)."""
+
+TINY_CORPUS: tuple[str, ...] = (
+    "The cat sat on the mat and looked at the door.",
+    "A dog ran across the green field after a red ball.",
+    "The river flows past the old stone bridge into the sea.",
+    "She wrote the numbers 1, 2, 3 and 42 on the board.",
+    "He said: the weather today is cold, wet and dark.",
+    "Explain the activation at the marked token.",
+    "Text: the token is part of a sentence about animals.",
+    "<explanation>The text is about a cat sitting on a mat.</explanation>",
+    "<explanation>A sentence about water, rivers and bridges.</explanation>",
+    "<explanation>Numbers and counting on a school board.</explanation>",
+    "user assistant system: a short conversation between two people.",
+    "The model reads the context and predicts the next word in the story.",
+    "Paris is the capital of France; Rome is the capital of Italy.",
+    "def add(a, b):\n    return a + b\n",
+) * 4
+"""A small, fixed corpus: enough merges for readable tokens, trained in milliseconds."""
+
+
+@functools.lru_cache(maxsize=None)
+def tiny_tokenizer() -> PreTrainedTokenizerFast:
+    """The shared toy tokenizer (built once per process; treat it as read-only)."""
+    return toy.train_tokenizer(TINY_CORPUS, vocab_size=512)
+
+
+def build_av_dir(directory: Path, tokenizer: PreTrainedTokenizerFast | None = None) -> Path:
+    """A saved tiny Qwen3 AV (D_MODEL wide, 2 layers) with its tokenizer; reused if already there."""
+    directory = Path(directory)
+    if not (directory / "config.json").is_file():
+        tokenizer = tokenizer or tiny_tokenizer()
+        toy.save_av_checkpoint(toy.build_tiny_qwen3(tokenizer, hidden_size=D_MODEL, seed=0), tokenizer, directory)
+    return directory
+
+
+def build_toy_rl(
+    directory: Path,
+    tokenizer: PreTrainedTokenizerFast | None = None,
+    *,
+    n_rows: int = 48,
+    n_docs: int = 40,
+    seed: int = 0,
+    row_group_size: int = 8,
+    **kwargs: Any,
+) -> Path:
+    """`rl.parquet` + its sidecar in `directory` (fresh each call); returns the parquet path."""
+    return toy.make_toy_rl_dataset(
+        directory,
+        tokenizer or tiny_tokenizer(),
+        d_model=D_MODEL,
+        n_rows=n_rows,
+        n_docs=n_docs,
+        seed=seed,
+        layer_index=LAYER_INDEX,
+        row_group_size=row_group_size,
+        **kwargs,
+    )
+
+
+def read_rows(parquet: Path) -> list[dict[str, Any]]:
+    """All rows of a parquet as Python dicts (the slow, obvious reading, for comparisons)."""
+    return pq.read_table(parquet).to_pylist()
+
+
+def write_list_parquet(path: Path, rows: Sequence[Mapping[str, Any]], *, row_group_size: int = 8) -> Path:
+    """Like toy.write_rl_parquet but with a variable-length list<float32> activation column,
+    so rows may have different lengths (the other layout readers must accept)."""
+    schema = pa.schema(
+        [
+            ("prompt", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))),
+            ("activation_vector", pa.list_(pa.float32())),
+            ("doc_id", pa.string()),
+        ]
+    )
+    table = pa.Table.from_pylist([{k: r[k] for k in schema.names} for r in rows], schema=schema)
+    pq.write_table(table, path, row_group_size=row_group_size)
+    return Path(path)
+
+
+# --------------------------------------------------------------------------- trainer inputs
+
+
+def teach_explanation_format(
+    model, tokenizer: PreTrainedTokenizerFast, prompt_ids: Sequence[int], *, steps: int = 60, seed: int = 0
+) -> None:
+    """A few full-parameter steps so the random AV answers `<explanation> … </explanation>`.
+
+    The trainer's tests need rollouts that sometimes extract; a random model almost never
+    writes both tags within a few tokens. No injection: this only teaches the format.
+    """
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    words = ["cat", "dog", "river", "numbers", "weather", "story", "bridge", "board"]
+    answers = [
+        f"<explanation>{words[i % 8]} {words[(3 * i + 1) % 8]}</explanation>" for i in range(8)
+    ]
+    sequences = [
+        list(prompt_ids) + tokenizer.encode(a, add_special_tokens=False) + [tokenizer.eos_token_id] for a in answers
+    ]
+    width = max(map(len, sequences))
+    ids = torch.full((len(sequences), width), tokenizer.pad_token_id)
+    labels = torch.full((len(sequences), width), -100)
+    for row, seq in enumerate(sequences):
+        ids[row, : len(seq)] = torch.tensor(seq)
+        labels[row, len(prompt_ids) : len(seq)] = torch.tensor(seq[len(prompt_ids) :])
+    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+    model.train()
+    for _ in range(steps):
+        pick = torch.randint(len(sequences), (4,), generator=generator)
+        loss = model(input_ids=ids[pick], attention_mask=(ids[pick] != tokenizer.pad_token_id), labels=labels[pick]).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    model.eval()
+
+
+def build_trainer_inputs(directory: Path, tokenizer: PreTrainedTokenizerFast | None = None) -> tuple[Path, Path, Path]:
+    """(av_dir, ar_dir, rl.parquet) for trainer tests, built once into `directory`.
+
+    The AV writes the explanation format; the AR is that model truncated after the
+    extraction layer with an identity value head; the data is the toy RL set (48 rows).
+    """
+    from nla_core import resolve_target_scale
+    from nla_shell.data import build_prompt_ids, load_sidecar
+    from nla_shell.models import ARModel
+
+    directory = Path(directory)
+    av, ar = directory / "av", directory / "ar"
+    parquet = directory / "data" / "rl.parquet"
+    if (ar / "value_head.safetensors").exists():
+        return av, ar, parquet
+    tokenizer = tokenizer or tiny_tokenizer()
+    build_toy_rl(parquet.parent, tokenizer)
+    cfg = load_sidecar(Path(str(parquet) + ".nla_meta.yaml"))
+    prompt = build_prompt_ids(toy.av_prompt_messages(cfg.actor_prompt_template), cfg, tokenizer)
+    model = toy.build_tiny_qwen3(tokenizer, hidden_size=D_MODEL, seed=0)
+    teach_explanation_format(model, tokenizer, prompt)
+    toy.save_av_checkpoint(model, tokenizer, av)
+    scale = resolve_target_scale(cfg.mse_scale, cfg.d_model)
+    ARModel.from_pretrained(av, mse_scale=scale, extraction_layer_index=LAYER_INDEX, create_head=True).save_pretrained(ar)
+    return av, ar, parquet

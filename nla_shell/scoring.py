@@ -92,7 +92,7 @@ def critic_step(
         gold = golds[start : start + micro_batch].to(device)
         loss = nla_core.reconstruction_mse(ar(ids, mask), gold.float(), scale=ar.mse_scale).sum() / n
         loss.backward()
-        total += float(loss)
+        total += float(loss.detach())
     grad_norm = float(torch.nn.utils.clip_grad_norm_(trainable_parameters(ar), max_grad_norm))
     if not (math.isfinite(total) and math.isfinite(grad_norm)):
         optimizer.zero_grad(set_to_none=True)

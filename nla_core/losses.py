@@ -92,6 +92,7 @@ def grpo_loss(
     tis_cap: float = 2.0,
     aggregation: str = "sequence_mean",
     denominator: float | torch.Tensor | None = None,
+    max_log_ratio: float = 20.0,
 ) -> GRPOLossOutput:
     """GRPO loss with PPO clipping, k3 KL and truncated importance sampling.
 
@@ -107,7 +108,9 @@ def grpo_loss(
         token, or exp(sum_t over the mask) per sequence; truncate: w = min(rho, tis_cap);
         mask: w = rho * 1[rho <= tis_cap]. w is detached.
       None: w = 1 and no cap.
-    The KL term is dropped when ref_logp is None or kl_beta == 0.
+    The KL term is dropped when ref_logp is None or kl_beta == 0. Outside ratio_cap the
+    log-ratio is clamped at max_log_ratio before exp (a ratio beyond e^20 carries no gradient)
+    so that no token can overflow to inf and turn the backward into NaN.
 
     Args:
       logp: [N, T] trainer log-probs of the sampled tokens (the only input with gradient).
@@ -153,13 +156,17 @@ def grpo_loss(
 
     lp = masked_f32(logp)
     old = masked_f32(old_logp).detach()
-    ratio = torch.exp(lp - old)
+    log_ratio = lp - old
     capped = torch.zeros_like(mask)
     weight = torch.ones_like(lp)
+    # The log-ratio is bounded *before* exp: an overflowing ratio would make 0 * inf = NaN
+    # in the backward even where the clip zeroes the gradient.
     if tis == "ratio_cap":
-        capped = ratio.detach() > tis_cap
-        ratio = ratio.clamp(max=tis_cap)
-    elif decoupled:
+        capped = log_ratio.detach() > math.log(tis_cap)
+        ratio = torch.exp(log_ratio.clamp(max=math.log(tis_cap)))
+    else:
+        ratio = torch.exp(log_ratio.clamp(max=max_log_ratio))
+    if decoupled:
         log_rho = old - masked_f32(behavior_logp).detach()
         if tis.startswith("sequence"):
             log_rho = log_rho.sum(-1, keepdim=True).expand_as(lp)

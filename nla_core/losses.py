@@ -26,7 +26,7 @@ class GRPOLossOutput(NamedTuple):
     per_token: torch.Tensor
     """[N, T] float32 per-token loss; 0 where the mask is False."""
     kl: torch.Tensor
-    """[N, T] float32 detached k3(logp, ref_logp); 0 where masked or without a reference."""
+    """[N, T] float32 detached k3(logp, ref_logp) (also at kl_beta = 0); 0 where masked or without a reference."""
     ratio: torch.Tensor
     """[N, T] float32 detached policy ratio as used in the surrogate (after a ratio_cap)."""
     tis_weight: torch.Tensor
@@ -182,9 +182,11 @@ def grpo_loss(
     surrogate = torch.minimum(ratio * adv, ratio.clamp(1.0 - clip_eps, 1.0 + high) * adv)
     per_token = -(weight * surrogate)
     kl = torch.zeros_like(lp)
-    if ref_logp is not None and kl_beta != 0:
+    if ref_logp is not None:
+        # Measured whenever a reference is given (KL is worth watching at kl_beta = 0 too).
         kl = kl_k3(lp, masked_f32(ref_logp).detach(), clamp=kl_clamp)
-        per_token = per_token + kl_beta * kl
+        if kl_beta != 0:
+            per_token = per_token + kl_beta * kl
     per_token = torch.where(mask, per_token, torch.zeros_like(per_token))
     loss = aggregate_loss(per_token, mask, mode=aggregation, denominator=denominator)
 

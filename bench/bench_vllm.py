@@ -66,7 +66,7 @@ def _model_dir(shape: str, directory: Path) -> Path:
         rms_norm_eps=1e-6,
         tie_word_embeddings=False,
         architectures=["Qwen3ForCausalLM"],
-        torch_dtype="bfloat16",
+        dtype="bfloat16",
     ).save_pretrained(directory)
     return directory
 

@@ -127,6 +127,13 @@ class Injector:
 # --------------------------------------------------------------------------- actor
 
 
+def base_model_dir(av_ckpt: str | Path) -> Path:
+    """The full model under an AV checkpoint: itself, or the base of a LoRA adapter dir."""
+    av_ckpt = Path(av_ckpt)
+    config = av_ckpt / "adapter_config.json"
+    return Path(json.loads(config.read_text())["base_model_name_or_path"]) if config.exists() else av_ckpt
+
+
 def load_actor(
     av_ckpt: str | Path,
     *,
@@ -150,8 +157,7 @@ def load_actor(
 
     av_ckpt = Path(av_ckpt)
     sft_adapter = (av_ckpt / "adapter_config.json").exists()
-    base_dir = json.loads((av_ckpt / "adapter_config.json").read_text())["base_model_name_or_path"] if sft_adapter else av_ckpt
-    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=dtype).to(device)
+    base = AutoModelForCausalLM.from_pretrained(base_model_dir(av_ckpt), dtype=dtype).to(device)
     if gradient_checkpointing:
         # LoRA leaves the embeddings frozen; checkpointed blocks need an input that requires grad.
         base.enable_input_require_grads()

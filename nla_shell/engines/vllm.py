@@ -340,7 +340,7 @@ def llm_kwargs_for(
     }
 
 
-def _require_vllm():
+def require_vllm():
     try:
         import vllm
     except ImportError as err:
@@ -393,7 +393,7 @@ class VLLMRolloutEngine:
     ) -> None:
         if steering not in STEERING_BACKENDS:
             raise ValueError(f"steering must be one of {STEERING_BACKENDS}, got {steering!r}")
-        vllm = _require_vllm()
+        vllm = require_vllm()
         self.tokenizer = tokenizer
         self.marker_id, self.left_id, self.right_id = marker_id, left_id, right_id
         self.injection_layer = injection_layer
@@ -437,9 +437,9 @@ class VLLMRolloutEngine:
             vllm_steering.register()
             if not self._in_process and not _entry_point_installed():
                 raise RuntimeError(
-                    "steering='nla' with tensor parallelism needs the plugin in the spawned workers: add "
-                    '[project.entry-points."vllm.general_plugins"] nla_steering = '
-                    '"nla_shell.engines.vllm_steering:register" to pyproject.toml and reinstall nla'
+                    "steering='nla' with tensor parallelism needs the plugin in the spawned workers, which "
+                    "find it through nla's `vllm.general_plugins` entry point: install nla "
+                    "(`pip install -e .` in the repository), not just put it on PYTHONPATH"
                 )
         else:
             if os.environ.get("VLLM_LENS_DISABLE", "").strip().lower() in ("1", "true", "yes", "on"):

@@ -221,3 +221,12 @@ def test_rollout_requests_from_bad_prompts_fail_with_the_row(nla_run_inputs, tmp
     save_dir = tmp_path / "run"
     _fails_cleanly(capsys, _train_args((av, ar, parquet), save_dir), "row 3", "<INJECT>")
     assert not save_dir.exists()
+
+
+def test_vllm_engine_without_vllm_says_how_to_install_it(nla_run_inputs, tmp_path, capsys):
+    pytest.importorskip("nla_shell.engines.vllm")
+    if __import__("importlib").util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed here")
+    save_dir = tmp_path / "run"
+    _fails_cleanly(capsys, _train_args(nla_run_inputs, save_dir, engine="vllm"), "pip install 'nla[vllm]'")
+    assert not save_dir.exists()

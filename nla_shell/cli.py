@@ -14,6 +14,11 @@ def _train(args: argparse.Namespace) -> None:
     from nla_shell.train import train
 
     cfg = load_config(args.config, args.overrides, cls=TrainConfig)
+    if args.nproc > 1:
+        from nla_shell.distributed import exec_torchrun
+
+        # Checked here first, so a bad config fails once instead of once per rank.
+        exec_torchrun(args.nproc, ["train", *(["--config", args.config] if args.config else []), *args.overrides])
     print(f"[nla train] save_dir {cfg.save_dir}", flush=True)
     train(cfg)
 
@@ -25,6 +30,10 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[[argpars
 
     p = sub.add_parser("train", help="GRPO-train the activation verbaliser (AV) against the reconstructor (AR)")
     p.add_argument("--config", help="YAML file of TrainConfig keys")
+    p.add_argument(
+        "--nproc", type=int, default=1,
+        help="data-parallel ranks on this machine: re-launches itself under torchrun (one GPU per rank)",
+    )
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. num_steps=3 engine=hf")
     commands["train"] = _train
     return parser, commands
@@ -35,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         commands[args.command](args)
-    except (ConfigError, ValueError, FileNotFoundError) as err:
+    except (ConfigError, ValueError, FileNotFoundError, ImportError) as err:
         # Bad input: one clear line, not a stack trace from deep inside a library.
         print(f"nla {args.command}: error: {err}", file=sys.stderr)
         return 2

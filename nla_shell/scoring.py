@@ -9,6 +9,7 @@ from typing import Sequence
 import torch
 
 import nla_core
+from nla_shell import distributed
 from nla_shell.models import ARModel, ar_predict, pad_right, trainable_parameters
 
 
@@ -81,19 +82,30 @@ def critic_step(
 
     Each micro-batch's loss is weighted by its share of the batch, so the accumulated
     gradient is the full batch's. Returns (loss, grad_norm); a non-finite loss or grad norm
-    skips the step (NaN returned) rather than corrupting Adam's moments.
+    skips the step (NaN returned) rather than corrupting Adam's moments, and so does a
+    batch with no pairs at all.
+
+    Under torchrun every rank calls this, even with no pairs of its own: the mean is over
+    the global batch, gradients are summed over ranks, and the skip decision is global,
+    so no rank leaves a collective unmatched.
     """
-    n = len(ar_inputs)
+    (n_global,) = distributed.all_reduce_sum([len(ar_inputs)])
+    n = int(n_global)
+    if n == 0:
+        return math.nan, math.nan
     optimizer.zero_grad(set_to_none=True)
     device = ar.value_head.weight.device
     total = 0.0
-    for start in range(0, n, micro_batch):
+    for start in range(0, len(ar_inputs), micro_batch):
         ids, mask = pad_right(ar_inputs[start : start + micro_batch], pad_id, device)
         gold = golds[start : start + micro_batch].to(device)
         loss = nla_core.reconstruction_mse(ar(ids, mask), gold.float(), scale=ar.mse_scale).sum() / n
         loss.backward()
         total += float(loss.detach())
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(trainable_parameters(ar), max_grad_norm))
+    params = trainable_parameters(ar)
+    distributed.all_reduce_grads(params)
+    (total,) = distributed.all_reduce_sum([total])
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm))
     if not (math.isfinite(total) and math.isfinite(grad_norm)):
         optimizer.zero_grad(set_to_none=True)
         return math.nan, math.nan

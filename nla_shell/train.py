@@ -4,6 +4,11 @@ One step: sample B prompts -> the engine writes G explanations each -> the AR re
 the activation from each -> reward = -log(normalised MSE) -> group-relative advantages ->
 micro-batched GRPO update of the LoRA -> optional AR step -> weight push to engines that
 keep their own copy -> held-out eval, logs, atomic checkpoint.
+
+Under torchrun every rank runs this same story on its own device with its own engine,
+on its share of each global batch (see nla_shell.distributed); the update, the critic
+step and the metrics reduce over ranks, and rank 0 alone claims the run directory,
+evaluates, logs and saves.
 """
 
 from __future__ import annotations
@@ -21,10 +26,12 @@ import torch
 
 import nla_core
 from nla_shell import checkpoint as ckpt
-from nla_shell.config import TrainConfig, config_to_dict
+from nla_shell import distributed
+from nla_shell.config import ConfigError, TrainConfig, config_to_dict
 from nla_shell.data import build_prompt_ids, check_tokenizer, find_sidecar, load_eval_rows, load_rows, load_sidecar
 from nla_shell.engines.base import RolloutEngine, RolloutRequest
-from nla_shell.logging import make_logger
+from nla_shell.distributed import RankInfo
+from nla_shell.logging import NullLogger, make_logger
 from nla_shell.metrics import cjk_fraction
 from nla_shell.models import ARModel, Injector, load_actor, trainable_parameters
 from nla_shell.scoring import critic_step, score_explanations
@@ -34,11 +41,26 @@ from nla_shell.update import LossOptions, policy_update
 # --------------------------------------------------------------------------- small pieces
 
 
-def resolve_device(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
-    """"auto" -> cuda when available, else cpu; dtype "auto" -> bf16 on cuda, fp32 on cpu."""
+def resolve_device(device: str, dtype: str, rank: RankInfo = RankInfo()) -> tuple[torch.device, torch.dtype]:
+    """"auto" -> cuda when available, else cpu; dtype "auto" -> bf16 on cuda, fp32 on cpu.
+
+    Under torchrun each rank takes its own GPU: "auto" and "cuda" become cuda:LOCAL_RANK.
+    """
     dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device))
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device={device!r} but CUDA is not available; use device=cpu or device=auto")
+    if dev.type == "cuda" and rank.world_size > 1:
+        if dev.index is not None:
+            raise ConfigError(
+                f"config key 'device' = {device!r} is invalid under torchrun: every rank uses the GPU "
+                "of its LOCAL_RANK; use device=cuda or device=auto"
+            )
+        if rank.local_rank >= torch.cuda.device_count():
+            raise ConfigError(
+                f"rank {rank.rank} has LOCAL_RANK {rank.local_rank} but only {torch.cuda.device_count()} GPU(s) "
+                "are visible: launch at most one rank per GPU (--nproc / --nproc_per_node)"
+            )
+        dev = torch.device("cuda", rank.local_rank)
     if dtype == "auto":
         return dev, torch.bfloat16 if dev.type == "cuda" else torch.float32
     return dev, {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
@@ -50,11 +72,11 @@ def make_optimizer(params: list[torch.nn.Parameter], lr: float, *, device: torch
         try:
             import bitsandbytes as bnb
 
-            print(f"[optim] {label}: bitsandbytes AdamW8bit", flush=True)
+            say(f"[optim] {label}: bitsandbytes AdamW8bit")
             return bnb.optim.AdamW8bit(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
         except ImportError:
             pass
-    print(f"[optim] {label}: torch AdamW (fp32 moments)", flush=True)
+    say(f"[optim] {label}: torch AdamW (fp32 moments)")
     return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
 
 
@@ -68,8 +90,34 @@ def make_engine(cfg: TrainConfig, actor, injector: Injector, tokenizer, *, layer
 
         return NativeRolloutEngine(actor, injector, tokenizer)
     from nla_shell.engines.vllm import VLLMRolloutEngine
+    from nla_shell.models import base_model_dir
 
-    return VLLMRolloutEngine.from_train_config(cfg, tokenizer, injection_layer=layer_index)
+    # vLLM loads the base weights; the trainer's first sync pushes the LoRA-merged actor.
+    return VLLMRolloutEngine(
+        base_model_dir(cfg.av_ckpt),
+        tokenizer,
+        marker_id=injector.marker_id,
+        left_id=injector.left_id,
+        right_id=injector.right_id,
+        injection_layer=layer_index,
+        gpu_memory_utilization=cfg.vllm_gpu_mem,
+        max_model_len=cfg.vllm_max_len,
+        tensor_parallel_size=cfg.vllm_tp,
+        # Under torchrun each rank's engine samples from a stream of its own.
+        seed=distributed.rank_seed(cfg.seed, distributed.rank_info().rank) if distributed.active() else cfg.seed,
+    )
+
+
+def say(message: str, *, error: bool = False) -> None:
+    """Print on rank 0 only: every rank runs the same story, one voice tells it."""
+    if distributed.is_main():
+        print(message, file=sys.stderr if error else sys.stdout, flush=True)
+
+
+def seed_everything(seed: int) -> None:
+    """Seed torch's (CPU and CUDA) and numpy's global RNGs."""
+    torch.manual_seed(seed)
+    np.random.seed(seed)
 
 
 def peak_memory_gb(device: torch.device) -> float:
@@ -116,11 +164,33 @@ def _nanmean(x: torch.Tensor) -> float:
 
 
 def train(cfg: TrainConfig) -> Path:
-    """Run (or resume) GRPO training as configured; returns save_dir."""
+    """Run (or resume) GRPO training as configured; returns save_dir.
+
+    One process, or one rank of a torchrun job (RANK / WORLD_SIZE / LOCAL_RANK in the
+    environment): then the ranks join a process group (NCCL on CUDA, gloo on CPU) for the
+    run, and the batch must split into equal shares of whole prompts.
+    """
+    rank = distributed.rank_info()
+    device, dtype = resolve_device(cfg.device, cfg.dtype, rank)
+    if cfg.engine == "vllm":
+        from nla_shell.engines.vllm import require_vllm
+
+        require_vllm()  # before anything is written: say how to install it
+    distributed.check_divisible("batch_prompts", cfg.batch_prompts, rank.world_size)
+    if rank.world_size > 1 and cfg.engine == "vllm" and cfg.vllm_tp > 1:
+        raise ConfigError(
+            f"config key 'vllm_tp' = {cfg.vllm_tp} is invalid under torchrun: each rank runs its own "
+            "vLLM engine on its own GPU; use vllm_tp=1 with torchrun, or vllm_tp>1 in one process"
+        )
+    with distributed.process_group(rank, device):
+        return run_ranked(cfg, rank, device, dtype)
+
+
+def run_ranked(cfg: TrainConfig, rank: RankInfo, device: torch.device, dtype: torch.dtype) -> Path:
+    """The training run as seen by one rank (the only one, outside torchrun)."""
     from transformers import AutoTokenizer
 
     # --- validate every input before anything is written ------------------------------
-    device, dtype = resolve_device(cfg.device, cfg.dtype)
     tokenizer = AutoTokenizer.from_pretrained(cfg.av_ckpt)
     nla = load_sidecar(cfg.sidecar or find_sidecar(cfg.rl_parquet))
     check_tokenizer(nla, tokenizer)
@@ -140,12 +210,16 @@ def train(cfg: TrainConfig) -> Path:
 
     save_dir = Path(cfg.save_dir)
     config_dict = config_to_dict(cfg)
-    ckpt.claim_save_dir(save_dir, config_dict, overwrite=cfg.overwrite, resume=cfg.resume)
-    resume_from = ckpt.latest_checkpoint(save_dir) if cfg.resume == "auto" else None
 
-    # --- models --------------------------------------------------------------------------
-    torch.manual_seed(cfg.seed)
-    np.random.seed(cfg.seed)
+    def claim() -> Path | None:
+        ckpt.claim_save_dir(save_dir, config_dict, overwrite=cfg.overwrite, resume=cfg.resume)
+        return ckpt.latest_checkpoint(save_dir) if cfg.resume == "auto" else None
+
+    # Rank 0 claims the directory and picks the checkpoint; every rank resumes from that one.
+    resume_from = distributed.on_main(claim)
+
+    # --- models (the same seed on every rank: identical initial LoRA) ---------------------
+    seed_everything(cfg.seed)
     actor = load_actor(
         cfg.av_ckpt,
         lora_r=cfg.lora_r,
@@ -169,6 +243,7 @@ def train(cfg: TrainConfig) -> Path:
         critic = ARModel.from_pretrained(resume_from / "critic", mse_scale=mse_scale, dtype=dtype, device=device)
     critic.requires_grad_(cfg.train_critic)
     critic.eval()  # Qwen3 has no dropout: eval mode serves the gradient steps too
+    distributed.broadcast_parameters(trainable_parameters(actor))
 
     # --- engine, optimisers, baselines ---------------------------------------------------
     engine = make_engine(cfg, actor, injector, tokenizer, layer_index=1)
@@ -182,9 +257,10 @@ def train(cfg: TrainConfig) -> Path:
         torch.stack([r.activation for r in rows[:4000]]), scale=mse_scale
     )
     rawvar, meannorm = float(baselines.rawvar), float(baselines.meannorm)
-    print(f"[fve] predict-the-mean mse: rawvar {rawvar:.4f} (paper), meannorm {meannorm:.4f}", flush=True)
+    say(f"[fve] predict-the-mean mse: rawvar {rawvar:.4f} (paper), meannorm {meannorm:.4f}")
 
-    # --- resume --------------------------------------------------------------------------
+    # --- resume; one sampling RNG stream per rank -------------------------------------------
+    # The data order is global: every rank draws the same batch, then takes its share.
     order = DataOrder(len(rows), cfg.seed)
     start_step, skipped_steps = cfg.start_step, 0
     if resume_from is not None:
@@ -195,16 +271,31 @@ def train(cfg: TrainConfig) -> Path:
         if critic_optimizer is not None:
             critic_optimizer.load_state_dict(state.optimizer_states["critic"])
         skipped_steps = int(state.extra.get("skipped_steps", 0))
-        ckpt.set_rng_state(state.rng)
-        print(f"[resume] from {resume_from} at step {start_step}", flush=True)
-    logger = make_logger(
-        cfg.logger, save_dir=save_dir, config_dict=config_dict, project=cfg.wandb_project,
-        run_name=cfg.wandb_name, start_step=start_step,
+        restore_rank_rng(state, rank, seed=cfg.seed, step=start_step)
+        say(f"[resume] from {resume_from} at step {start_step}")
+    elif rank.world_size > 1:
+        # Ranks must not sample alike (a one-process run keeps the stream seeded above).
+        seed_everything(distributed.rank_seed(cfg.seed, rank.rank))
+    logger = (
+        make_logger(
+            cfg.logger, save_dir=save_dir, config_dict=config_dict, project=cfg.wandb_project,
+            run_name=cfg.wandb_name, start_step=start_step,
+        )
+        if rank.is_main
+        else NullLogger()
     )
     if not engine.shares_actor_weights:
-        print(f"[sync] initial weight push: {engine.sync_weights(actor):.2f}s", flush=True)
+        say(f"[sync] initial weight push: {engine.sync_weights(actor):.2f}s")
 
     def save(step_done: int) -> None:
+        # Every rank calls this (gathering the RNG states is a collective); rank 0 writes.
+        rng_states = distributed.all_gather(ckpt.rng_state())
+        if not rank.is_main:
+            return
+        extra: dict[str, Any] = {"skipped_steps": skipped_steps}
+        if rank.world_size > 1:
+            extra["rank_rng"] = rng_states
+
         def write(tmp: Path) -> None:
             actor.save_pretrained(tmp / "adapter", selected_adapters=["default"])
             if cfg.train_critic:
@@ -214,12 +305,12 @@ def train(cfg: TrainConfig) -> Path:
                 optimizers["critic"] = critic_optimizer.state_dict()
             ckpt.save_training_state(
                 tmp, step=step_done, data_cursor=order.state(), optimizer_states=optimizers,
-                rng=ckpt.rng_state(), extra={"skipped_steps": skipped_steps},
+                rng=rng_states[0], extra=extra,
             )
             (tmp / ckpt.CONFIG_NAME).write_text((save_dir / ckpt.CONFIG_NAME).read_text())
 
         path = ckpt.save_checkpoint(save_dir, step_done, write=write)
-        print(f"[save] {path}", flush=True)
+        say(f"[save] {path}")
 
     loss_options = LossOptions(
         clip_eps=cfg.clip_eps, clip_eps_high=cfg.clip_eps_high, kl_beta=cfg.kl_beta, kl_clamp=cfg.kl_clamp,
@@ -236,16 +327,15 @@ def train(cfg: TrainConfig) -> Path:
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
 
-        # --- rollouts --------------------------------------------------------------------
+        # --- rollouts: this rank's share of the global batch, whole prompts -----------------
         t0 = time.perf_counter()
-        batch_idx = order.next_batch(cfg.batch_prompts)
+        batch_idx = distributed.shard(order.next_batch(cfg.batch_prompts), rank)
         requests = [RolloutRequest(tuple(prompt_ids[i]), rows[i].activation) for i in batch_idx]
         rollouts = engine.generate(requests, group_size=cfg.group_size, max_new_tokens=cfg.max_new_tokens)
         golds = torch.stack([requests[r.prompt_index].activation for r in rollouts])
-        n_generated = sum(r.full_ids.numel() - r.prompt_len for r in rollouts)
         time_rollout = time.perf_counter() - t0
 
-        # --- score: extraction -> AR -> reward -> advantages ------------------------------
+        # --- score: extraction -> AR -> reward -> advantages (groups are whole: exact) -----
         t0 = time.perf_counter()
         explanations = [nla_core.extract_explanation(r.text) for r in rollouts]
         scores = score_explanations(critic, tokenizer, explanations, golds, **score_kwargs)
@@ -253,7 +343,7 @@ def train(cfg: TrainConfig) -> Path:
         advantages = nla_core.group_advantages(scores.reward, group_ids, scale=cfg.advantage_scale)
         time_score = time.perf_counter() - t0
 
-        # --- policy update -----------------------------------------------------------------
+        # --- policy update (global denominator, gradients summed over ranks) ----------------
         t0 = time.perf_counter()
         actor.train()
         update = policy_update(
@@ -261,22 +351,22 @@ def train(cfg: TrainConfig) -> Path:
             loss=loss_options, micro_batch=cfg.logp_micro_batch, max_grad_norm=cfg.max_grad_norm,
             pad_id=tokenizer.pad_token_id, mismatch_threshold=cfg.mismatch_threshold,
         )
-        if not update.stepped:
+        if not update.stepped:  # the grad norm is global: every rank skips together
             skipped_steps += 1
-            print(f"[warn] step {step}: grad norm {update.grad_norm} is not finite; optimizer step skipped "
-                  f"({skipped_steps} so far)", file=sys.stderr, flush=True)
+            say(f"[warn] step {step}: grad norm {update.grad_norm} is not finite; optimizer step skipped "
+                f"({skipped_steps} so far)", error=True)
         time_update = time.perf_counter() - t0
 
         # --- critic co-training: one regression step on this step's explanations -----------
         t0 = time.perf_counter()
         critic_loss = math.nan
         if critic_optimizer is not None:
+            # Every rank steps, even one with nothing kept: the step's collectives must all meet.
             kept = [i for i, ids in enumerate(scores.ar_inputs) if ids is not None]
-            if kept:
-                critic_loss, _ = critic_step(
-                    critic, critic_optimizer, [scores.ar_inputs[i] for i in kept], golds[kept],
-                    pad_id=tokenizer.pad_token_id, micro_batch=cfg.critic_micro_batch, max_grad_norm=cfg.max_grad_norm,
-                )
+            critic_loss, _ = critic_step(
+                critic, critic_optimizer, [scores.ar_inputs[i] for i in kept], golds[kept],
+                pad_id=tokenizer.pad_token_id, micro_batch=cfg.critic_micro_batch, max_grad_norm=cfg.max_grad_norm,
+            )
         time_critic = time.perf_counter() - t0
 
         # --- weight push to engines with their own copy -------------------------------------
@@ -284,22 +374,39 @@ def train(cfg: TrainConfig) -> Path:
         if not engine.shares_actor_weights and cfg.vllm_sync_every > 0 and (step + 1) % cfg.vllm_sync_every == 0:
             time_sync = engine.sync_weights(actor)
 
-        # --- metrics -------------------------------------------------------------------------
-        valid_mse = scores.mse[scores.valid].tolist()
-        reward_stats = _stats(scores.reward[scores.valid].tolist())
+        # --- metrics of the global batch: every rank's samples, in rank (= batch) order --------
+        marker = nla.injection_token_id
+        samples = distributed.gather_samples({
+            "reward": scores.reward,
+            "mse": scores.mse,
+            "valid": scores.valid,
+            "advantage": advantages,
+            "cjk": torch.tensor([cjk_fraction(r.text) for r in rollouts], dtype=torch.float64),
+            "length": torch.tensor([r.full_ids.numel() - r.prompt_len for r in rollouts]),
+            "echo": torch.tensor([bool((r.full_ids[r.prompt_len :] == marker).any()) for r in rollouts]),
+        })
+        valid_mse = samples["mse"][samples["valid"]].tolist()
+        reward_stats = _stats(samples["reward"][samples["valid"]].tolist())
         mse_mean = float(np.mean(valid_mse)) if valid_mse else math.nan
+        advantages_all, n_generated = samples["advantage"], int(samples["length"].sum())
+        # The slowest rank sets the pace: times (and peak memory) are maxima over ranks.
         time_step = time.perf_counter() - t_step
+        time_rollout, time_score, time_update, time_critic, time_sync, time_step, peak_mem = (
+            distributed.all_reduce_max(
+                [time_rollout, time_score, time_update, time_critic, time_sync, time_step, peak_memory_gb(device)]
+            )
+        )
         record: dict[str, Any] = {
             "loss": update.loss,
             **{f"reward_{k}": v for k, v in reward_stats.items()},
             "mse_mean": mse_mean,
             "fve": nla_core.fve(mse_mean, rawvar),
             "fve_meannorm": nla_core.fve(mse_mean, meannorm),
-            "advantage_mean": float(advantages.mean()),
-            "advantage_std": float(advantages.std()) if advantages.numel() > 1 else 0.0,
-            "extraction_rate": float(scores.valid.float().mean()),
-            "cjk_fraction": float(np.mean([cjk_fraction(r.text) for r in rollouts])),
-            "response_len_mean": n_generated / len(rollouts),
+            "advantage_mean": float(advantages_all.mean()),
+            "advantage_std": float(advantages_all.std()) if advantages_all.numel() > 1 else 0.0,
+            "extraction_rate": float(samples["valid"].float().mean()),
+            "cjk_fraction": float(np.mean(samples["cjk"].numpy())),
+            "response_len_mean": n_generated / len(samples["length"]),
             "kl_mean": update.kl_mean,
             "clip_frac": update.clip_frac,
             "tis_frac": update.tis_frac,
@@ -315,20 +422,21 @@ def train(cfg: TrainConfig) -> Path:
             "time_sync": time_sync,
             "time_step": time_step,
             "tokens_per_s": n_generated / max(time_rollout, 1e-9),
-            "peak_mem_gb": peak_memory_gb(device),
-            "marker_echo_count": sum(
-                int((r.full_ids[r.prompt_len :] == nla.injection_token_id).any()) for r in rollouts
-            ),
+            "peak_mem_gb": peak_mem,
+            "marker_echo_count": int(samples["echo"].sum()),
             "mismatch_masked_frac": update.mismatch_masked_frac,
+            "time_allreduce": update.time_allreduce,
         }
 
-        # --- held-out eval (document-disjoint rows) ------------------------------------------
+        # --- held-out eval (document-disjoint rows): rank 0 alone, the others wait ------------
         if eval_on and step % cfg.eval_every == 0:
-            record.update(evaluate_rows(
-                engine, critic, tokenizer, eval_rows, eval_prompt_ids, logger=logger, step=step,
-                max_new_tokens=cfg.eval_max_new_tokens or cfg.max_new_tokens,
-                rawvar=rawvar, meannorm=meannorm, score_kwargs=score_kwargs,
-            ))
+            if rank.is_main:
+                record.update(evaluate_rows(
+                    engine, critic, tokenizer, eval_rows, eval_prompt_ids, logger=logger, step=step,
+                    max_new_tokens=cfg.eval_max_new_tokens or cfg.max_new_tokens,
+                    rawvar=rawvar, meannorm=meannorm, score_kwargs=score_kwargs,
+                ))
+            distributed.barrier()
         logger.log(step, record)
         last_record = {"step": step, **record}
 
@@ -338,8 +446,25 @@ def train(cfg: TrainConfig) -> Path:
 
     engine.close()
     logger.close()
-    write_summary(save_dir, last_record, rawvar=rawvar, meannorm=meannorm)
+    if rank.is_main:
+        write_summary(save_dir, last_record, rawvar=rawvar, meannorm=meannorm)
     return save_dir
+
+
+def restore_rank_rng(state: ckpt.TrainingState, rank: RankInfo, *, seed: int, step: int) -> None:
+    """Give this rank back its own RNG stream from a checkpoint.
+
+    A torchrun checkpoint holds every rank's state (extra["rank_rng"], in rank order); a
+    one-process checkpoint holds one. Resuming with another number of ranks cannot be
+    exact: each rank then starts a fresh stream of its own, and says so.
+    """
+    states = state.extra.get("rank_rng") or [state.rng]
+    if len(states) == rank.world_size:
+        ckpt.set_rng_state(states[rank.rank])
+        return
+    say(f"[warn] the checkpoint holds RNG states of {len(states)} rank(s), this run has {rank.world_size}: "
+        "fresh per-rank RNG streams, so the resumed run is not bit-exact", error=True)
+    seed_everything(distributed.rank_seed(seed, rank.rank, step))
 
 
 def evaluate_rows(

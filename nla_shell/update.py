@@ -9,6 +9,7 @@ from typing import Sequence
 import torch
 
 import nla_core
+from nla_shell import distributed
 from nla_shell.engines.base import Rollout
 from nla_shell.models import Injector, pad_right, reference_policy, response_logprobs
 
@@ -73,6 +74,8 @@ class UpdateStats:
     logp_diff_mean: float
     logp_diff_max: float
     mismatch_masked_frac: float
+    time_allreduce: float
+    """Seconds spent summing gradients over ranks (0 in one process)."""
 
 
 def policy_update(
@@ -96,20 +99,29 @@ def policy_update(
     tokens for token_mean), so the summed micro-batch gradients equal the full-batch
     gradient whatever `micro_batch` is. A non-finite grad norm skips the optimizer step.
 
+    Under torchrun every rank passes its own slice of the batch: the denominator counts the
+    global batch and the gradients are summed over ranks before clipping, so every rank
+    holds the single-process gradient, sees the same grad norm, and steps (or skips) in
+    lockstep. The returned statistics are the global batch's.
+
     Args:
       rollouts: N rollouts; advantages: [N]; activations: [N, D] (each rollout's prompt vector).
-      step_optimizer: False leaves the accumulated gradient in place (tests, distributed).
+      step_optimizer: False leaves the accumulated (rank-summed) gradient in place (tests).
     """
-    n = len(rollouts)
-    if advantages.shape != (n,) or activations.shape[0] != n:
-        raise ValueError(f"{n} rollouts but advantages {tuple(advantages.shape)}, activations {tuple(activations.shape)}")
+    n_local = len(rollouts)
+    if advantages.shape != (n_local,) or activations.shape[0] != n_local:
+        raise ValueError(
+            f"{n_local} rollouts but advantages {tuple(advantages.shape)}, activations {tuple(activations.shape)}"
+        )
     device = next(actor.parameters()).device
-    n_tokens = sum(r.full_ids.numel() - r.prompt_len for r in rollouts)
+    n, n_tokens = (int(c) for c in distributed.all_reduce_sum(
+        [n_local, sum(r.full_ids.numel() - r.prompt_len for r in rollouts)]
+    ))
     denominator = n if loss.aggregation == "sequence_mean" else max(1, n_tokens)
     optimizer.zero_grad(set_to_none=True)
     sums = dict(loss=0.0, kl=0.0, clip=0.0, tis=0.0, diff=0.0, tokens=0.0, masked=0.0)
     diff_max = 0.0
-    for start in range(0, n, micro_batch):
+    for start in range(0, n_local, micro_batch):
         chunk = rollouts[start : start + micro_batch]
         batch = response_batch(chunk, pad_id=pad_id, device=device)
         vectors = activations[start : start + micro_batch].to(device, torch.float32)
@@ -153,6 +165,7 @@ def policy_update(
         sums["tokens"] += tokens
         diff_max = max(diff_max, float(diff.max()) if diff.numel() else 0.0)
     params = [p for p in actor.parameters() if p.requires_grad]
+    time_allreduce = distributed.all_reduce_grads(params)
     grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm))
     stepped = math.isfinite(grad_norm)
     if step_optimizer:
@@ -160,6 +173,8 @@ def policy_update(
             optimizer.step()
         # Clip does not sanitise NaN/inf: stepping on them would corrupt the moments and weights.
         optimizer.zero_grad(set_to_none=True)
+    sums = dict(zip(sums, distributed.all_reduce_sum(list(sums.values()))))
+    (diff_max,) = distributed.all_reduce_max([diff_max])
     tokens = max(sums["tokens"], 1.0)
     return UpdateStats(
         loss=sums["loss"],
@@ -171,4 +186,5 @@ def policy_update(
         logp_diff_mean=sums["diff"] / max(n_tokens, 1),
         logp_diff_max=diff_max,
         mismatch_masked_frac=sums["masked"] / max(n, 1),
+        time_allreduce=time_allreduce,
     )

@@ -1,0 +1,187 @@
+"""Random models at the Qwen3-8B shape and synthetic NLA inputs, shared by the GPU benchmarks.
+
+Weights are random (no checkpoint is read): a model is built on the meta device and then
+materialised directly on the target device, so an 8B model never touches host memory.
+Timing and memory do not depend on the weight values; only sampled lengths would (EOS is
+practically never drawn from a random model over a 152k vocabulary).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+QWEN3_8B = dict(
+    vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+    num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+)
+"""The Qwen3-8B geometry."""
+TINY = dict(
+    vocab_size=None, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+)
+"""A CPU smoke-test geometry (vocab_size: the toy tokenizer's)."""
+CORPUS = (
+    "The cat sat on the mat and looked at the door. A dog ran after a red ball. "
+    "<explanation>The text is about animals.</explanation> Explain the activation at the marked token."
+)
+
+
+def qwen3_config(shape: dict[str, Any], *, vocab_size: int, num_layers: int | None = None):
+    from transformers import Qwen3Config
+
+    geometry = dict(shape, vocab_size=shape["vocab_size"] or vocab_size)
+    if num_layers is not None:
+        geometry["num_hidden_layers"] = num_layers
+    return Qwen3Config(
+        **geometry, max_position_embeddings=4096, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
+        tie_word_embeddings=False, bos_token_id=None, eos_token_id=2, pad_token_id=0,
+    )
+
+
+def random_qwen3(config, *, device: torch.device, dtype: torch.dtype, seed: int = 0) -> torch.nn.Module:
+    """A Qwen3ForCausalLM with N(0, 0.02) matrices and unit norms, allocated on `device` only."""
+    from transformers import Qwen3ForCausalLM
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
+
+    with torch.device("meta"):
+        model = Qwen3ForCausalLM(config)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    generator = torch.Generator(device).manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() == 1:
+                param.fill_(1.0)  # RMSNorm scales
+            else:
+                param.normal_(0.0, 0.02, generator=generator)
+    # to_empty leaves non-persistent buffers (RoPE's inverse frequencies) uninitialised.
+    model.model.rotary_emb = Qwen3RotaryEmbedding(config).to(device)
+    return model.eval()
+
+
+def attach_lora(model: torch.nn.Module, *, r: int, alpha: int, use_rslora: bool = True, seed: int = 0):
+    """The trainer's adapter (LoraConfig of `nla_shell.models.load_actor`) with a non-zero B,
+    so the adapted policy differs from the base (PEFT starts B at zero)."""
+    from peft import LoraConfig, get_peft_model
+
+    from nla_shell.models import LORA_TARGETS
+
+    lora = LoraConfig(r=r, lora_alpha=alpha, target_modules=list(LORA_TARGETS), lora_dropout=0.0, bias="none",
+                      task_type="CAUSAL_LM", use_rslora=use_rslora)
+    actor = get_peft_model(model, lora)
+    generator = torch.Generator(next(model.parameters()).device).manual_seed(seed)
+    with torch.no_grad():
+        for name, param in actor.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0.0, 1e-3, generator=generator)
+    return actor
+
+
+def toy_tokenizer():
+    """The hub-free toy tokenizer (EOS 2, pad 0, single-token marker "§") and its marker ids."""
+    from nla_shell import toy
+
+    tokenizer = toy.train_tokenizer([CORPUS] * 4, vocab_size=512)
+    tokens = toy.make_sidecar_mapping(tokenizer, d_model=8, layer_index=1)["tokens"]
+    return tokenizer, tokens
+
+
+def make_requests(n_prompts: int, prompt_len: int, d_model: int, tokens: dict[str, int], *, vocab: int, seed: int = 0):
+    """RolloutRequests: random ids (no special ids, no marker) with one marker triple, random vectors."""
+    from nla_shell.engines.base import RolloutRequest
+
+    generator = torch.Generator().manual_seed(seed)
+    marker = (tokens["injection_left_neighbor_id"], tokens["injection_token_id"], tokens["injection_right_neighbor_id"])
+    requests = []
+    for _ in range(n_prompts):
+        ids = torch.randint(3, vocab, (prompt_len,), generator=generator)
+        ids[ids == marker[1]] = 3
+        at = prompt_len // 3
+        ids[at : at + 3] = torch.tensor(marker)
+        requests.append(RolloutRequest(tuple(ids.tolist()), torch.randn(d_model, generator=generator)))
+    return requests
+
+
+def make_injector(actor, tokens: dict[str, int]):
+    from nla_shell.models import Injector
+
+    return Injector(actor, marker_id=tokens["injection_token_id"], left_id=tokens["injection_left_neighbor_id"],
+                    right_id=tokens["injection_right_neighbor_id"])
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn: Callable[[], Any], device: torch.device) -> tuple[float, Any]:
+    """(seconds, result) of fn(), with the device drained before and after."""
+    sync(device)
+    start = time.perf_counter()
+    result = fn()
+    sync(device)
+    return time.perf_counter() - start, result
+
+
+def copy_bandwidth(device: torch.device, *, gib: float = 1.0, repeats: int = 10) -> float:
+    """Device-to-device copy bandwidth, bytes read + written per second (the HBM ceiling)."""
+    n = int(gib * 2**30) // 2
+    src = torch.empty(n, dtype=torch.bfloat16, device=device).normal_()
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    seconds, _ = timed(lambda: [dst.copy_(src) for _ in range(repeats)], device)
+    return 2 * src.numel() * src.element_size() * repeats / seconds
+
+
+def reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_gib(device: torch.device) -> float:
+    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else math.nan
+
+
+def free_memory(device: torch.device) -> None:
+    import gc
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def environment(device: torch.device) -> dict[str, Any]:
+    import transformers
+
+    info = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "torch": torch.__version__,
+            "transformers": transformers.__version__}
+    info["device"] = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    return info
+
+
+class Record:
+    """The run's JSON, rewritten after every case so a crash keeps what was measured."""
+
+    def __init__(self, path: str | Path, header: dict[str, Any]) -> None:
+        self.path = Path(path)
+        self.data: dict[str, Any] = {**header, "cases": [], "errors": []}
+        self.save()
+
+    def add(self, case: dict[str, Any]) -> None:
+        self.data["cases"].append(case)
+        self.save()
+
+    def error(self, name: str, err: BaseException) -> None:
+        message = f"{name}: {type(err).__name__}: {err}"
+        print(f"[error] {message}", flush=True)
+        self.data["errors"].append(message)
+        self.save()
+
+    def save(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.write_text(json.dumps(self.data, indent=2, default=str))

@@ -21,6 +21,9 @@ D_MODEL = 64
 """Hidden size of the tiny AV (and width of the toy activations)."""
 LAYER_INDEX = 1
 """Injection / extraction layer of the toy data (the reference's block 1)."""
+NUM_LAYERS = 3
+"""Blocks of the tiny AV: at least one after the injection block, or a later token's logits
+could never see the injected vector (steering would be invisible to generation)."""
 
 TINY_CORPUS: tuple[str, ...] = (
     "The cat sat on the mat and looked at the door.",
@@ -52,7 +55,7 @@ def build_av_dir(directory: Path, tokenizer: PreTrainedTokenizerFast | None = No
     directory = Path(directory)
     if not (directory / "config.json").is_file():
         tokenizer = tokenizer or tiny_tokenizer()
-        toy.save_av_checkpoint(toy.build_tiny_qwen3(tokenizer, hidden_size=D_MODEL, seed=0), tokenizer, directory)
+        toy.save_av_checkpoint(toy.build_tiny_qwen3(tokenizer, hidden_size=D_MODEL, num_layers=NUM_LAYERS, seed=0), tokenizer, directory)
     return directory
 
 
@@ -157,7 +160,7 @@ def build_trainer_inputs(directory: Path, tokenizer: PreTrainedTokenizerFast | N
     build_toy_rl(parquet.parent, tokenizer)
     cfg = load_sidecar(Path(str(parquet) + ".nla_meta.yaml"))
     prompt = build_prompt_ids(toy.av_prompt_messages(cfg.actor_prompt_template), cfg, tokenizer)
-    model = toy.build_tiny_qwen3(tokenizer, hidden_size=D_MODEL, seed=0)
+    model = toy.build_tiny_qwen3(tokenizer, hidden_size=D_MODEL, num_layers=NUM_LAYERS, seed=0)
     teach_explanation_format(model, tokenizer, prompt)
     toy.save_av_checkpoint(model, tokenizer, av)
     scale = resolve_target_scale(cfg.mse_scale, cfg.d_model)

@@ -32,7 +32,7 @@ def deep_av_dir(nla_cache_dir: Path, tiny_tokenizer) -> Path:
     logits through a later attention layer (in the 2-layer toy AV block 1 is the last)."""
     directory = nla_cache_dir / "native_av3"
     if not (directory / "config.json").exists():
-        model = toy.build_tiny_qwen3(tiny_tokenizer, hidden_size=fixtures.D_MODEL, num_layers=3, seed=0)
+        model = toy.build_tiny_qwen3(tiny_tokenizer, hidden_size=fixtures.D_MODEL, num_layers=fixtures.NUM_LAYERS, seed=0)
         toy.save_av_checkpoint(model, tiny_tokenizer, directory)
     return directory
 

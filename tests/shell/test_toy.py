@@ -108,8 +108,10 @@ def test_tiny_qwen3_config_and_generation_defaults(tiny_tokenizer):
 
 def test_saved_av_checkpoint_reloads_identically(tiny_av_dir, tiny_tokenizer):
     model = AutoModelForCausalLM.from_pretrained(tiny_av_dir)
-    built = toy.build_tiny_qwen3(tiny_tokenizer, hidden_size=fixtures.D_MODEL, seed=0)
-    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), built.state_dict().values()))
+    built = toy.build_tiny_qwen3(tiny_tokenizer, hidden_size=fixtures.D_MODEL, num_layers=fixtures.NUM_LAYERS, seed=0)
+    saved, fresh = model.state_dict(), built.state_dict()
+    assert saved.keys() == fresh.keys()
+    assert all(torch.equal(saved[k], fresh[k]) for k in saved)
     assert model.generation_config.top_k == 0 and model.generation_config.do_sample is True
     tok = AutoTokenizer.from_pretrained(tiny_av_dir)
     text = tok.apply_chat_template(AV_PROMPT, tokenize=False, add_generation_prompt=True)

@@ -108,6 +108,10 @@ def test_hf_engine_behaviour_logprobs_equal_the_training_forward(nla_run_inputs)
         logp = response_logprobs(actor, batch.input_ids, batch.attention_mask, batch.positions, batch.targets)
     diff = (logp - batch.behavior_logp)[batch.mask].abs()
     assert diff.numel() > 0 and float(diff.max()) <= 1e-4
+    # The injected vector reaches the generated tokens: another vector, other log-probs.
+    with torch.no_grad(), injector.inject(batch.input_ids, acts.flip(0)):
+        other = response_logprobs(actor, batch.input_ids, batch.attention_mask, batch.positions, batch.targets)
+    assert float((other - logp)[batch.mask].abs().max()) > 1e-3
 
 
 @pytest.mark.parametrize("aggregation", ["sequence_mean", "token_mean"])

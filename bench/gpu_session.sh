@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# The whole GPU matrix on a 2xH200 machine, as a few back-to-back `device` runs (each under
+# the 10-minute call limit; the machine, and /tmp with it, is kept only between quick calls).
+#   part K    (K = 1..3)  carry .device-carry/vllm/pK: bring one part of the vLLM bundle
+#   A         carry .device-carry/vllm/p4: install vLLM; GPU0: vLLM tests + bench_vllm 8B;
+#             GPU1: native GPU tests + bench_step
+#   B         GPU0: bench_rollout (HF, native, vLLM baseline); GPU1: nla train at 8B, hf + native
+#   C         GPU0: nla train at 8B with vLLM; then both GPUs: bench_ddp
+# Logs and JSON land in $OUT (at most 8 files a run come back).
+set -uo pipefail
+stage=$1
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+lane() { local gpu=$1; shift; CUDA_VISIBLE_DEVICES=$gpu bash -c "$*"; }
+train8b() {  # engine, extra overrides...
+  local engine=$1; shift
+  timeout -k 10 "${T:-240}" python3 -m nla_shell.cli train av_ckpt=/tmp/nla8b/av ar_ckpt=/tmp/nla8b/ar \
+    rl_parquet=/tmp/nla8b/data/rl.parquet save_dir=/tmp/run_$engine engine=$engine num_steps=3 \
+    eval_every=0 save_every=100 logger=console,jsonl "$@" 2>&1 | grep -v "Loading weights\|Writing model"
+  cp /tmp/run_$engine/metrics.jsonl "$OUT/train_$engine.jsonl" 2>/dev/null
+}
+case $stage in
+  part1|part2|part3)
+    mkdir -p /tmp/parts && cp .device-carry/vllm/p${stage#part}/* /tmp/parts/ && ls /tmp/parts ;;
+  A)
+    mkdir -p /tmp/parts && cp .device-carry/vllm/p4/* /tmp/parts/
+    nvidia-smi --query-gpu=name,memory.total --format=csv > "$OUT/gpus.txt"
+    lane 1 "timeout -k 10 150 python3 -m pytest tests/gpu/test_native_gpu.py -q -p no:cacheprovider > $OUT/native_gpu_test.log 2>&1;
+            timeout -k 10 400 python3 bench/bench_step.py --out $OUT/step.json > $OUT/step.log 2>&1" &
+    bash /tmp/parts/install.sh > "$OUT/vllm_gpu_test.log" 2>&1 && source /tmp/vllm_env.sh &&
+      lane 0 "timeout -k 10 200 python3 -m pytest tests/gpu/test_vllm.py -q -x -p no:cacheprovider >> $OUT/vllm_gpu_test.log 2>&1;
+              timeout -k 10 300 python3 bench/bench_vllm.py --shapes 8b --configs baseline,nla --out $OUT/vllm_8b.json > $OUT/vllm_8b.log 2>&1"
+    wait ;;
+  B)
+    source /tmp/vllm_env.sh
+    lane 0 "timeout -k 10 540 python3 bench/bench_rollout.py --out $OUT/rollout.json > $OUT/rollout.log 2>&1" &
+    ( export CUDA_VISIBLE_DEVICES=1
+      python3 bench/make_8b_run.py /tmp/nla8b && T=200 train8b hf && T=200 train8b native ) > "$OUT/train_8b.log" 2>&1 &
+    wait ;;
+  C)
+    source /tmp/vllm_env.sh
+    CUDA_VISIBLE_DEVICES=0 T=270 train8b vllm > "$OUT/train_vllm.log" 2>&1
+    timeout -k 10 300 python3 bench/bench_ddp.py --engine native --out "$OUT/ddp.json" --timeout 140 > "$OUT/ddp.log" 2>&1 ;;
+esac
+ls -la "$OUT"

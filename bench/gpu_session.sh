@@ -6,6 +6,8 @@
 #             GPU1: native GPU tests + bench_step
 #   B         GPU0: bench_rollout (HF, native, vLLM baseline); GPU1: nla train at 8B, hf + native
 #   C         GPU0: nla train at 8B with vLLM; then both GPUs: bench_ddp
+#   V         (instead of A, on a fresh machine after the parts) install vLLM, register nla's
+#             vLLM plugin entry point, run every vLLM GPU test (TP=2 included)
 # Logs and JSON land in $OUT (at most 8 files a run come back).
 set -uo pipefail
 stage=$1
@@ -31,6 +33,16 @@ case $stage in
       lane 0 "timeout -k 10 200 python3 -m pytest tests/gpu/test_vllm.py -q -x -p no:cacheprovider >> $OUT/vllm_gpu_test.log 2>&1;
               timeout -k 10 300 python3 bench/bench_vllm.py --shapes 8b --configs baseline,nla --out $OUT/vllm_8b.json > $OUT/vllm_8b.log 2>&1"
     wait ;;
+  V)
+    mkdir -p /tmp/parts && cp .device-carry/vllm/p4/* /tmp/parts/
+    bash /tmp/parts/install.sh > "$OUT/install.log" 2>&1 && source /tmp/vllm_env.sh
+    # TP workers are spawned processes: they find the steering plugin through its entry point.
+    dist=/tmp/site/nla-0.1.0.dist-info; mkdir -p $dist
+    printf 'Metadata-Version: 2.1\nName: nla\nVersion: 0.1.0\n' > $dist/METADATA
+    printf '[vllm.general_plugins]\nnla_steering = nla_shell.engines.vllm_steering:register\n' > $dist/entry_points.txt
+    timeout -k 10 540 python3 -m pytest tests/gpu/test_vllm.py -q -s -p no:cacheprovider 2>&1 \
+      | grep -v "^INFO\|^WARNING\|^(EngineCore\|Capturing CUDA" > "$OUT/vllm_gpu_test.log"
+    tail -25 "$OUT/vllm_gpu_test.log" ;;
   B)
     source /tmp/vllm_env.sh
     lane 0 "timeout -k 10 540 python3 bench/bench_rollout.py --out $OUT/rollout.json > $OUT/rollout.log 2>&1" &

@@ -334,6 +334,11 @@ def run_ranked(cfg: TrainConfig, rank: RankInfo, device: torch.device, dtype: to
         rollouts = engine.generate(requests, group_size=cfg.group_size, max_new_tokens=cfg.max_new_tokens)
         golds = torch.stack([requests[r.prompt_index].activation for r in rollouts])
         time_rollout = time.perf_counter() - t0
+        # Engines that steer on their own (vLLM) prove each step that the vector still lands:
+        # a canary of 0 means rollouts came from an unsteered model the trainer never sees.
+        canary = engine.steering_canary(requests[0]) if hasattr(engine, "steering_canary") else math.nan
+        if canary == 0.0:
+            say(f"[warn] step {step}: steering canary is 0: the engine's rollouts are unsteered", error=True)
 
         # --- score: extraction -> AR -> reward -> advantages (groups are whole: exact) -----
         t0 = time.perf_counter()
@@ -426,6 +431,7 @@ def run_ranked(cfg: TrainConfig, rank: RankInfo, device: torch.device, dtype: to
             "marker_echo_count": int(samples["echo"].sum()),
             "mismatch_masked_frac": update.mismatch_masked_frac,
             "time_allreduce": update.time_allreduce,
+            "steering_canary": canary,
         }
 
         # --- held-out eval (document-disjoint rows): rank 0 alone, the others wait ------------

@@ -416,6 +416,12 @@ class VLLMRolloutEngine:
         if steering == "nla":
             kwargs["additional_config"] = {vllm_steering.CONFIG_KEY: {"layer": injection_layer}}
         kwargs.update(llm_kwargs or {})
+        if self._in_process:
+            from vllm.compilation.monitor import set_cudagraph_capturing_enabled
+
+            # vLLM switches graph capture off process-wide once an engine has captured its
+            # graphs; a later engine in this process (eval, tests) must switch it back on.
+            set_cudagraph_capturing_enabled(True)
         self.llm = vllm.LLM(**kwargs)
         self._check_backend_active()
         self.d_model = int(self.llm.llm_engine.model_config.get_hidden_size())

@@ -32,7 +32,8 @@ MARKER, LEFT, RIGHT = 7, 5, 6
 LAYER = 1
 D = 256
 PROMPT_LEN = 16  # short prompts: the marker weighs enough in attention for the parity test to see it
-LEAK_PROMPT_LEN = 160  # many full KV blocks after the marker, whatever vLLM's block size
+LEAK_PROMPT_LEN = 48  # three 16-token KV blocks; the marker sits in the second (see _requests)
+LEAK_MARKER = 20  # the first token still sees it strongly, and a full cached block holds steered KV
 # bf16 engine vs bf16 HF forward: the issue measured 0.017 mean |dlogp| for this comparison.
 PARITY_MEAN = 0.03
 # Mean |dlogp| over the whole first-token distribution between two runs of the same
@@ -63,7 +64,7 @@ def _requests(n: int, seed: int, vocab: int, length: int = PROMPT_LEN) -> list[R
     requests = []
     for i in range(n):
         ids = torch.randint(10, vocab, (length,), generator=generator)
-        position = 3 + (3 * i) % (PROMPT_LEN - 8)
+        position = LEAK_MARKER if length == LEAK_PROMPT_LEN else 3 + (3 * i) % (PROMPT_LEN - 8)
         ids[position - 1 : position + 2] = torch.tensor([LEFT, MARKER, RIGHT])
         requests.append(RolloutRequest(tuple(ids.tolist()), torch.randn(D, generator=generator) * 3.0))
     return requests
@@ -179,7 +180,7 @@ def test_prefix_caching_would_leak_without_the_salt(cached_engine, tiny_tokenize
     unsalted_plain = first(None)
     assert _gap(steered, unsalted_plain) <= SAME_TOL, "expected the unsalted request to reuse the steered KV"
     assert cached_engine.llm.reset_prefix_cache()
-    assert _gap(steered, first(None)) > 5 * SAME_TOL
+    assert _gap(steered, first(None)) > 3 * SAME_TOL
 
 
 def test_no_steered_kv_leak_with_prefix_caching(cached_engine, tiny_tokenizer):
@@ -192,12 +193,12 @@ def test_no_steered_kv_leak_with_prefix_caching(cached_engine, tiny_tokenizer):
     assert cached_engine.llm.reset_prefix_cache()
     plain = first(request, steered=False)
     steered = first(request, steered=True)
-    assert _gap(steered, plain) > 5 * SAME_TOL, "steering must move the first token"
+    assert _gap(steered, plain) > 3 * SAME_TOL, "steering must move the first token"
     # steered, then unsteered on the same tokens: the unsteered result must not change
     assert _gap(first(request, steered=False), plain) <= SAME_TOL
     # two vectors on the same tokens: each keeps its own result, cached or fresh
     steered_other = first(other, steered=True)
-    assert _gap(steered_other, steered) > 5 * SAME_TOL
+    assert _gap(steered_other, steered) > 3 * SAME_TOL
     assert _gap(first(request, steered=True), steered) <= SAME_TOL
     assert cached_engine.llm.reset_prefix_cache()
     assert _gap(first(other, steered=True), steered_other) <= SAME_TOL

@@ -40,7 +40,7 @@ case $stage in
     dist=/tmp/site/nla-0.1.0.dist-info; mkdir -p $dist
     printf 'Metadata-Version: 2.1\nName: nla\nVersion: 0.1.0\n' > $dist/METADATA
     printf '[vllm.general_plugins]\nnla_steering = nla_shell.engines.vllm_steering:register\n' > $dist/entry_points.txt
-    timeout -k 10 540 python3 -m pytest tests/gpu/test_vllm.py -q -s -p no:cacheprovider 2>&1 \
+    timeout -k 10 540 python3 -m pytest tests/gpu/test_vllm.py -q -s -p no:cacheprovider ${PYTEST_K:+-k "$PYTEST_K"} 2>&1 \
       | grep -v "^INFO\|^WARNING\|^(EngineCore\|Capturing CUDA" > "$OUT/vllm_gpu_test.log"
     tail -25 "$OUT/vllm_gpu_test.log" ;;
   B)

@@ -99,6 +99,22 @@ def _hf_model(model_dir):
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda().eval()
 
 
+def _lora_actor(model_dir, *, seed: int):
+    """The HF model with a LoRA whose B is random, so the adapter visibly changes the policy."""
+    from peft import LoraConfig, get_peft_model
+
+    actor = get_peft_model(
+        _hf_model(model_dir),
+        LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], lora_dropout=0.0),
+    ).eval()
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in actor.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=generator) * 0.05)
+    return actor
+
+
 @torch.no_grad()
 def _hf_logprobs(model, rollouts, requests, *, inject: bool) -> torch.Tensor:
     """Teacher-forced log-probs of every generated token, concatenated over rollouts."""
@@ -206,17 +222,7 @@ def test_no_steered_kv_leak_with_prefix_caching(cached_engine, tiny_tokenizer):
 
 def test_weight_sync_matches_the_trainer(cached_engine, model_dir, tiny_tokenizer):
     """Runs last on the shared engine: it changes the engine's weights."""
-    from peft import LoraConfig, get_peft_model
-
-    actor = get_peft_model(
-        _hf_model(model_dir),
-        LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], lora_dropout=0.0),
-    ).eval()
-    generator = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for name, p in actor.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=generator) * 0.05)
+    actor = _lora_actor(model_dir, seed=3)
     base_before = {n: p.detach().clone() for n, p in actor.named_parameters() if "lora_" not in n}
     requests = _requests(8, seed=11, vocab=len(tiny_tokenizer))
 
@@ -237,19 +243,9 @@ def test_weight_sync_matches_the_trainer(cached_engine, model_dir, tiny_tokenize
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_tensor_parallel_engine_steers_and_takes_weight_pushes(model_dir, tiny_tokenizer):
     """vllm_tp=2: the plugin reaches both TP workers, and a sync reaches both shards."""
-    from peft import LoraConfig, get_peft_model
-
     engine = _engine(model_dir, tiny_tokenizer, tensor_parallel_size=2)
     requests = _requests(8, seed=13, vocab=len(tiny_tokenizer))
-    actor = get_peft_model(
-        _hf_model(model_dir),
-        LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], lora_dropout=0.0),
-    ).eval()
-    generator = torch.Generator().manual_seed(4)
-    with torch.no_grad():
-        for name, p in actor.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=generator) * 0.05)
+    actor = _lora_actor(model_dir, seed=4)
     try:
         before = engine.generate(requests, group_size=2, max_new_tokens=24)
         engine.sync_weights(actor)

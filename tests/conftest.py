@@ -41,3 +41,19 @@ def toy_rl_dir(tmp_path: Path, tiny_tokenizer) -> Path:
     import fixtures
 
     return fixtures.build_toy_rl(tmp_path / "toy_rl", tiny_tokenizer).parent
+
+
+@pytest.fixture(scope="session")
+def toy_datasets(nla_cache_dir: Path, tiny_av_dir: Path) -> Path:
+    """A dir with `nla datagen`'s rl/av_sft/ar_sft/eval parquets (+ sidecars, corpus.jsonl) of the tiny AV. Read-only."""
+    import fixtures
+
+    return fixtures.build_toy_datasets(nla_cache_dir / "toy_datasets", tiny_av_dir)
+
+
+@pytest.fixture(scope="session")
+def toy_sft(nla_cache_dir: Path, tiny_av_dir: Path, toy_datasets: Path) -> tuple[Path, Path]:
+    """(AV adapter dir, AR dir) from two-step `nla sft` runs on toy_datasets. Read-only."""
+    import fixtures
+
+    return fixtures.build_sft_checkpoints(nla_cache_dir / "toy_sft", tiny_av_dir, toy_datasets)

@@ -166,3 +166,65 @@ def build_trainer_inputs(directory: Path, tokenizer: PreTrainedTokenizerFast | N
     scale = resolve_target_scale(cfg.mse_scale, cfg.d_model)
     ARModel.from_pretrained(av, mse_scale=scale, extraction_layer_index=LAYER_INDEX, create_head=True).save_pretrained(ar)
     return av, ar, parquet
+
+
+# --------------------------------------------------------------------------- pipeline (datagen, sft)
+
+
+def write_toy_corpus(path: Path, *, n_docs: int = 24, seed: int = 0, extra: Sequence[str] = ()) -> Path:
+    """A JSONL corpus of toy-language documents ("id", "text"), plus `extra` texts at the end."""
+    import json
+
+    from nla_shell.toy_corpus import generate_documents
+
+    texts = [*generate_documents(n_docs, seed), *extra]
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps({"id": f"d{i:03d}", "text": t}) + "\n" for i, t in enumerate(texts)))
+    return path
+
+
+def datagen_config(model: Path, corpus: Path, out_dir: Path, **overrides: Any):
+    """A small DatagenConfig on CPU (layer LAYER_INDEX, rule explainer, no progress bar)."""
+    from nla_shell.datagen import DatagenConfig
+
+    settings = dict(model=str(model), corpus=str(corpus), layer=LAYER_INDEX, out_dir=str(out_dir),
+                    positions_per_doc=3, min_context=4, batch_size=5, row_group_size=8, device="cpu",
+                    progress=False, av_sft_fraction=0.3, ar_sft_fraction=0.3, eval_fraction=0.2)
+    settings.update(overrides)
+    return DatagenConfig(**settings)
+
+
+def build_toy_datasets(directory: Path, av_dir: Path) -> Path:
+    """rl/av_sft/ar_sft/eval parquets of the tiny AV over 24 toy documents, built once into `directory`."""
+    from nla_shell.datagen import datagen
+
+    directory = Path(directory)
+    if not (directory / "eval.parquet").exists():
+        corpus = write_toy_corpus(directory / "corpus.jsonl")
+        datagen(datagen_config(av_dir, corpus, directory))
+    return directory
+
+
+def sft_config(mode: str, model: Path, data_dir: Path, save_dir: Path, **overrides: Any):
+    """A tiny SFTConfig on CPU: a few constant-lr steps, logs to JSONL only."""
+    from nla_shell.sft import SFTConfig
+
+    settings = dict(mode=mode, model=str(model), parquet=str(Path(data_dir) / f"{mode}_sft.parquet"),
+                    save_dir=str(save_dir), num_steps=2, batch_size=4, micro_batch=2, lr=1e-3,
+                    lr_schedule="constant", lora_r=4, lora_alpha=4, save_every=2, logger=("jsonl",), device="cpu",
+                    dtype="float32")
+    settings.update(overrides)
+    return SFTConfig(**settings)
+
+
+def build_sft_checkpoints(directory: Path, av_dir: Path, data_dir: Path) -> tuple[Path, Path]:
+    """(AV adapter checkpoint, AR checkpoint) after two SFT steps each, built once into `directory`."""
+    from nla_shell.sft import sft
+
+    directory = Path(directory)
+    av, ar = directory / "av" / "step_000002", directory / "ar" / "step_000002"
+    if not (ar / "COMPLETE").exists():
+        sft(sft_config("av", av_dir, data_dir, directory / "av"))
+        sft(sft_config("ar", av_dir, data_dir, directory / "ar"))
+    return av, ar

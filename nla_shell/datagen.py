@@ -1,0 +1,594 @@
+"""`nla datagen`: documents -> sampled token positions -> residual activations -> NLA datasets.
+
+For each document (JSONL / text / parquet) the target LM runs once; the residual stream
+at the output of block K is read at a few seeded positions (each with at least
+`min_context` tokens before it). Each document goes to exactly one split, chosen by a
+seeded hash of its id, so no document is in two splits:
+
+    rl.parquet       prompt, activation_vector, doc_id, position, context
+    av_sft.parquet   ... + explanation, response ("<explanation>…</explanation>")
+    ar_sft.parquet   ... + explanation, ar_prompt (the AR template filled in)
+    eval.parquet     ... + explanation, response (held-out documents for `nla eval`)
+
+each with its sidecar `<file>.nla_meta.yaml` (docs/sidecar.md). Gold explanations come
+from an `Explainer`: a JSONL file keyed by (doc_id, position), or the deterministic rule
+of the toy language. Outputs are written to a temp dir and moved into place at the end,
+so an interrupted run leaves nothing half-written and can simply be run again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Literal, Mapping, Protocol, Sequence
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+
+from nla_core import parse_sidecar, resolve_target_scale
+from nla_shell.config import ConfigError, normalize_fields
+from nla_shell.data import INJECT_PLACEHOLDER, DataError, av_prompt_messages, check_tokenizer
+from nla_shell.models import decoder_layers, pad_right
+from nla_shell.toy import DEFAULT_AR_TEMPLATE, DEFAULT_AV_TEMPLATE, make_sidecar_mapping, write_sidecar
+from nla_shell.toy_corpus import describe, word_classes
+
+SPLITS = ("rl", "av_sft", "ar_sft", "eval")
+"""Every split datagen can write, in file order."""
+EXTRA_COLUMNS: Mapping[str, tuple[str, ...]] = {
+    "rl": (),
+    "av_sft": ("explanation", "response"),
+    "ar_sft": ("explanation", "ar_prompt"),
+    "eval": ("explanation", "response"),
+}
+"""String columns each split adds to prompt, activation_vector, doc_id, position, context."""
+
+INJECTION_CHAR_CANDIDATES = "§¶※†‡¤¦¬µ°±×÷©®~^|@"
+"""Tried in order when the injection char is chosen automatically (or the asked one is unusable)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class DatagenConfig:
+    """Settings of `nla datagen`."""
+
+    model: str
+    """Target LM: an HF causal-LM checkpoint dir with its tokenizer."""
+    corpus: str
+    """Documents: .jsonl (one object per line), .txt (documents separated by blank lines) or .parquet."""
+    layer: int
+    """K: activations are the residual stream at the output of block K (HF hidden_states[K+1])."""
+    out_dir: str
+    """Where the parquets and sidecars go."""
+    text_column: str = "text"
+    """JSONL key / parquet column holding a document's text."""
+    id_column: str = "id"
+    """JSONL key / parquet column holding a document's id; absent -> "doc{index:06d}"."""
+    explainer: Literal["rule", "jsonl", "none"] = "rule"
+    """Gold explanations: the toy language's rule, a JSONL file (`explanations`), or none (rl split only)."""
+    explanations: str | None = None
+    """JSONL of {"doc_id", "position", "explanation"} objects (explainer=jsonl)."""
+    positions_per_doc: int = 4
+    """Token positions sampled per document (fewer when the document has fewer eligible)."""
+    min_context: int = 4
+    """A sampled position has at least this many tokens before it; shorter documents are skipped."""
+    max_seq_len: int = 512
+    """Documents are cut to their first max_seq_len tokens."""
+    max_docs: int | None = None
+    """Read at most this many documents; None reads them all."""
+    av_sft_fraction: float = 0.3
+    """Share of documents whose rows go to av_sft.parquet."""
+    ar_sft_fraction: float = 0.3
+    """Share of documents whose rows go to ar_sft.parquet."""
+    eval_fraction: float = 0.1
+    """Share of documents whose rows go to eval.parquet; the rest go to rl.parquet."""
+    av_template: str = DEFAULT_AV_TEMPLATE
+    """AV user-message template; must hold <INJECT>."""
+    ar_template: str = DEFAULT_AR_TEMPLATE
+    """AR input template; must hold {explanation}."""
+    mse_scale: str = "sqrt_d_model"
+    """Sidecar extraction.mse_scale: "sqrt_d_model", "none", or a number."""
+    injection_char: str | None = None
+    """Preferred injection char; None, or one that is not a single token or occurs in the corpus, picks one."""
+    batch_size: int = 16
+    """Documents per forward pass."""
+    row_group_size: int = 1024
+    """Parquet row-group size."""
+    seed: int = 0
+    """Seed of the position sampling and of the document split."""
+    device: str = "auto"
+    """"auto", "cpu", "cuda" or "cuda:N"."""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Model dtype for the forward ("auto": bf16 on cuda, fp32 on cpu); activations are stored as float32."""
+    overwrite: bool = False
+    """Replace datasets already in out_dir."""
+    progress: bool = True
+    """Show a progress bar."""
+
+    def __post_init__(self) -> None:
+        normalize_fields(self)
+        for key in ("positions_per_doc", "max_seq_len", "batch_size", "row_group_size"):
+            _require(getattr(self, key) >= 1, key, getattr(self, key), "use an integer >= 1")
+        _require(self.layer >= 0, "layer", self.layer, "use a block index >= 0")
+        _require(self.min_context >= 1, "min_context", self.min_context, "use an integer >= 1")
+        _require(self.max_docs is None or self.max_docs >= 1, "max_docs", self.max_docs, "use an integer >= 1 or null")
+        fractions = [self.av_sft_fraction, self.ar_sft_fraction, self.eval_fraction]
+        for key, value in zip(("av_sft_fraction", "ar_sft_fraction", "eval_fraction"), fractions):
+            _require(0 <= value <= 1, key, value, "use a fraction in [0, 1]")
+        _require(sum(fractions) < 1, "eval_fraction", self.eval_fraction,
+                 f"the split fractions sum to {sum(fractions):g}; leave a share > 0 for rl")
+        _require(INJECT_PLACEHOLDER in self.av_template, "av_template", self.av_template, "include <INJECT>")
+        _require("{explanation}" in self.ar_template, "ar_template", self.ar_template, "include {explanation}")
+        try:
+            resolve_target_scale(_sidecar_scale(self.mse_scale), 1)
+        except ValueError as err:
+            raise ConfigError(f"config key 'mse_scale' = {self.mse_scale!r} is invalid: {err}") from None
+        if self.explainer == "jsonl":
+            _require(self.explanations is not None, "explanations", None, "give the JSONL path (explainer=jsonl)")
+        if self.explainer == "none":
+            _require(sum(fractions) == 0, "explainer", "none",
+                     "set av_sft_fraction, ar_sft_fraction and eval_fraction to 0 (they need explanations)")
+
+
+def _require(ok: bool, key: str, value: Any, fix: str) -> None:
+    if not ok:
+        raise ConfigError(f"config key '{key}' = {value!r} is invalid: {fix}")
+
+
+# --------------------------------------------------------------------------- documents
+
+
+@dataclass(frozen=True)
+class Document:
+    doc_id: str
+    text: str
+
+
+def read_documents(path: str | Path, *, text_column: str = "text", id_column: str = "id") -> Iterator[Document]:
+    """Stream documents from .jsonl/.json lines, .txt (blank-line separated) or .parquet.
+
+    A missing or non-string text is a DataError naming the line or row; ids default to
+    "doc{index:06d}" when the id key/column is absent.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"corpus: {path} does not exist")
+    suffix = path.suffix.lower()
+    if suffix in (".jsonl", ".json"):
+        with path.open(encoding="utf-8") as f:
+            for line_no, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as err:
+                    raise DataError(f"corpus: {path} line {line_no} is not JSON: {err}") from None
+                text = obj.get(text_column) if isinstance(obj, dict) else None
+                if not isinstance(text, str):
+                    raise DataError(f"corpus: {path} line {line_no} has no string {text_column!r} (text_column)")
+                yield Document(str(obj.get(id_column, f"doc{line_no - 1:06d}")), text)
+    elif suffix == ".txt":
+        paragraph: list[str] = []
+        index = 0
+        with path.open(encoding="utf-8") as f:
+            for line in [*f, ""]:  # the sentinel flushes the last paragraph
+                if line.strip():
+                    paragraph.append(line.rstrip("\n"))
+                elif paragraph:
+                    yield Document(f"doc{index:06d}", "\n".join(paragraph))
+                    index, paragraph = index + 1, []
+    elif suffix == ".parquet":
+        pf = pq.ParquetFile(path)
+        if text_column not in pf.schema_arrow.names:
+            raise DataError(f"corpus: {path} has no column {text_column!r} (columns: {pf.schema_arrow.names}); set text_column")
+        columns = [text_column] + ([id_column] if id_column in pf.schema_arrow.names else [])
+        index = 0
+        for batch in pf.iter_batches(columns=columns):
+            texts = batch.column(text_column).to_pylist()
+            ids = batch.column(id_column).to_pylist() if len(columns) == 2 else [None] * len(texts)
+            for text, doc_id in zip(texts, ids):
+                if not isinstance(text, str):
+                    raise DataError(f"corpus: {path} row {index} has a non-string {text_column!r}")
+                yield Document(f"doc{index:06d}" if doc_id is None else str(doc_id), text)
+                index += 1
+    else:
+        raise DataError(f"corpus: {path} must end in .jsonl, .json, .txt or .parquet")
+
+
+# --------------------------------------------------------------------------- activations
+
+
+class _Captured(Exception):
+    """Raised by the capture hook to stop the forward after block K (the later blocks are not needed)."""
+
+
+@torch.no_grad()
+def capture_activations(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, layer: int) -> torch.Tensor:
+    """The residual stream at the output of block `layer`, for every position.
+
+    Equals HF `hidden_states[layer + 1]` of a plain forward, except for the last block,
+    where HF applies the final norm and this returns the raw residual (what the AR reads).
+    Blocks after `layer` are not run.
+
+    Args: input_ids, attention_mask: [B, S], right-padded. Returns: [B, S, D] float32.
+    """
+    layers = decoder_layers(model)
+    if not 0 <= layer < len(layers):
+        raise ValueError(f"layer={layer} but the model has {len(layers)} blocks (0..{len(layers) - 1}); choose a smaller layer")
+    out: list[torch.Tensor] = []
+
+    def hook(module, args, output):
+        out.append(output[0] if isinstance(output, tuple) else output)
+        raise _Captured
+
+    handle = layers[layer].register_forward_hook(hook)
+    try:
+        model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    except _Captured:
+        pass
+    finally:
+        handle.remove()
+    return out[0].float()
+
+
+def sample_positions(n_tokens: int, k: int, min_context: int, rng: np.random.Generator) -> list[int]:
+    """Up to k distinct sorted positions in [min_context, n_tokens); [] when there are none."""
+    eligible = n_tokens - min_context
+    if eligible <= 0:
+        return []
+    return sorted(int(p) for p in rng.choice(eligible, size=min(k, eligible), replace=False) + min_context)
+
+
+def _stable_hash(*parts: object) -> int:
+    """A 64-bit hash that, unlike hash(), is the same in every process."""
+    return int.from_bytes(hashlib.blake2b(repr(parts).encode(), digest_size=8).digest(), "little")
+
+
+def assign_split(doc_id: str, seed: int, fractions: Mapping[str, float]) -> str:
+    """The split of a document: a seeded hash of its id mapped onto the cumulative fractions.
+
+    Depends on nothing but (doc_id, seed, fractions), so the split is document-disjoint
+    and stable under reordering, batching and restarts. The last split takes the rest.
+    """
+    u = _stable_hash("split", seed, doc_id) / 2**64
+    total = 0.0
+    for name, share in fractions.items():
+        total += share
+        if u < total:
+            return name
+    return [name for name, share in fractions.items() if share > 0][-1]
+
+
+# --------------------------------------------------------------------------- injection char
+
+
+def injection_char_id(tokenizer: Any, char: str) -> int | None:
+    """The token id of `char` when it is one token alone and stays one token next to text; else None."""
+    if len(char) != 1 or char.isspace():
+        return None
+    ids = tokenizer.encode(char, add_special_tokens=False)
+    if len(ids) != 1 or tokenizer.decode(ids) != char:
+        return None
+    for context in (f"a{char}b", f"at {char}.", f"{char}{char}", f"\n{char} "):
+        if tokenizer.encode(context, add_special_tokens=False).count(ids[0]) != context.count(char):
+            return None
+    return ids[0]
+
+
+def choose_injection_char(tokenizer: Any, forbidden: set[str], preferred: str | None = None) -> str:
+    """`preferred` if usable, else the first usable INJECTION_CHAR_CANDIDATES char.
+
+    Usable: a single token everywhere (injection_char_id) and not in `forbidden` (the
+    corpus and the templates). Says on stderr why a preferred char was passed over.
+    """
+    if preferred is not None:
+        if injection_char_id(tokenizer, preferred) is None:
+            print(f"[datagen] injection char {preferred!r} is not a single token with this tokenizer; choosing another",
+                  file=sys.stderr, flush=True)
+        elif preferred in forbidden:
+            print(f"[datagen] injection char {preferred!r} occurs in the corpus or templates; choosing another",
+                  file=sys.stderr, flush=True)
+        else:
+            return preferred
+    for char in INJECTION_CHAR_CANDIDATES:
+        if char not in forbidden and injection_char_id(tokenizer, char) is not None:
+            return char
+    raise DataError(
+        f"injection_char: none of {INJECTION_CHAR_CANDIDATES!r} is a single token absent from the corpus; "
+        "pass injection_char= a character that is"
+    )
+
+
+# --------------------------------------------------------------------------- explainers
+
+
+@dataclass(frozen=True)
+class Site:
+    """One sampled position of one document."""
+
+    doc_id: str
+    position: int
+    """Token index in the document."""
+    token_ids: tuple[int, ...]
+    """The document's tokens up to and including `position`."""
+    context: str
+    """Those tokens decoded."""
+
+
+class Explainer(Protocol):
+    """Writes the gold explanation of sites (the text inside <explanation> tags)."""
+
+    def explain(self, sites: Sequence[Site]) -> list[str | None]:
+        """One explanation per site; None where this explainer has none for it."""
+        ...
+
+
+class RuleExplainer:
+    """The toy rule: "{class}: {token}, after {previous token}" (see toy_corpus.describe)."""
+
+    def __init__(self, tokenizer: Any, classes: Mapping[str, str] | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.classes = word_classes() if classes is None else classes
+
+    def explain(self, sites: Sequence[Site]) -> list[str | None]:
+        word = lambda token_id: self.tokenizer.decode([token_id]).strip()  # noqa: E731
+        return [describe(word(s.token_ids[-1]), word(s.token_ids[-2]), self.classes) for s in sites]
+
+
+class JsonlExplainer:
+    """Explanations read from JSONL lines {"doc_id": str, "position": int, "explanation": str}."""
+
+    def __init__(self, path: str | Path) -> None:
+        path = Path(path)
+        if not path.is_file():
+            raise DataError(f"explanations: {path} does not exist")
+        self.table: dict[tuple[str, int], str] = {}
+        with path.open(encoding="utf-8") as f:
+            for line_no, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    obj = json.loads(line)
+                    key = (str(obj["doc_id"]), int(obj["position"]))
+                    text = obj["explanation"]
+                except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+                    raise DataError(
+                        f"explanations: {path} line {line_no} is not an object with doc_id, position (int) and "
+                        "explanation"
+                    ) from None
+                if not isinstance(text, str):
+                    raise DataError(f"explanations: {path} line {line_no}: explanation must be a string")
+                self.table[key] = text
+
+    def explain(self, sites: Sequence[Site]) -> list[str | None]:
+        return [self.table.get((s.doc_id, s.position)) for s in sites]
+
+
+def make_explainer(cfg: DatagenConfig, tokenizer: Any) -> Explainer | None:
+    if cfg.explainer == "rule":
+        return RuleExplainer(tokenizer)
+    if cfg.explainer == "jsonl":
+        return JsonlExplainer(cfg.explanations)
+    return None
+
+
+# --------------------------------------------------------------------------- writing
+
+
+def split_schema(split: str, d_model: int) -> pa.Schema:
+    message = pa.struct([("role", pa.string()), ("content", pa.string())])
+    return pa.schema(
+        [
+            ("prompt", pa.list_(message)),
+            ("activation_vector", pa.list_(pa.float32(), d_model)),
+            ("doc_id", pa.string()),
+            ("position", pa.int64()),
+            ("context", pa.string()),
+            *[(name, pa.string()) for name in EXTRA_COLUMNS[split]],
+        ]
+    )
+
+
+class _SplitWriter:
+    """Streams one split's rows to parquet, a row group at a time."""
+
+    def __init__(self, path: Path, split: str, d_model: int, row_group_size: int) -> None:
+        self.path, self.split, self.d_model = path, split, d_model
+        self.schema = split_schema(split, d_model)
+        self.row_group_size = row_group_size
+        self.buffer: list[dict[str, Any]] = []
+        self.rows = 0
+        self._writer: pq.ParquetWriter | None = None
+
+    def add(self, row: dict[str, Any]) -> None:
+        self.buffer.append(row)
+        if len(self.buffer) >= self.row_group_size:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self.buffer:
+            return
+        acts = np.stack([r["activation_vector"] for r in self.buffer]).astype(np.float32)
+        columns = {name: [r[name] for r in self.buffer] for name in self.schema.names if name != "activation_vector"}
+        columns["activation_vector"] = pa.FixedSizeListArray.from_arrays(pa.array(acts.reshape(-1)), self.d_model)
+        table = pa.table({name: columns[name] for name in self.schema.names}, schema=self.schema)
+        if self._writer is None:
+            self._writer = pq.ParquetWriter(self.path, self.schema)
+        self._writer.write_table(table, row_group_size=self.row_group_size)
+        self.rows += len(self.buffer)
+        self.buffer = []
+
+    def close(self) -> None:
+        self.flush()
+        if self._writer is not None:
+            self._writer.close()
+
+
+@dataclass(frozen=True)
+class DatagenResult:
+    paths: dict[str, Path]
+    """split -> parquet path (splits with a share > 0 only)."""
+    rows: dict[str, int]
+    """split -> row count."""
+    documents: int
+    """Documents read."""
+    skipped_short: int
+    """Documents skipped for having no position with min_context tokens before it."""
+    injection_char: str
+    d_model: int
+
+
+# --------------------------------------------------------------------------- the run
+
+
+def datagen(cfg: DatagenConfig) -> DatagenResult:
+    """Write the NLA datasets configured by cfg; see the module docstring."""
+    from tqdm.auto import tqdm
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from nla_shell.train import resolve_device
+
+    # --- validate before anything is written ---------------------------------------------
+    device, dtype = resolve_device(cfg.device, cfg.dtype)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model)
+    model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=dtype).to(device).eval()
+    n_layers = model.config.num_hidden_layers
+    if cfg.layer >= n_layers:
+        raise ConfigError(
+            f"config key 'layer' = {cfg.layer} is invalid: {cfg.model} has {n_layers} blocks, so layer must be "
+            f"0..{n_layers - 1}"
+        )
+    d_model = model.config.hidden_size
+    explainer = make_explainer(cfg, tokenizer)
+    fractions = {"av_sft": cfg.av_sft_fraction, "ar_sft": cfg.ar_sft_fraction, "eval": cfg.eval_fraction}
+    fractions = {"rl": 1.0 - sum(fractions.values()), **fractions}
+    active = [s for s in SPLITS if fractions[s] > 0]
+    out_dir = Path(cfg.out_dir)
+    final_paths = {s: out_dir / f"{s}.parquet" for s in active}
+    existing = [p for s in SPLITS for p in (out_dir / f"{s}.parquet", out_dir / f"{s}.parquet.nla_meta.yaml") if p.exists()]
+    if existing and not cfg.overwrite:
+        raise ConfigError(
+            f"config key 'out_dir' = {str(out_dir)!r} already holds datasets ({', '.join(p.name for p in existing)}); "
+            "choose another out_dir or set overwrite=true"
+        )
+    tmp_dir = out_dir / ".datagen_tmp"
+    if tmp_dir.exists():  # left by an interrupted run: start over
+        shutil.rmtree(tmp_dir)
+    tmp_dir.mkdir(parents=True)
+    writers = {s: _SplitWriter(tmp_dir / f"{s}.parquet", s, d_model, cfg.row_group_size) for s in active}
+
+    # --- stream documents in batches -----------------------------------------------------
+    prompt = av_prompt_messages(cfg.av_template)
+    corpus_chars: set[str] = set()
+    missing: list[tuple[str, int]] = []
+    n_docs = skipped = 0
+    docs = read_documents(cfg.corpus, text_column=cfg.text_column, id_column=cfg.id_column)
+    bar = tqdm(desc="datagen", unit="doc", disable=not cfg.progress)
+    batch: list[tuple[Document, list[int]]] = []
+
+    def process(batch: list[tuple[Document, list[int]]]) -> None:
+        ids, mask = pad_right([tokens for _, tokens in batch], tokenizer.pad_token_id, device)
+        acts = capture_activations(model, ids, mask, cfg.layer).cpu()
+        for b, (doc, tokens) in enumerate(batch):
+            split = assign_split(doc.doc_id, cfg.seed, fractions)
+            if split not in writers:
+                continue
+            rng = np.random.default_rng([cfg.seed, _stable_hash("positions", doc.doc_id)])
+            positions = sample_positions(len(tokens), cfg.positions_per_doc, cfg.min_context, rng)
+            sites = [Site(doc.doc_id, p, tuple(tokens[: p + 1]), tokenizer.decode(tokens[: p + 1])) for p in positions]
+            texts = explainer.explain(sites) if EXTRA_COLUMNS[split] else [None] * len(sites)
+            for site, text in zip(sites, texts):
+                if EXTRA_COLUMNS[split] and text is None:
+                    missing.append((site.doc_id, site.position))
+                    continue
+                vector = acts[b, site.position].numpy()
+                if not (np.isfinite(vector).all() and vector.any()):
+                    raise DataError(
+                        f"activation at doc_id {doc.doc_id!r} position {site.position} is not finite or all zero; "
+                        "check the model and dtype"
+                    )
+                row = {"prompt": prompt, "activation_vector": vector, "doc_id": doc.doc_id,
+                       "position": site.position, "context": site.context}
+                if text is not None:
+                    row.update(explanation=text, response=f"<explanation>{text}</explanation>",
+                               ar_prompt=cfg.ar_template.format(explanation=text))
+                writers[split].add({k: row[k] for k in writers[split].schema.names})
+
+    for doc in docs:
+        if cfg.max_docs is not None and n_docs >= cfg.max_docs:
+            break
+        n_docs += 1
+        bar.update()
+        corpus_chars.update(doc.text)
+        tokens = tokenizer.encode(doc.text, add_special_tokens=False)[: cfg.max_seq_len]
+        if len(tokens) <= cfg.min_context:
+            skipped += 1
+            continue
+        batch.append((doc, tokens))
+        if len(batch) == cfg.batch_size:
+            process(batch)
+            batch = []
+    if batch:
+        process(batch)
+    bar.close()
+    for writer in writers.values():
+        writer.close()
+
+    # --- check, then write sidecars and move everything into place ------------------------
+    if skipped:
+        print(f"[datagen] skipped {skipped} of {n_docs} documents shorter than min_context + 1 = "
+              f"{cfg.min_context + 1} tokens", flush=True)
+    if missing:
+        shutil.rmtree(tmp_dir)
+        shown = ", ".join(f"({d!r}, {p})" for d, p in missing[:10])
+        raise DataError(
+            f"explanations: {cfg.explanations} has no explanation for {len(missing)} (doc_id, position) key(s) "
+            f"needed by the sft/eval splits: {shown}{' ...' if len(missing) > 10 else ''}; add them to the file"
+        )
+    empty = [s for s in active if writers[s].rows == 0]
+    if empty:
+        shutil.rmtree(tmp_dir)
+        raise DataError(
+            f"split(s) {empty} received no rows ({n_docs} documents read, {skipped} too short); "
+            "add documents, or set their fraction to 0"
+        )
+    forbidden = corpus_chars | set(cfg.av_template) | set(cfg.ar_template)
+    char = choose_injection_char(tokenizer, forbidden, cfg.injection_char)
+    for split in active:
+        mapping = make_sidecar_mapping(
+            tokenizer, d_model=d_model, layer_index=cfg.layer, av_template=cfg.av_template,
+            ar_template=cfg.ar_template, stage=split, mse_scale=_sidecar_scale(cfg.mse_scale), injection_char=char,
+            provenance={
+                "model": str(Path(cfg.model).resolve()), "corpus": str(Path(cfg.corpus).resolve()),
+                "seed": cfg.seed, "rows": writers[split].rows, "documents_read": n_docs,
+                "documents_skipped_short": skipped, "positions_per_doc": cfg.positions_per_doc,
+                "min_context": cfg.min_context, "explainer": cfg.explainer,
+            },
+        )
+        check_tokenizer(parse_sidecar(mapping), tokenizer)
+        write_sidecar(mapping, tmp_dir / f"{split}.parquet.nla_meta.yaml")
+    for path in existing:
+        path.unlink()
+    for split in active:
+        os.replace(tmp_dir / f"{split}.parquet", final_paths[split])
+        os.replace(tmp_dir / f"{split}.parquet.nla_meta.yaml", out_dir / f"{split}.parquet.nla_meta.yaml")
+    shutil.rmtree(tmp_dir)
+    rows = {s: writers[s].rows for s in active}
+    print(f"[datagen] {n_docs} documents -> " + ", ".join(f"{s} {n} rows" for s, n in rows.items())
+          + f"; injection char {char!r}; d_model {d_model}, layer {cfg.layer}", flush=True)
+    return DatagenResult(final_paths, rows, n_docs, skipped, char, d_model)
+
+
+def _sidecar_scale(raw: str) -> str | float | None:
+    """The config's mse_scale string as the sidecar writes it (numbers as numbers, "none" as null)."""
+    if raw.strip().lower() in ("none", "raw", "null"):
+        return None
+    try:
+        return float(raw)
+    except ValueError:
+        return raw

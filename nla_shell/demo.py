@@ -1,0 +1,314 @@
+"""`nla demo`: a whole NLA, from a tiny target LM to RL, that learns on a laptop CPU in minutes.
+
+Stages, each timed, all in one run directory:
+  1. target LM  — a tiny Qwen3 and a byte-level BPE, trained briefly on the toy language
+                  (nla_shell.toy_corpus) plus chats in which it explains the last word of a
+                  quoted phrase (the toy's stand-in for an instruction-tuned model);
+  2. datagen    — fresh toy documents, residuals at block `layer`, rule explanations;
+  3. AR SFT     — the reconstructor on gold explanations;
+  4. AV SFT     — the verbaliser's LoRA, the activation injected at the marker;
+  5. eval       — held-out FVE: AR on gold text, AV+AR before SFT, after SFT;
+  6. RL         — a short GRPO run with `nla train` (HF engine), from the SFT checkpoints;
+  7. eval       — held-out FVE after RL (same rows, same sampling seed);
+  8. plot       — reward / FVE / KL / clip fraction against step.
+The report (stdout and report.md) gives each FVE and each stage's wall time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import platform
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Mapping
+
+import numpy as np
+import torch
+
+from nla_shell import toy_corpus
+from nla_shell.config import ConfigError, TrainConfig, normalize_fields
+from nla_shell.toy import DEFAULT_AV_TEMPLATE, build_tiny_qwen3, save_av_checkpoint, train_tokenizer
+
+RUN_MARKER = "demo_config.json"
+
+
+@dataclass(frozen=True, kw_only=True)
+class DemoConfig:
+    """Settings of `nla demo` (the defaults are the tuned demo; `--tiny` is a seconds-long smoke run)."""
+
+    run_dir: str = "nla_demo"
+    """Run directory, relative to the working directory; must not exist unless overwrite."""
+    overwrite: bool = False
+    """Delete an existing run directory of a previous demo first."""
+    seed: int = 0
+    """Seed of every stage."""
+    threads: int = 1
+    """torch CPU threads: the demo's matrices are tiny, so a second thread mostly adds sync cost."""
+    # Target LM.
+    d_model: int = 64
+    """Hidden size D of the target LM (the activations' width)."""
+    n_layers: int = 4
+    """Blocks of the target LM; the AV injects at block 1, so at least 3 (later blocks read the marker)."""
+    vocab_size: int = 512
+    """BPE vocabulary size (every toy word becomes one token)."""
+    lm_docs: int = 2000
+    """Toy documents the target LM is trained on."""
+    lm_chats: int = 2000
+    """Describe-a-phrase chats mixed into its training."""
+    lm_steps: int = 200
+    """LM training steps."""
+    lm_batch: int = 32
+    """Sequences per LM step."""
+    lm_lr: float = 3e-3
+    """LM peak learning rate (AdamW, warmup then cosine)."""
+    # Data.
+    nla_docs: int = 4000
+    """Fresh documents for datagen (disjoint seed from the LM's)."""
+    layer: int = 1
+    """Extraction block K."""
+    positions_per_doc: int = 6
+    """Positions sampled per document."""
+    eval_fraction: float = 0.1
+    """Share of documents held out in eval.parquet."""
+    # Warm starts.
+    ar_steps: int = 100
+    """AR SFT steps."""
+    ar_batch: int = 64
+    """AR SFT batch size."""
+    ar_lr: float = 1e-3
+    """AR SFT learning rate."""
+    av_steps: int = 600
+    """AV SFT steps."""
+    av_batch: int = 32
+    """AV SFT batch size."""
+    av_lr: float = 1e-2
+    """AV SFT learning rate (LoRA)."""
+    lora_r: int = 16
+    """AV LoRA rank (alpha = rank, rsLoRA)."""
+    # RL.
+    rl_steps: int = 60
+    """GRPO steps."""
+    rl_batch_prompts: int = 32
+    """Prompts per GRPO step."""
+    rl_group_size: int = 8
+    """Samples per prompt."""
+    rl_lr: float = 3e-3
+    """GRPO learning rate."""
+    kl_beta: float = 0.04
+    """KL weight against the SFT'd policy."""
+    max_new_tokens: int = 16
+    """Longest explanation sampled (the rule's are about 10 tokens)."""
+    # Evaluation.
+    eval_rows: int = 1024
+    """Held-out rows scored at each evaluation."""
+
+    def __post_init__(self) -> None:
+        normalize_fields(self)
+        if self.n_layers < 3:
+            raise ConfigError(
+                f"config key 'n_layers' = {self.n_layers} is invalid: the AV injects at the output of block 1, "
+                "so the response can only read the marker through blocks 2.. — use n_layers >= 3"
+            )
+        if not 0 <= self.layer < self.n_layers:
+            raise ConfigError(f"config key 'layer' = {self.layer} is invalid: use 0 <= layer < n_layers={self.n_layers}")
+        if self.threads < 1:
+            raise ConfigError(f"config key 'threads' = {self.threads} is invalid: use an integer >= 1")
+
+
+TINY: Mapping[str, Any] = {
+    "d_model": 32, "n_layers": 3, "vocab_size": 400, "lm_docs": 60, "lm_chats": 60, "lm_steps": 4, "lm_batch": 8,
+    "nla_docs": 80, "positions_per_doc": 2, "eval_fraction": 0.2, "ar_steps": 2, "ar_batch": 8, "av_steps": 2,
+    "av_batch": 8, "lora_r": 4, "rl_steps": 2, "rl_batch_prompts": 2, "rl_group_size": 2, "max_new_tokens": 12,
+    "eval_rows": 8,
+}
+"""`nla demo --tiny`: every stage runs, in seconds; nothing is expected to learn."""
+
+
+# --------------------------------------------------------------------------- stage 1: target LM
+
+
+def train_lm(model: torch.nn.Module, tokenizer, texts: list[str], *, steps: int, batch: int, lr: float, seed: int,
+             max_len: int = 96) -> list[float]:
+    """Next-token training of `model` on `texts` (random batches, AdamW, warmup + cosine); returns the losses."""
+    from nla_shell.models import pad_right
+    from nla_shell.sft import lr_factor
+
+    encoded = [tokenizer.encode(t, add_special_tokens=False)[:max_len] for t in texts]
+    rng = np.random.default_rng(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+    model.train()
+    losses = []
+    for step in range(steps):
+        for group in optimizer.param_groups:
+            group["lr"] = lr * lr_factor(step, num_steps=steps, warmup_steps=min(20, steps), schedule="cosine")
+        ids, mask = pad_right([encoded[i] for i in rng.integers(len(encoded), size=batch)], tokenizer.pad_token_id,
+                              torch.device("cpu"))
+        loss = model(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)).loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        losses.append(float(loss.detach()))
+    model.eval()
+    return losses
+
+
+# --------------------------------------------------------------------------- the run
+
+
+@contextlib.contextmanager
+def _timed(name: str, times: dict[str, float]) -> Iterator[None]:
+    print(f"\n=== {name} ===", flush=True)
+    t0 = time.perf_counter()
+    yield
+    times[name] = time.perf_counter() - t0
+    print(f"=== {name}: {times[name]:.1f}s ===", flush=True)
+
+
+def claim_run_dir(run_dir: Path, *, overwrite: bool) -> None:
+    """Create run_dir; an existing one is an error, unless overwrite and it holds an earlier demo."""
+    if run_dir.exists():
+        if not overwrite:
+            raise ConfigError(
+                f"config key 'run_dir' = {str(run_dir)!r} already exists; choose another run_dir or set overwrite=true"
+            )
+        if any(run_dir.iterdir()) and not (run_dir / RUN_MARKER).is_file():
+            raise ConfigError(
+                f"config key 'run_dir' = {str(run_dir)!r} is a non-empty directory that no demo made "
+                f"(no {RUN_MARKER}); overwrite never deletes it — choose another run_dir"
+            )
+        shutil.rmtree(run_dir)
+    run_dir.mkdir(parents=True)
+
+
+def demo(cfg: DemoConfig) -> dict[str, Any]:
+    """Run the whole demo; prints and returns the report (FVE per stage, wall time per stage)."""
+    import transformers
+
+    from nla_shell.datagen import DatagenConfig, datagen
+    from nla_shell.evaluate import EvalConfig, evaluate
+    from nla_shell.sft import SFTConfig, sft
+    from nla_shell.train import train
+
+    run_dir = Path(cfg.run_dir).absolute()
+    claim_run_dir(run_dir, overwrite=cfg.overwrite)
+    (run_dir / RUN_MARKER).write_text(json.dumps(cfg.__dict__, indent=2))
+    print(f"[nla demo] run directory: {run_dir}", flush=True)
+    torch.set_num_threads(cfg.threads)
+    transformers.utils.logging.disable_progress_bar()
+    times: dict[str, float] = {}
+    t_start = time.perf_counter()
+
+    with _timed("target LM", times):
+        docs = toy_corpus.generate_documents(cfg.lm_docs, seed=cfg.seed)
+        chats = toy_corpus.describe_phrase_chats(docs, cfg.lm_chats, seed=cfg.seed + 1, av_template=DEFAULT_AV_TEMPLATE)
+        tokenizer = train_tokenizer(docs + [m["content"] for c in chats for m in c], vocab_size=cfg.vocab_size)
+        model = build_tiny_qwen3(tokenizer, hidden_size=cfg.d_model, num_layers=cfg.n_layers, num_heads=4,
+                                 num_kv_heads=2, head_dim=cfg.d_model // 4, intermediate_size=4 * cfg.d_model,
+                                 seed=cfg.seed)
+        texts = docs + [tokenizer.apply_chat_template(c, tokenize=False) for c in chats]
+        losses = train_lm(model, tokenizer, texts, steps=cfg.lm_steps, batch=cfg.lm_batch, lr=cfg.lm_lr, seed=cfg.seed)
+        print(f"[lm] {len(tokenizer)} tokens, D={cfg.d_model}, {cfg.n_layers} blocks; loss {losses[0]:.3f} -> "
+              f"{np.mean(losses[-10:]):.3f} over {cfg.lm_steps} steps", flush=True)
+        target = save_av_checkpoint(model, tokenizer, run_dir / "target_lm")
+
+    with _timed("datagen", times):
+        corpus = run_dir / "corpus.jsonl"
+        with corpus.open("w", encoding="utf-8") as f:
+            for i, text in enumerate(toy_corpus.generate_documents(cfg.nla_docs, seed=cfg.seed + 100)):
+                f.write(json.dumps({"id": f"toy{i:05d}", "text": text}) + "\n")
+        data = datagen(DatagenConfig(
+            model=str(target), corpus=str(corpus), layer=cfg.layer, out_dir=str(run_dir / "data"),
+            positions_per_doc=cfg.positions_per_doc, eval_fraction=cfg.eval_fraction, seed=cfg.seed, device="cpu",
+            dtype="float32", progress=False, batch_size=64,
+        ))
+
+    common = dict(model=str(target), seed=cfg.seed, device="cpu", dtype="float32", logger=("console",))
+    with _timed("AR SFT", times):
+        ar = sft(SFTConfig(
+            mode="ar", parquet=str(data.paths["ar_sft"]), save_dir=str(run_dir / "ar_sft"), num_steps=cfg.ar_steps,
+            batch_size=cfg.ar_batch, micro_batch=cfg.ar_batch, lr=cfg.ar_lr, save_every=cfg.ar_steps,
+            log_every=max(1, cfg.ar_steps // 4), **common,
+        ))
+    with _timed("AV SFT", times):
+        av = sft(SFTConfig(
+            mode="av", parquet=str(data.paths["av_sft"]), save_dir=str(run_dir / "av_sft"), num_steps=cfg.av_steps,
+            batch_size=cfg.av_batch, micro_batch=cfg.av_batch, lr=cfg.av_lr, lora_r=cfg.lora_r,
+            lora_alpha=cfg.lora_r, save_every=cfg.av_steps, log_every=max(1, cfg.av_steps // 6), **common,
+        ))
+
+    def run_eval(name: str, av_dir: Path | None) -> dict[str, float]:
+        return evaluate(EvalConfig(
+            av=None if av_dir is None else str(av_dir), ar=str(ar), parquet=str(data.paths["eval"]),
+            tokenizer=str(target), out_dir=str(run_dir / "eval" / name), n_rows=cfg.eval_rows,
+            max_new_tokens=cfg.max_new_tokens, seed=cfg.seed, device="cpu", dtype="float32",
+        )).metrics
+
+    with _timed("eval before RL", times):
+        gold = run_eval("gold", None)
+        zero_shot = run_eval("before_sft", target)
+        after_sft = run_eval("after_sft", av)
+
+    with _timed("RL", times):
+        n_rl = data.rows["rl"]
+        train_rows = max(cfg.rl_batch_prompts, int(0.8 * n_rl))
+        rl_dir = train(TrainConfig(
+            av_ckpt=str(av), ar_ckpt=str(ar), rl_parquet=str(data.paths["rl"]), save_dir=str(run_dir / "rl"),
+            num_steps=cfg.rl_steps, batch_prompts=cfg.rl_batch_prompts, group_size=cfg.rl_group_size,
+            max_new_tokens=cfg.max_new_tokens, lr=cfg.rl_lr, kl_beta=cfg.kl_beta, logp_micro_batch=256,
+            critic_micro_batch=256, max_rows=train_rows, eval_skip_rows=train_rows,
+            eval_every=max(1, cfg.rl_steps // 3), eval_n_prompts=min(32, max(1, n_rl - train_rows)),
+            save_every=cfg.rl_steps, logger=("console",), seed=cfg.seed, device="cpu", dtype="float32",
+        ))
+    with _timed("eval after RL", times):
+        after_rl = run_eval("after_rl", rl_dir / f"step_{cfg.rl_steps:06d}" / "adapter")
+
+    with _timed("plot", times):
+        try:
+            from nla_shell.plot import plot_run
+
+            curves: Path | None = plot_run(rl_dir)
+        except ModuleNotFoundError as err:
+            print(f"[plot] skipped: {err}", flush=True)
+            curves = None
+
+    times["total"] = time.perf_counter() - t_start
+    report = {
+        "run_dir": str(run_dir),
+        "machine": f"{platform.machine()} {platform.system()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
+                   f"{cfg.threads} thread(s)",
+        "eval_rows": int(gold["n_rows"]),
+        "fve": {
+            "AR on gold explanations": gold["gold/fve"],
+            "AV+AR before SFT (LM zero-shot)": zero_shot["av/fve"],
+            "AV+AR after SFT": after_sft["av/fve"],
+            "AV+AR after RL": after_rl["av/fve"],
+        },
+        "extraction_rate": {"before SFT": zero_shot["av/extraction_rate"], "after SFT": after_sft["av/extraction_rate"],
+                            "after RL": after_rl["av/extraction_rate"]},
+        "seconds": times,
+        "curves": None if curves is None else str(curves),
+    }
+    text = format_report(report)
+    print("\n" + text, flush=True)
+    (run_dir / "report.md").write_text(text, encoding="utf-8")
+    (run_dir / "report.json").write_text(json.dumps(report, indent=2), encoding="utf-8")
+    return report
+
+
+def format_report(report: Mapping[str, Any]) -> str:
+    """The report as markdown: held-out FVE per stage, extraction rates, wall time per stage."""
+    lines = ["# nla demo report", "", f"run dir: `{report['run_dir']}`  ", f"machine: {report['machine']}", "",
+             f"Held-out FVE on {report['eval_rows']} rows of documents no stage trained on (rawvar baseline; "
+             "failed extractions excluded, see the extraction rate):", "", "| stage | FVE |", "|---|---|"]
+    lines += [f"| {name} | {value:.3f} |" for name, value in report["fve"].items()]
+    lines += ["", "Extraction rate: " + ", ".join(f"{k} {v:.0%}" for k, v in report["extraction_rate"].items()), "",
+              "| stage | wall time (s) |", "|---|---|"]
+    lines += [f"| {name} | {seconds:.1f} |" for name, seconds in report["seconds"].items()]
+    if report.get("curves"):
+        lines += ["", f"curves: `{report['curves']}`"]
+    return "\n".join(lines) + "\n"

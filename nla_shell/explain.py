@@ -1,0 +1,132 @@
+"""`nla explain`: read a text's activations with the target LM, explain them with the AV, rebuild them with the AR.
+
+For each position asked, the residual at the sidecar's extraction layer is captured
+exactly as datagen does, the AV writes one explanation (temperature 1, seeded), and the
+AR's reconstruction from that explanation gives the MSE and the FVE against the
+predict-the-mean baseline stored by `nla sft` in the AR's (or AV's) `nla_meta.yaml`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import yaml
+
+import nla_core
+from nla_shell.config import ConfigError, normalize_fields
+from nla_shell.data import DataError, av_prompt_messages, build_prompt_ids, check_tokenizer, load_sidecar
+from nla_shell.datagen import capture_activations
+from nla_shell.engines.base import RolloutRequest
+from nla_shell.evaluate import load_av, tokenizer_dir
+from nla_shell.models import ARModel, Injector
+from nla_shell.scoring import score_explanations
+from nla_shell.sft import MODEL_SIDECAR
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExplainConfig:
+    """Settings of `nla explain`."""
+
+    av: str
+    """AV: an adapter dir (SFT or an RL checkpoint's adapter/) or a full checkpoint."""
+    ar: str
+    """AR dir."""
+    model: str
+    """Target LM whose activations are explained (HF checkpoint dir with tokenizer)."""
+    text: str
+    """The text to read."""
+    position: int | None = None
+    """Token index to explain (negative counts from the end); None with all=false explains the last token."""
+    all: bool = False
+    """Explain every position."""
+    sidecar: str | None = None
+    """Sidecar; None reads nla_meta.yaml from the AV dir, else from the AR dir."""
+    max_new_tokens: int = 64
+    """Longest explanation, in tokens."""
+    seed: int = 0
+    """Seed of the AV's sampling."""
+    device: str = "auto"
+    """"auto", "cpu", "cuda" or "cuda:N"."""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Model dtype ("auto": bf16 on cuda, fp32 on cpu)."""
+
+    def __post_init__(self) -> None:
+        normalize_fields(self)
+        if self.all and self.position is not None:
+            raise ConfigError("config keys 'position' and 'all' exclude each other; give one")
+
+
+def _model_sidecar_path(cfg: ExplainConfig) -> Path:
+    if cfg.sidecar is not None:
+        return Path(cfg.sidecar)
+    for directory in (cfg.av, cfg.ar):
+        if (Path(directory) / MODEL_SIDECAR).is_file():
+            return Path(directory) / MODEL_SIDECAR
+    raise DataError(f"sidecar: no {MODEL_SIDECAR} in {cfg.av} or {cfg.ar}; pass sidecar= the dataset's sidecar")
+
+
+def explain(cfg: ExplainConfig) -> list[dict[str, Any]]:
+    """Explain the asked positions of cfg.text; prints one block per position and returns them as dicts."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from nla_shell.engines.hf import HFRolloutEngine
+    from nla_shell.train import resolve_device
+
+    device, dtype = resolve_device(cfg.device, cfg.dtype)
+    sidecar_path = _model_sidecar_path(cfg)
+    nla = load_sidecar(sidecar_path)
+    rawvar = (yaml.safe_load(sidecar_path.read_text(encoding="utf-8")).get("baselines") or {}).get("rawvar")
+    target_tokenizer = AutoTokenizer.from_pretrained(cfg.model)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir(cfg.av, cfg.ar))
+    check_tokenizer(nla, tokenizer)
+    ids = target_tokenizer.encode(cfg.text, add_special_tokens=False)
+    if not ids:
+        raise ValueError("text encodes to no tokens; give some text")
+    if cfg.all:
+        positions = list(range(len(ids)))
+    else:
+        position = -1 if cfg.position is None else cfg.position
+        if not -len(ids) <= position < len(ids):
+            raise ValueError(f"position {position} is outside the text's {len(ids)} tokens (0..{len(ids) - 1})")
+        positions = [position % len(ids)]
+
+    # --- capture, explain, reconstruct ---------------------------------------------------------
+    target = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=dtype).to(device).eval()
+    if target.config.hidden_size != nla.d_model:
+        raise ValueError(f"model {cfg.model} has hidden size {target.config.hidden_size}, the sidecar's d_model is {nla.d_model}")
+    acts = capture_activations(target, torch.tensor([ids], device=device), torch.ones(1, len(ids), dtype=torch.long,
+                               device=device), nla.extraction_layer_index)[0, positions].cpu()
+    actor = load_av(cfg.av, dtype=dtype, device=device)
+    injector = Injector(actor, marker_id=nla.injection_token_id, left_id=nla.injection_left_neighbor_id,
+                        right_id=nla.injection_right_neighbor_id, scale=nla.injection_scale)
+    prompt = tuple(build_prompt_ids(av_prompt_messages(nla.actor_prompt_template), nla, tokenizer))
+    torch.manual_seed(cfg.seed)
+    rollouts = HFRolloutEngine(actor, injector, tokenizer).generate(
+        [RolloutRequest(prompt, a) for a in acts], group_size=1, max_new_tokens=cfg.max_new_tokens
+    )
+    explanations = [nla_core.extract_explanation(r.text) for r in rollouts]
+    mse_scale = nla_core.resolve_target_scale(nla.mse_scale, nla.d_model)
+    critic = ARModel.from_pretrained(cfg.ar, mse_scale=mse_scale, dtype=dtype, device=device).eval()
+    scores = score_explanations(critic, tokenizer, explanations, acts, template=nla.critic_prompt_template,
+                                mse_scale=mse_scale, reward_kind="neg_log", max_tokens=1024, micro_batch=64)
+
+    # --- report ------------------------------------------------------------------------------
+    results = []
+    for i, p in enumerate(positions):
+        mse = float(scores.mse[i])
+        fve = nla_core.fve(mse, rawvar) if rawvar is not None and math.isfinite(mse) else None
+        result = {"position": p, "token": target_tokenizer.decode([ids[p]]), "context": target_tokenizer.decode(ids[: p + 1]),
+                  "explanation": explanations[i], "raw": rollouts[i].text, "mse": mse if math.isfinite(mse) else None,
+                  "fve": fve}
+        results.append(result)
+        shown = explanations[i] if explanations[i] is not None else f"<no explanation extracted from {rollouts[i].text!r}>"
+        if not math.isfinite(mse):
+            score = "no reconstruction: nothing extracted for the AR"
+        else:
+            score = f"mse {mse:.4f} | " + (f"FVE {fve:.1%}" if fve is not None else "FVE n/a (no baselines in the sidecar)")
+        print(f"[{p}] token {result['token']!r} | context …{result['context'][-60:]!r}\n    {shown}\n    {score}", flush=True)
+    return results

@@ -1,0 +1,36 @@
+"""`nla demo --tiny`: every stage of the toy NLA runs, in seconds, and the run dir is protected."""
+
+from __future__ import annotations
+
+import json
+
+from nla_shell import cli
+
+
+def test_tiny_demo_runs_every_stage_and_reports(tmp_path, capsys):
+    run_dir = tmp_path / "demo"
+    assert cli.main(["demo", "--tiny", "--run-dir", str(run_dir)]) == 0
+    out = capsys.readouterr().out
+    assert f"run directory: {run_dir}" in out.splitlines()[0]
+    report = json.loads((run_dir / "report.json").read_text())
+    assert set(report["fve"]) == {"AR on gold explanations", "AV+AR before SFT (LM zero-shot)", "AV+AR after SFT",
+                                  "AV+AR after RL"}
+    assert set(report["seconds"]) == {"target LM", "datagen", "AR SFT", "AV SFT", "eval before RL", "RL",
+                                      "eval after RL", "plot", "total"}
+    assert report["fve"]["AR on gold explanations"] is not None
+    assert "# nla demo report" in out and (run_dir / "report.md").read_text() in out
+    for path in ("target_lm/config.json", "data/eval.parquet", "ar_sft/step_000002/value_head.safetensors",
+                 "av_sft/step_000002/adapter_config.json", "rl/step_000002/adapter/adapter_config.json",
+                 "rl/curves.png", "eval/after_rl/eval_table.md"):
+        assert (run_dir / path).is_file(), path
+
+
+def test_an_existing_run_dir_is_refused(tmp_path, capsys):
+    run_dir = tmp_path / "demo"
+    run_dir.mkdir()
+    (run_dir / "notes.txt").write_text("mine")
+    assert cli.main(["demo", "--tiny", "--run-dir", str(run_dir)]) == 2
+    assert "already exists" in capsys.readouterr().err
+    assert cli.main(["demo", "--tiny", "--run-dir", str(run_dir), "--overwrite"]) == 2
+    assert "no demo made" in capsys.readouterr().err
+    assert (run_dir / "notes.txt").read_text() == "mine"

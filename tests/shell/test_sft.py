@@ -1,0 +1,148 @@
+"""`nla sft`: the AV loss sees only response tokens, the AR learns, checkpoints load in `nla train`, resume."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+import yaml
+from safetensors.torch import load_file
+from transformers import AutoTokenizer
+
+import fixtures
+from nla_shell import cli
+from nla_shell.data import DataError, build_prompt_ids, load_sidecar, stream_rows
+from nla_shell.models import REFERENCE_ADAPTER, ARModel, Injector, load_actor
+from nla_shell.sft import AVExample, av_response_nll, lr_factor, sft
+
+
+def _losses(save_dir: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in (save_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _av_examples(data_dir: Path, tokenizer, n: int) -> tuple[list[AVExample], object]:
+    nla = load_sidecar(data_dir / "av_sft.parquet.nla_meta.yaml")
+    rows = list(stream_rows(data_dir / "av_sft.parquet", nla, stop=n, extra_columns=("response",)))
+    return [
+        AVExample(tuple(build_prompt_ids(r.prompt, nla, tokenizer)),
+                  tuple(tokenizer.encode(r.extras["response"], add_special_tokens=False)) + (tokenizer.eos_token_id,),
+                  r.activation)
+        for r in rows
+    ], nla
+
+
+def test_av_loss_counts_only_the_response_tokens(tiny_av_dir, toy_datasets):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_av_dir)
+    examples, nla = _av_examples(toy_datasets, tokenizer, 3)
+    torch.manual_seed(0)
+    actor = load_actor(tiny_av_dir, lora_r=4, lora_alpha=4, use_rslora=True, resume_adapter=None,
+                       dtype=torch.float32, device=torch.device("cpu"))
+    injector = Injector(actor, marker_id=nla.injection_token_id, left_id=nla.injection_left_neighbor_id,
+                        right_id=nla.injection_right_neighbor_id)
+    nll, n_tokens = av_response_nll(actor, injector, examples, pad_id=tokenizer.pad_token_id)
+    assert n_tokens == sum(len(e.response_ids) for e in examples)
+
+    # Reference: HF cross-entropy of each unpadded sequence with the prompt labels ignored.
+    masked = everything = 0.0
+    for e in examples:
+        ids = torch.tensor([e.prompt_ids + e.response_ids])
+        with torch.no_grad(), injector.inject(ids, e.activation[None]):
+            logits = actor(input_ids=ids).logits[0, :-1]
+        labels = ids[0, 1:].clone()
+        everything += float(F.cross_entropy(logits, labels, reduction="sum"))
+        labels[: len(e.prompt_ids) - 1] = -100
+        masked += float(F.cross_entropy(logits, labels, reduction="sum", ignore_index=-100))
+    assert float(nll.detach()) == pytest.approx(masked, rel=1e-4)
+    assert everything > masked + 1.0  # the prompt tokens would have counted for a lot
+
+
+def test_av_loss_sees_the_injected_activation(tiny_av_dir, toy_datasets):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_av_dir)
+    examples, nla = _av_examples(toy_datasets, tokenizer, 2)
+    actor = load_actor(tiny_av_dir, lora_r=4, lora_alpha=4, use_rslora=True, resume_adapter=None,
+                       dtype=torch.float32, device=torch.device("cpu"))
+    injector = Injector(actor, marker_id=nla.injection_token_id, left_id=nla.injection_left_neighbor_id,
+                        right_id=nla.injection_right_neighbor_id)
+    flipped = [AVExample(e.prompt_ids, e.response_ids, -e.activation) for e in examples]
+    with torch.no_grad():
+        a, _ = av_response_nll(actor, injector, examples, pad_id=tokenizer.pad_token_id)
+        b, _ = av_response_nll(actor, injector, flipped, pad_id=tokenizer.pad_token_id)
+    assert abs(float(a) - float(b)) > 1e-3
+
+
+def test_ar_sft_reduces_its_loss_on_a_fixed_batch(tmp_path, tiny_av_dir, toy_datasets):
+    save_dir = tmp_path / "ar"
+    # max_rows == batch_size: every step sees the same eight rows.
+    sft(fixtures.sft_config("ar", tiny_av_dir, toy_datasets, save_dir, max_rows=8, batch_size=8, micro_batch=3,
+                            num_steps=6, save_every=6, lr=1e-3))
+    losses = _losses(save_dir)
+    assert len(losses) == 6
+    assert losses[-1] < 0.7 * losses[0], losses
+    fves = [json.loads(line)["fve"] for line in (save_dir / "metrics.jsonl").read_text().splitlines()]
+    assert fves[-1] > fves[0]
+
+
+def test_checkpoints_are_what_nla_train_loads(toy_sft, toy_datasets, tmp_path):
+    av, ar = toy_sft
+    for directory in (av, ar):
+        meta = yaml.safe_load((directory / "nla_meta.yaml").read_text())
+        assert meta["kind"] == "nla_model" and meta["baselines"]["rawvar"] > 0
+        assert load_sidecar(directory / "nla_meta.yaml").d_model == fixtures.D_MODEL
+        assert (directory / "tokenizer_config.json").is_file() and (directory / "training_state.pt").is_file()
+
+    # The AV is an adapter that RL continues, with the SFT'd weights (not a zero LoRA) as reference.
+    saved = load_file(str(av / "adapter_model.safetensors"))
+    lora_b = [v for k, v in saved.items() if "lora_B" in k]
+    assert lora_b and any(v.abs().sum() > 0 for v in lora_b)
+    actor = load_actor(av, lora_r=8, lora_alpha=8, use_rslora=True, resume_adapter=None, dtype=torch.float32,
+                       device=torch.device("cpu"))
+    params = dict(actor.named_parameters())
+    for key, value in saved.items():
+        stem = key.removesuffix(".weight")
+        torch.testing.assert_close(params[f"{stem}.default.weight"], value)
+        torch.testing.assert_close(params[f"{stem}.{REFERENCE_ADAPTER}.weight"], value)
+
+    critic = ARModel.from_pretrained(ar, mse_scale=8.0)
+    assert critic.num_layers == fixtures.LAYER_INDEX + 1
+
+    argv = ["train", f"av_ckpt={av}", f"ar_ckpt={ar}", f"rl_parquet={toy_datasets / 'rl.parquet'}",
+            f"save_dir={tmp_path / 'rl'}", "num_steps=1", "batch_prompts=2", "group_size=2", "max_new_tokens=6",
+            "eval_every=0", "device=cpu", "logger=jsonl"]
+    assert cli.main(argv) == 0
+    assert (tmp_path / "rl" / "step_000001" / "adapter" / "adapter_config.json").is_file()
+
+
+@pytest.mark.parametrize("mode", ["av", "ar"])
+def test_resume_matches_an_uninterrupted_run(tmp_path, tiny_av_dir, toy_datasets, mode, capsys):
+    cfg = fixtures.sft_config(mode, tiny_av_dir, toy_datasets, tmp_path / "run", num_steps=4, save_every=2,
+                              batch_size=3, micro_batch=2, lr_schedule="cosine")
+    weights = "adapter_model.safetensors" if mode == "av" else "value_head.safetensors"
+    sft(cfg)
+    losses, final = _losses(tmp_path / "run"), load_file(str(tmp_path / "run" / "step_000004" / weights))
+    # A run killed after its step-2 checkpoint: rerunning the same command continues from there.
+    shutil.rmtree(tmp_path / "run" / "step_000004")
+    assert sft(cfg) == tmp_path / "run" / "step_000004"
+    assert "at step 2" in capsys.readouterr().out
+    assert _losses(tmp_path / "run") == losses
+    again = load_file(str(tmp_path / "run" / "step_000004" / weights))
+    assert again.keys() == final.keys() and all(torch.equal(again[k], final[k]) for k in final)
+
+
+def test_av_sft_needs_the_response_column(tmp_path, tiny_av_dir, toy_datasets):
+    cfg = fixtures.sft_config("av", tiny_av_dir, toy_datasets, tmp_path / "av", parquet=str(toy_datasets / "rl.parquet"))
+    with pytest.raises(DataError, match="response: column missing"):
+        sft(cfg)
+    assert not (tmp_path / "av").exists()
+
+
+def test_lr_schedule():
+    assert lr_factor(0, num_steps=100, warmup_steps=10, schedule="cosine") == pytest.approx(0.1)
+    assert lr_factor(9, num_steps=100, warmup_steps=10, schedule="cosine") == pytest.approx(1.0)
+    assert lr_factor(10, num_steps=100, warmup_steps=10, schedule="cosine") == pytest.approx(1.0)
+    assert lr_factor(55, num_steps=100, warmup_steps=10, schedule="cosine") == pytest.approx(0.5)
+    assert lr_factor(100, num_steps=100, warmup_steps=10, schedule="cosine") == pytest.approx(0.0)
+    assert lr_factor(99, num_steps=100, warmup_steps=0, schedule="constant") == 1.0

@@ -38,6 +38,7 @@ from nla_shell.data import INJECT_PLACEHOLDER, DataError, av_prompt_messages, ch
 from nla_shell.models import decoder_layers, pad_right
 from nla_shell.toy import DEFAULT_AR_TEMPLATE, DEFAULT_AV_TEMPLATE, make_sidecar_mapping, write_sidecar
 from nla_shell.toy_corpus import describe, word_classes
+from nla_shell.train import resolve_device
 
 SPLITS = ("rl", "av_sft", "ar_sft", "eval")
 """Every split datagen can write, in file order."""
@@ -450,8 +451,6 @@ def datagen(cfg: DatagenConfig) -> DatagenResult:
     """Write the NLA datasets configured by cfg; see the module docstring."""
     from tqdm.auto import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from nla_shell.train import resolve_device
 
     # --- validate before anything is written ---------------------------------------------
     device, dtype = resolve_device(cfg.device, cfg.dtype)

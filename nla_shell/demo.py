@@ -59,7 +59,7 @@ class DemoConfig:
     """Toy documents the target LM is trained on."""
     lm_chats: int = 2000
     """Describe-a-phrase chats mixed into its training."""
-    lm_steps: int = 200
+    lm_steps: int = 400
     """LM training steps."""
     lm_batch: int = 32
     """Sequences per LM step."""
@@ -81,7 +81,7 @@ class DemoConfig:
     """AR SFT batch size."""
     ar_lr: float = 1e-3
     """AR SFT learning rate."""
-    av_steps: int = 600
+    av_steps: int = 300
     """AV SFT steps."""
     av_batch: int = 32
     """AV SFT batch size."""
@@ -92,11 +92,11 @@ class DemoConfig:
     # RL.
     rl_steps: int = 60
     """GRPO steps."""
-    rl_batch_prompts: int = 32
+    rl_batch_prompts: int = 16
     """Prompts per GRPO step."""
     rl_group_size: int = 8
     """Samples per prompt."""
-    rl_lr: float = 3e-3
+    rl_lr: float = 1e-3
     """GRPO learning rate."""
     kl_beta: float = 0.04
     """KL weight against the SFT'd policy."""
@@ -261,7 +261,7 @@ def demo(cfg: DemoConfig) -> dict[str, Any]:
             num_steps=cfg.rl_steps, batch_prompts=cfg.rl_batch_prompts, group_size=cfg.rl_group_size,
             max_new_tokens=cfg.max_new_tokens, lr=cfg.rl_lr, kl_beta=cfg.kl_beta, logp_micro_batch=256,
             critic_micro_batch=256, max_rows=train_rows, eval_skip_rows=train_rows,
-            eval_every=max(1, cfg.rl_steps // 3), eval_n_prompts=min(32, max(1, n_rl - train_rows)),
+            eval_every=max(1, cfg.rl_steps // 3), eval_n_prompts=min(128, max(1, n_rl - train_rows)),
             save_every=cfg.rl_steps, logger=("console",), seed=cfg.seed, device="cpu", dtype="float32",
         ))
     with _timed("eval after RL", times):

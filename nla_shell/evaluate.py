@@ -23,8 +23,10 @@ import torch
 import nla_core
 from nla_shell.config import ConfigError, normalize_fields
 from nla_shell.data import DataError, RLRow, build_prompt_ids, check_tokenizer, find_sidecar, load_sidecar, stream_rows
+from nla_shell.engines.hf import HFRolloutEngine
 from nla_shell.models import ARModel, Injector, base_model_dir, load_actor
 from nla_shell.scoring import score_explanations
+from nla_shell.train import _nanmean, evaluate_rows, resolve_device
 
 OPTIONAL_COLUMNS = ("position", "context", "explanation")
 """Read when present: they label the samples, and `explanation` enables the gold-AR score."""
@@ -121,9 +123,6 @@ class _TableCollector:
 def evaluate(cfg: EvalConfig) -> EvalResult:
     """Score the AV+AR (and the AR on gold explanations) on held-out rows; write the reports."""
     from transformers import AutoTokenizer
-
-    from nla_shell.engines.hf import HFRolloutEngine
-    from nla_shell.train import _nanmean, evaluate_rows, resolve_device
 
     # --- inputs ----------------------------------------------------------------------------
     device, dtype = resolve_device(cfg.device, cfg.dtype)

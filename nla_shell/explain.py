@@ -21,10 +21,12 @@ from nla_shell.config import ConfigError, normalize_fields
 from nla_shell.data import DataError, av_prompt_messages, build_prompt_ids, check_tokenizer, load_sidecar
 from nla_shell.datagen import capture_activations
 from nla_shell.engines.base import RolloutRequest
+from nla_shell.engines.hf import HFRolloutEngine
 from nla_shell.evaluate import load_av, tokenizer_dir
 from nla_shell.models import ARModel, Injector
 from nla_shell.scoring import score_explanations
 from nla_shell.sft import MODEL_SIDECAR
+from nla_shell.train import resolve_device
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -72,9 +74,6 @@ def _model_sidecar_path(cfg: ExplainConfig) -> Path:
 def explain(cfg: ExplainConfig) -> list[dict[str, Any]]:
     """Explain the asked positions of cfg.text; prints one block per position and returns them as dicts."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from nla_shell.engines.hf import HFRolloutEngine
-    from nla_shell.train import resolve_device
 
     device, dtype = resolve_device(cfg.device, cfg.dtype)
     sidecar_path = _model_sidecar_path(cfg)

@@ -33,6 +33,7 @@ from nla_shell.logging import make_logger
 from nla_shell.models import ARModel, Injector, load_actor, response_logprobs, trainable_parameters
 from nla_shell.scoring import critic_step
 from nla_shell.toy import write_sidecar
+from nla_shell.train import DataOrder, make_optimizer, resolve_device
 from nla_shell.update import response_batch
 
 MODEL_SIDECAR = "nla_meta.yaml"
@@ -180,8 +181,6 @@ def model_sidecar(dataset_sidecar: Mapping[str, Any], *, baselines: nla_core.Bas
 def sft(cfg: SFTConfig) -> Path:
     """Run (or resume) AV or AR warm-start training; returns the final checkpoint dir."""
     from transformers import AutoTokenizer
-
-    from nla_shell.train import DataOrder, make_optimizer, resolve_device
 
     # --- validate every input before anything is written ---------------------------------
     device, dtype = resolve_device(cfg.device, cfg.dtype)

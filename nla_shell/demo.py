@@ -292,6 +292,8 @@ def demo(cfg: DemoConfig) -> dict[str, Any]:
                             "after RL": after_rl["av/extraction_rate"]},
         "seconds": times,
         "curves": None if curves is None else str(curves),
+        "explain": f"nla explain --av {rl_dir / f'step_{cfg.rl_steps:06d}' / 'adapter'} --ar {ar} --model {target} "
+                   "--text 'the red cat chases the bread .' --all",
     }
     text = format_report(report)
     print("\n" + text, flush=True)
@@ -311,4 +313,5 @@ def format_report(report: Mapping[str, Any]) -> str:
     lines += [f"| {name} | {seconds:.1f} |" for name, seconds in report["seconds"].items()]
     if report.get("curves"):
         lines += ["", f"curves: `{report['curves']}`"]
+    lines += ["", "Read your own sentence (the toy's words only):", "", f"    {report['explain']}"]
     return "\n".join(lines) + "\n"

@@ -34,3 +34,18 @@ def test_an_existing_run_dir_is_refused(tmp_path, capsys):
     assert cli.main(["demo", "--tiny", "--run-dir", str(run_dir), "--overwrite"]) == 2
     assert "no demo made" in capsys.readouterr().err
     assert (run_dir / "notes.txt").read_text() == "mine"
+
+
+def test_the_readme_pipeline_commands_parse():
+    import re
+    import shlex
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme[readme.index("## The pipeline") :]
+    block = re.search(r"```bash\n(.*?)```", section, re.DOTALL).group(1)
+    commands = [shlex.split(line.split("  #")[0])[1:] for line in block.splitlines() if line.startswith("nla ")]
+    assert [c[0] for c in commands] == ["datagen", "sft", "sft", "train", "eval", "plot", "explain"]
+    for argv in commands:
+        parser, _ = cli.build_parser(argv)
+        parser.parse_args(argv)  # exits (SystemExit) on an unknown flag

@@ -337,8 +337,10 @@ class RuleExplainer:
         self.classes = word_classes() if classes is None else classes
 
     def explain(self, sites: Sequence[Site]) -> list[str | None]:
-        word = lambda token_id: self.tokenizer.decode([token_id]).strip()  # noqa: E731
-        return [describe(word(s.token_ids[-1]), word(s.token_ids[-2]), self.classes) for s in sites]
+        return [describe(self._word(s.token_ids[-1]), self._word(s.token_ids[-2]), self.classes) for s in sites]
+
+    def _word(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id]).strip()
 
 
 class JsonlExplainer:
@@ -399,7 +401,7 @@ class _SplitWriter:
     """Streams one split's rows to parquet, a row group at a time."""
 
     def __init__(self, path: Path, split: str, d_model: int, row_group_size: int) -> None:
-        self.path, self.split, self.d_model = path, split, d_model
+        self.path, self.d_model = path, d_model
         self.schema = split_schema(split, d_model)
         self.row_group_size = row_group_size
         self.buffer: list[dict[str, Any]] = []
@@ -441,7 +443,9 @@ class DatagenResult:
     skipped_short: int
     """Documents skipped for having no position with min_context tokens before it."""
     injection_char: str
+    """The character the sidecars name for <INJECT>."""
     d_model: int
+    """Width of the activations."""
 
 
 # --------------------------------------------------------------------------- the run

@@ -16,6 +16,7 @@ and the config, so an interrupted run resumes where it stopped (`resume: auto`).
 from __future__ import annotations
 
 import math
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -185,6 +186,11 @@ def sft(cfg: SFTConfig) -> Path:
     # --- validate every input before anything is written ---------------------------------
     device, dtype = resolve_device(cfg.device, cfg.dtype)
     model_dir = Path(cfg.model).resolve()
+    if (model_dir / "adapter_config.json").exists():
+        raise ConfigError(
+            f"config key 'model' = {cfg.model!r} is a LoRA adapter dir; give the full target LM it was trained on "
+            "(SFT starts the adapter itself; to continue a run, rerun it with the same save_dir)"
+        )
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     sidecar_path = Path(cfg.sidecar) if cfg.sidecar else find_sidecar(cfg.parquet)
     nla = load_sidecar(sidecar_path)
@@ -287,6 +293,9 @@ def sft(cfg: SFTConfig) -> Path:
             )
             record = {"loss": loss, "mse_mean": loss, "fve": nla_core.fve(loss, float(baselines.rawvar)),
                       "fve_meannorm": nla_core.fve(loss, float(baselines.meannorm))}
+        if not math.isfinite(grad_norm):
+            print(f"[warn] sft {cfg.mode} step {step}: grad norm {grad_norm} is not finite; optimizer step skipped",
+                  file=sys.stderr, flush=True)
         record.update(grad_norm=grad_norm, lr=lr, time_step=time.perf_counter() - t0)
         logger.log(step, record)
         if step % cfg.log_every == 0 or step + 1 == cfg.num_steps:

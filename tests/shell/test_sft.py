@@ -15,6 +15,7 @@ from transformers import AutoTokenizer
 
 import fixtures
 from nla_shell import cli
+from nla_shell.config import ConfigError
 from nla_shell.data import DataError, build_prompt_ids, load_sidecar, stream_rows
 from nla_shell.models import REFERENCE_ADAPTER, ARModel, Injector, load_actor
 from nla_shell.sft import AVExample, av_response_nll, lr_factor, sft
@@ -146,3 +147,21 @@ def test_lr_schedule():
     assert lr_factor(55, num_steps=100, warmup_steps=10, schedule="cosine") == pytest.approx(0.5)
     assert lr_factor(100, num_steps=100, warmup_steps=10, schedule="cosine") == pytest.approx(0.0)
     assert lr_factor(99, num_steps=100, warmup_steps=0, schedule="constant") == 1.0
+
+
+def test_micro_batching_does_not_change_the_run(tmp_path, tiny_av_dir, toy_datasets):
+    runs = {}
+    for micro in (1, 4):
+        save_dir = tmp_path / f"micro{micro}"
+        sft(fixtures.sft_config("av", tiny_av_dir, toy_datasets, save_dir, num_steps=3, save_every=3, batch_size=4,
+                                micro_batch=micro))
+        runs[micro] = (_losses(save_dir), load_file(str(save_dir / "step_000003" / "adapter_model.safetensors")))
+    assert runs[1][0] == pytest.approx(runs[4][0], rel=1e-5)
+    for key, value in runs[4][1].items():
+        torch.testing.assert_close(runs[1][1][key], value, atol=1e-6, rtol=1e-4)
+
+
+def test_sft_refuses_an_adapter_as_the_base_model(tmp_path, toy_sft, toy_datasets):
+    av, _ = toy_sft
+    with pytest.raises(ConfigError, match="is a LoRA adapter dir"):
+        sft(fixtures.sft_config("av", av, toy_datasets, tmp_path / "again"))

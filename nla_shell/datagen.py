@@ -150,6 +150,18 @@ class Document:
     text: str
 
 
+def _jsonl_objects(path: Path, *, field: str) -> Iterator[tuple[int, Any]]:
+    """(line number, parsed value) of each non-blank line; a DataError naming `field` on bad JSON."""
+    with path.open(encoding="utf-8") as f:
+        for line_no, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                yield line_no, json.loads(line)
+            except json.JSONDecodeError as err:
+                raise DataError(f"{field}: {path} line {line_no} is not JSON: {err}") from None
+
+
 def read_documents(path: str | Path, *, text_column: str = "text", id_column: str = "id") -> Iterator[Document]:
     """Stream documents from .jsonl/.json lines, .txt (blank-line separated) or .parquet.
 
@@ -161,18 +173,11 @@ def read_documents(path: str | Path, *, text_column: str = "text", id_column: st
         raise DataError(f"corpus: {path} does not exist")
     suffix = path.suffix.lower()
     if suffix in (".jsonl", ".json"):
-        with path.open(encoding="utf-8") as f:
-            for line_no, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as err:
-                    raise DataError(f"corpus: {path} line {line_no} is not JSON: {err}") from None
-                text = obj.get(text_column) if isinstance(obj, dict) else None
-                if not isinstance(text, str):
-                    raise DataError(f"corpus: {path} line {line_no} has no string {text_column!r} (text_column)")
-                yield Document(str(obj.get(id_column, f"doc{line_no - 1:06d}")), text)
+        for line_no, obj in _jsonl_objects(path, field="corpus"):
+            text = obj.get(text_column) if isinstance(obj, dict) else None
+            if not isinstance(text, str):
+                raise DataError(f"corpus: {path} line {line_no} has no string {text_column!r} (text_column)")
+            yield Document(str(obj.get(id_column, f"doc{line_no - 1:06d}")), text)
     elif suffix == ".txt":
         paragraph: list[str] = []
         index = 0
@@ -351,22 +356,18 @@ class JsonlExplainer:
         if not path.is_file():
             raise DataError(f"explanations: {path} does not exist")
         self.table: dict[tuple[str, int], str] = {}
-        with path.open(encoding="utf-8") as f:
-            for line_no, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    obj = json.loads(line)
-                    key = (str(obj["doc_id"]), int(obj["position"]))
-                    text = obj["explanation"]
-                except (json.JSONDecodeError, KeyError, TypeError, ValueError):
-                    raise DataError(
-                        f"explanations: {path} line {line_no} is not an object with doc_id, position (int) and "
-                        "explanation"
-                    ) from None
-                if not isinstance(text, str):
-                    raise DataError(f"explanations: {path} line {line_no}: explanation must be a string")
-                self.table[key] = text
+        for line_no, obj in _jsonl_objects(path, field="explanations"):
+            try:
+                key = (str(obj["doc_id"]), int(obj["position"]))
+                text = obj["explanation"]
+            except (KeyError, TypeError, ValueError):
+                raise DataError(
+                    f"explanations: {path} line {line_no} is not an object with doc_id, position (int) and "
+                    "explanation"
+                ) from None
+            if not isinstance(text, str):
+                raise DataError(f"explanations: {path} line {line_no}: explanation must be a string")
+            self.table[key] = text
 
     def explain(self, sites: Sequence[Site]) -> list[str | None]:
         return [self.table.get((s.doc_id, s.position)) for s in sites]

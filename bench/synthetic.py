@@ -67,13 +67,11 @@ def random_qwen3(config, *, device: torch.device, dtype: torch.dtype, seed: int 
 def attach_lora(model: torch.nn.Module, *, r: int, alpha: int, use_rslora: bool = True, seed: int = 0):
     """The trainer's adapter (LoraConfig of `nla_shell.models.load_actor`) with a non-zero B,
     so the adapted policy differs from the base (PEFT starts B at zero)."""
-    from peft import LoraConfig, get_peft_model
+    from peft import get_peft_model
 
-    from nla_shell.models import LORA_TARGETS
+    from nla_shell.models import lora_config
 
-    lora = LoraConfig(r=r, lora_alpha=alpha, target_modules=list(LORA_TARGETS), lora_dropout=0.0, bias="none",
-                      task_type="CAUSAL_LM", use_rslora=use_rslora)
-    actor = get_peft_model(model, lora)
+    actor = get_peft_model(model, lora_config(r, alpha, use_rslora=use_rslora))
     generator = torch.Generator(next(model.parameters()).device).manual_seed(seed)
     with torch.no_grad():
         for name, param in actor.named_parameters():

@@ -134,6 +134,16 @@ def base_model_dir(av_ckpt: str | Path) -> Path:
     return Path(json.loads(config.read_text())["base_model_name_or_path"]) if config.exists() else av_ckpt
 
 
+def lora_config(r: int, alpha: int, *, use_rslora: bool):
+    """The actor's adapter: LoRA on q, k, v, o, no dropout (rsLoRA scaling alpha/sqrt(r) by default)."""
+    from peft import LoraConfig
+
+    return LoraConfig(
+        r=r, lora_alpha=alpha, target_modules=list(LORA_TARGETS), lora_dropout=0.0, bias="none",
+        task_type="CAUSAL_LM", use_rslora=use_rslora,
+    )
+
+
 def load_actor(
     av_ckpt: str | Path,
     *,
@@ -152,7 +162,7 @@ def load_actor(
     continued, and a frozen copy named "reference" is the KL reference, so the reference is
     the SFT'd policy). resume_adapter, when given, replaces the trained adapter's weights.
     """
-    from peft import LoraConfig, PeftModel, get_peft_model
+    from peft import PeftModel, get_peft_model
     from transformers import AutoModelForCausalLM
 
     av_ckpt = Path(av_ckpt)
@@ -168,16 +178,7 @@ def load_actor(
     elif resume_adapter is not None:
         actor = PeftModel.from_pretrained(base, resume_adapter, is_trainable=True)
     else:
-        lora = LoraConfig(
-            r=lora_r,
-            lora_alpha=lora_alpha,
-            target_modules=list(LORA_TARGETS),
-            lora_dropout=0.0,
-            bias="none",
-            task_type="CAUSAL_LM",
-            use_rslora=use_rslora,
-        )
-        actor = get_peft_model(base, lora)
+        actor = get_peft_model(base, lora_config(lora_r, lora_alpha, use_rslora=use_rslora))
     if gradient_checkpointing:
         inner_lm(actor).gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return actor

@@ -96,19 +96,19 @@ def _demo(args: argparse.Namespace) -> None:
     demo(_load_config(DemoConfig, args, TINY if args.tiny else None))
 
 
-CONFIG_COMMANDS: dict[str, tuple[str, str, str]] = {
-    "datagen": ("nla_shell.datagen", "DatagenConfig",
+CONFIG_COMMANDS: dict[str, tuple[Callable[[argparse.Namespace], None], str, str, str]] = {
+    "datagen": (_datagen, "nla_shell.datagen", "DatagenConfig",
                 "capture activations at block K of a model over a corpus: rl/av_sft/ar_sft/eval parquets"),
-    "sft": ("nla_shell.sft", "SFTConfig",
+    "sft": (_sft, "nla_shell.sft", "SFTConfig",
             "AV (--mode av) or AR (--mode ar) warm start; checkpoints are nla train's av_ckpt / ar_ckpt"),
-    "eval": ("nla_shell.evaluate", "EvalConfig",
+    "eval": (_eval, "nla_shell.evaluate", "EvalConfig",
              "held-out FVE, reward, extraction rate of an AV+AR (and of the AR on gold explanations)"),
-    "explain": ("nla_shell.explain", "ExplainConfig",
+    "explain": (_explain, "nla_shell.explain", "ExplainConfig",
                 "explain the activations of a text at one position (--position) or all (--all)"),
-    "demo": ("nla_shell.demo", "DemoConfig",
+    "demo": (_demo, "nla_shell.demo", "DemoConfig",
              "a toy NLA from scratch on CPU in minutes: LM, datagen, SFT, RL, eval, plot"),
 }
-"""Subcommands configured by a dataclass: module, config class (its fields become flags), help line."""
+"""Subcommands configured by a dataclass: handler, module, config class (its fields become flags), help line."""
 
 
 def build_parser(argv: Sequence[str] = ()) -> tuple[argparse.ArgumentParser, dict[str, Callable[[argparse.Namespace], None]]]:
@@ -126,7 +126,7 @@ def build_parser(argv: Sequence[str] = ()) -> tuple[argparse.ArgumentParser, dic
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. num_steps=3 engine=hf")
     commands["train"] = _train
 
-    for name, (module, cls_name, help_text) in CONFIG_COMMANDS.items():
+    for name, (handler, module, cls_name, help_text) in CONFIG_COMMANDS.items():
         p = sub.add_parser(name, help=help_text)
         if argv[:1] == [name]:
             # Only the invoked command imports its module (torch, transformers) to build its flags,
@@ -134,7 +134,7 @@ def build_parser(argv: Sequence[str] = ()) -> tuple[argparse.ArgumentParser, dic
             _add_config_flags(p, getattr(importlib.import_module(module), cls_name), config_file=name != "explain")
         if name == "demo":
             p.add_argument("--tiny", action="store_true", help="a seconds-long smoke run of every stage (learns nothing)")
-        commands[name] = globals()[f"_{name}"]
+        commands[name] = handler
 
     p = sub.add_parser("plot", help="PNG of reward, FVE, KL and clip fraction against step for a run dir")
     p.add_argument("run_dir", help="an nla train save_dir (holding metrics.jsonl)")

@@ -24,9 +24,10 @@ import nla_core
 from nla_shell.config import ConfigError, normalize_fields
 from nla_shell.data import DataError, RLRow, build_prompt_ids, check_tokenizer, find_sidecar, load_sidecar, stream_rows
 from nla_shell.engines.hf import HFRolloutEngine
+from nla_shell.metrics import finite_mean
 from nla_shell.models import ARModel, Injector, base_model_dir, load_actor
 from nla_shell.scoring import score_explanations
-from nla_shell.train import _nanmean, evaluate_rows, resolve_device
+from nla_shell.train import evaluate_rows, resolve_device
 
 OPTIONAL_COLUMNS = ("position", "context", "explanation")
 """Read when present: they label the samples, and `explanation` enables the gold-AR score."""
@@ -152,7 +153,7 @@ def evaluate(cfg: EvalConfig) -> EvalResult:
     # --- the AR on gold explanations --------------------------------------------------------
     if "explanation" in present:
         gold = score_explanations(critic, tokenizer, [r.extras["explanation"] for r in rows], golds, **score_kwargs)
-        gold_mse = _nanmean(gold.mse)
+        gold_mse = finite_mean(gold.mse)
         metrics.update({"gold/mse_mean": gold_mse, "gold/fve": nla_core.fve(gold_mse, rawvar),
                         "gold/fve_meannorm": nla_core.fve(gold_mse, meannorm),
                         "gold/reward_mean": float(gold.reward.mean())})

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import functools
+import math
 import unicodedata
+
+import torch
 
 
 @functools.lru_cache(maxsize=65536)
@@ -22,3 +25,9 @@ def cjk_fraction(text: str) -> float:
     if not text:
         return 0.0
     return sum(map(_is_cjk, text)) / len(text)
+
+
+def finite_mean(x: torch.Tensor) -> float:
+    """Mean of the finite entries of x (NaN marks failed samples); NaN when there are none."""
+    finite = x[torch.isfinite(x)]
+    return float(finite.mean()) if finite.numel() else math.nan

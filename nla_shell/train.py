@@ -32,7 +32,7 @@ from nla_shell.data import build_prompt_ids, check_tokenizer, find_sidecar, load
 from nla_shell.engines.base import RolloutEngine, RolloutRequest
 from nla_shell.distributed import RankInfo
 from nla_shell.logging import NullLogger, make_logger
-from nla_shell.metrics import cjk_fraction
+from nla_shell.metrics import cjk_fraction, finite_mean
 from nla_shell.models import ARModel, Injector, load_actor, trainable_parameters
 from nla_shell.scoring import critic_step, score_explanations
 from nla_shell.update import LossOptions, policy_update
@@ -153,11 +153,6 @@ def _stats(values: list[float]) -> dict[str, float]:
         return {"mean": math.nan, "std": math.nan, "min": math.nan, "max": math.nan}
     arr = np.asarray(values, dtype=np.float64)
     return {"mean": float(arr.mean()), "std": float(arr.std()), "min": float(arr.min()), "max": float(arr.max())}
-
-
-def _nanmean(x: torch.Tensor) -> float:
-    finite = x[torch.isfinite(x)]
-    return float(finite.mean()) if finite.numel() else math.nan
 
 
 # --------------------------------------------------------------------------- the run
@@ -493,7 +488,7 @@ def evaluate_rows(
     explanations = [nla_core.extract_explanation(r.text) for r in rollouts]
     golds = torch.stack([r.activation for r in rows])
     scores = score_explanations(critic, tokenizer, explanations, golds, **score_kwargs)
-    mse_mean = _nanmean(scores.mse)
+    mse_mean = finite_mean(scores.mse)
     logger.log_table(
         "eval_samples",
         ["step", "idx", "doc_id", "reward", "mse", "fve", "extracted", "explanation"],

@@ -14,7 +14,7 @@ times the trainer's phases on its share of the global batch, every rank in locks
   score     ar_predict on each sample's first --explanation-tokens generated tokens (a random
             model writes no explanation tags, so the generated ids stand in for the AR input)
             -> reconstruction_mse -> reward -> group_advantages
-  update    nla_shell.update.policy_update: micro-batched forward + reference forward +
+  update    nla_shell.training.update.policy_update: micro-batched forward + reference forward +
             grpo_loss + backward with the global denominator, the gradient all-reduce
             (reported alone as `allreduce`), clip, optimizer step (the trainer's choice:
             bitsandbytes AdamW8bit when installed, else torch AdamW)
@@ -87,10 +87,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def worker(args: argparse.Namespace) -> None:
     """One rank of one case: build the models, run 1 + --steps steps, rank 0 writes the part."""
     import nla_core
-    from nla_shell import distributed
+    from nla_shell.training import distributed
     from nla_shell.models import ARModel, ar_predict, trainable_parameters
-    from nla_shell.train import make_optimizer
-    from nla_shell.update import LossOptions, policy_update
+    from nla_shell.training.train import make_optimizer
+    from nla_shell.training.update import LossOptions, policy_update
 
     rank = distributed.rank_info()
     device = torch.device("cpu") if args.tiny else torch.device("cuda", rank.local_rank)

@@ -125,7 +125,7 @@ def weight_bytes(model: torch.nn.Module, *, with_lora: bool) -> int:
 def fidelity(actor, injector, requests, rollouts, *, pad_id: int, device: torch.device, micro: int = 16) -> dict:
     """|behaviour - trainer| log-prob over generated tokens; trainer = the update's forward."""
     from nla_shell.models import response_logprobs
-    from nla_shell.update import response_batch
+    from nla_shell.training.update import response_batch
 
     diffs = []
     for start in range(0, len(rollouts), micro):

@@ -76,7 +76,7 @@ class Context:
         from nla_shell.engines.hf import HFRolloutEngine
         from nla_shell.engines.native import NativeRolloutEngine
         from nla_shell.models import ARModel, trainable_parameters
-        from nla_shell.train import make_optimizer
+        from nla_shell.training.train import make_optimizer
 
         self.device, self.defaults = device, defaults
         self.tokenizer, tokens = syn.toy_tokenizer()
@@ -114,8 +114,8 @@ class Context:
 def grpo_step(ctx: Context, requests, group: int, new_tokens: int, *, critic_on: bool, micro_batch: int):
     """One step as train.py runs it. Returns ({phase: {"s", "peak_gib"}}, rollouts, extra)."""
     import nla_core
-    from nla_shell.scoring import critic_step, score_explanations
-    from nla_shell.update import LossOptions, policy_update
+    from nla_shell.training.scoring import critic_step, score_explanations
+    from nla_shell.training.update import LossOptions, policy_update
 
     d, device, pad = ctx.defaults, ctx.device, ctx.tokenizer.pad_token_id
     phases: dict[str, dict[str, float]] = {}
@@ -160,7 +160,7 @@ def grpo_step(ctx: Context, requests, group: int, new_tokens: int, *, critic_on:
 def logprob_paths(ctx: Context, requests, rollouts, micro_batches: list[int], record: syn.Record) -> None:
     """Forward + backward of the update's log-probs: lean (fused, chunked) vs plain full logits."""
     from nla_shell.models import inner_lm, response_logprobs
-    from nla_shell.update import response_batch
+    from nla_shell.training.update import response_batch
 
     device, pad = ctx.device, ctx.tokenizer.pad_token_id
     lm = inner_lm(ctx.actor)
@@ -210,7 +210,7 @@ def logprob_paths(ctx: Context, requests, rollouts, micro_batches: list[int], re
 
 
 def main() -> None:
-    from nla_shell.config import TrainConfig
+    from nla_shell.io.config import TrainConfig
 
     args = parse_args()
     defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}

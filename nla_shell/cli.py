@@ -9,16 +9,16 @@ import sys
 import typing
 from typing import Any, Callable, Mapping, Sequence
 
-from nla_shell.config import ConfigError
+from nla_shell.io.config import ConfigError
 
 
 def _train(args: argparse.Namespace) -> None:
-    from nla_shell.config import TrainConfig, load_config
-    from nla_shell.train import train
+    from nla_shell.io.config import TrainConfig, load_config
+    from nla_shell.training.train import train
 
     cfg = load_config(args.config, args.overrides, cls=TrainConfig)
     if args.nproc > 1:
-        from nla_shell.distributed import exec_torchrun
+        from nla_shell.training.distributed import exec_torchrun
 
         # Checked here first, so a bad config fails once instead of once per rank.
         exec_torchrun(args.nproc, ["train", *(["--config", args.config] if args.config else []), *args.overrides])
@@ -32,7 +32,7 @@ def _add_config_flags(parser: argparse.ArgumentParser, cls: type, *, config_file
     Booleans are bare switches (`--overwrite`); every other value is parsed by the config
     loader, like a `key=value` override. Also adds `--config FILE` and positional overrides.
     """
-    from nla_shell.config import field_docs
+    from nla_shell.io.config import field_docs
 
     docs = field_docs(cls)
     hints = typing.get_type_hints(cls)
@@ -51,7 +51,7 @@ def _add_config_flags(parser: argparse.ArgumentParser, cls: type, *, config_file
 
 def _load_config(cls: type, args: argparse.Namespace, preset: Mapping[str, Any] | None = None) -> Any:
     """The config from (lowest to highest) a preset, --config, the flags, and key=value overrides."""
-    from nla_shell.config import load_config
+    from nla_shell.io.config import load_config
 
     flags = [f"{f.name}={value}" for f in dataclasses.fields(cls) if (value := getattr(args, f"cfg_{f.name}")) is not None]
     preset_items = [f"{k}={v}" for k, v in (preset or {}).items()]
@@ -59,19 +59,19 @@ def _load_config(cls: type, args: argparse.Namespace, preset: Mapping[str, Any] 
 
 
 def _datagen(args: argparse.Namespace) -> None:
-    from nla_shell.datagen import DatagenConfig, datagen
+    from nla_shell.pipeline.datagen import DatagenConfig, datagen
 
     datagen(_load_config(DatagenConfig, args))
 
 
 def _sft(args: argparse.Namespace) -> None:
-    from nla_shell.sft import SFTConfig, sft
+    from nla_shell.pipeline.sft import SFTConfig, sft
 
     sft(_load_config(SFTConfig, args))
 
 
 def _eval(args: argparse.Namespace) -> None:
-    from nla_shell.evaluate import EvalConfig, evaluate
+    from nla_shell.pipeline.evaluate import EvalConfig, evaluate
 
     cfg = _load_config(EvalConfig, args)
     result = evaluate(cfg)
@@ -79,33 +79,33 @@ def _eval(args: argparse.Namespace) -> None:
 
 
 def _explain(args: argparse.Namespace) -> None:
-    from nla_shell.explain import ExplainConfig, explain
+    from nla_shell.pipeline.explain import ExplainConfig, explain
 
     explain(_load_config(ExplainConfig, args))
 
 
 def _plot(args: argparse.Namespace) -> None:
-    from nla_shell.plot import plot_run
+    from nla_shell.pipeline.plot import plot_run
 
     print(f"[nla plot] {plot_run(args.run_dir, args.out)}", flush=True)
 
 
 def _demo(args: argparse.Namespace) -> None:
-    from nla_shell.demo import TINY, DemoConfig, demo
+    from nla_shell.pipeline.demo import TINY, DemoConfig, demo
 
     demo(_load_config(DemoConfig, args, TINY if args.tiny else None))
 
 
 CONFIG_COMMANDS: dict[str, tuple[Callable[[argparse.Namespace], None], str, str, str]] = {
-    "datagen": (_datagen, "nla_shell.datagen", "DatagenConfig",
+    "datagen": (_datagen, "nla_shell.pipeline.datagen", "DatagenConfig",
                 "capture activations at block K of a model over a corpus: rl/av_sft/ar_sft/eval parquets"),
-    "sft": (_sft, "nla_shell.sft", "SFTConfig",
+    "sft": (_sft, "nla_shell.pipeline.sft", "SFTConfig",
             "AV (--mode av) or AR (--mode ar) warm start; checkpoints are nla train's av_ckpt / ar_ckpt"),
-    "eval": (_eval, "nla_shell.evaluate", "EvalConfig",
+    "eval": (_eval, "nla_shell.pipeline.evaluate", "EvalConfig",
              "held-out FVE, reward, extraction rate of an AV+AR (and of the AR on gold explanations)"),
-    "explain": (_explain, "nla_shell.explain", "ExplainConfig",
+    "explain": (_explain, "nla_shell.pipeline.explain", "ExplainConfig",
                 "explain the activations of a text at one position (--position) or all (--all)"),
-    "demo": (_demo, "nla_shell.demo", "DemoConfig",
+    "demo": (_demo, "nla_shell.pipeline.demo", "DemoConfig",
              "a toy NLA from scratch on CPU in minutes: LM, datagen, SFT, RL, eval, plot"),
 }
 """Subcommands configured by a dataclass: handler, module, config class (its fields become flags), help line."""

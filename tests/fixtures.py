@@ -1,7 +1,7 @@
 """Builders of the hub-free artefacts the shell tests share: tokenizer, tiny AV, RL data.
 
 Plain functions, so any test (or a script) can call them; tests/conftest.py wraps them
-as pytest fixtures with a session-wide cache. Everything is built from nla_shell.toy,
+as pytest fixtures with a session-wide cache. Everything is built from nla_shell.toy.builders,
 the same code `nla demo` uses.
 """
 
@@ -15,7 +15,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from transformers import PreTrainedTokenizerFast
 
-from nla_shell import toy
+from nla_shell.toy import builders as toy
 
 D_MODEL = 64
 """Hidden size of the tiny AV (and width of the toy activations)."""
@@ -148,7 +148,7 @@ def build_trainer_inputs(directory: Path, tokenizer: PreTrainedTokenizerFast | N
     extraction layer with an identity value head; the data is the toy RL set (48 rows).
     """
     from nla_core import resolve_target_scale
-    from nla_shell.data import build_prompt_ids, load_sidecar
+    from nla_shell.io.data import build_prompt_ids, load_sidecar
     from nla_shell.models import ARModel
 
     directory = Path(directory)
@@ -175,7 +175,7 @@ def write_toy_corpus(path: Path, *, n_docs: int = 24, seed: int = 0, extra: Sequ
     """A JSONL corpus of toy-language documents ("id", "text"), plus `extra` texts at the end."""
     import json
 
-    from nla_shell.toy_corpus import generate_documents
+    from nla_shell.toy.corpus import generate_documents
 
     texts = [*generate_documents(n_docs, seed), *extra]
     path = Path(path)
@@ -186,7 +186,7 @@ def write_toy_corpus(path: Path, *, n_docs: int = 24, seed: int = 0, extra: Sequ
 
 def datagen_config(model: Path, corpus: Path, out_dir: Path, **overrides: Any):
     """A small DatagenConfig on CPU (layer LAYER_INDEX, rule explainer, no progress bar)."""
-    from nla_shell.datagen import DatagenConfig
+    from nla_shell.pipeline.datagen import DatagenConfig
 
     settings = dict(model=str(model), corpus=str(corpus), layer=LAYER_INDEX, out_dir=str(out_dir),
                     positions_per_doc=3, min_context=4, batch_size=5, row_group_size=8, device="cpu",
@@ -197,7 +197,7 @@ def datagen_config(model: Path, corpus: Path, out_dir: Path, **overrides: Any):
 
 def build_toy_datasets(directory: Path, av_dir: Path) -> Path:
     """rl/av_sft/ar_sft/eval parquets of the tiny AV over 24 toy documents, built once into `directory`."""
-    from nla_shell.datagen import datagen
+    from nla_shell.pipeline.datagen import datagen
 
     directory = Path(directory)
     if not (directory / "eval.parquet").exists():
@@ -208,7 +208,7 @@ def build_toy_datasets(directory: Path, av_dir: Path) -> Path:
 
 def sft_config(mode: str, model: Path, data_dir: Path, save_dir: Path, **overrides: Any):
     """A tiny SFTConfig on CPU: a few constant-lr steps, logs to JSONL only."""
-    from nla_shell.sft import SFTConfig
+    from nla_shell.pipeline.sft import SFTConfig
 
     settings = dict(mode=mode, model=str(model), parquet=str(Path(data_dir) / f"{mode}_sft.parquet"),
                     save_dir=str(save_dir), num_steps=2, batch_size=4, micro_batch=2, lr=1e-3,
@@ -220,7 +220,7 @@ def sft_config(mode: str, model: Path, data_dir: Path, save_dir: Path, **overrid
 
 def build_sft_checkpoints(directory: Path, av_dir: Path, data_dir: Path) -> tuple[Path, Path]:
     """(AV adapter checkpoint, AR checkpoint) after two SFT steps each, built once into `directory`."""
-    from nla_shell.sft import sft
+    from nla_shell.pipeline.sft import sft
 
     directory = Path(directory)
     av, ar = directory / "av" / "step_000002", directory / "ar" / "step_000002"

@@ -31,7 +31,7 @@ import torch
 import nla_core
 from nla_shell.engines import vllm_steering
 from nla_shell.engines.base import Rollout, RolloutRequest
-from nla_shell.weight_sync import iter_merged_weight_buckets
+from nla_shell.engines.weight_sync import iter_merged_weight_buckets
 
 STEERING_BACKENDS = ("nla", "vllm_lens")
 

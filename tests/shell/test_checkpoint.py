@@ -9,7 +9,7 @@ import pytest
 import torch
 import yaml
 
-from nla_shell.checkpoint import (
+from nla_shell.training.checkpoint import (
     claim_save_dir,
     latest_checkpoint,
     load_training_state,
@@ -18,7 +18,7 @@ from nla_shell.checkpoint import (
     save_training_state,
     set_rng_state,
 )
-from nla_shell.config import ConfigError, TrainConfig, config_to_dict
+from nla_shell.io.config import ConfigError, TrainConfig, config_to_dict
 
 
 def write_files(*names):

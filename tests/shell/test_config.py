@@ -9,7 +9,7 @@ from typing import Literal
 import pytest
 import yaml
 
-from nla_shell.config import (
+from nla_shell.io.config import (
     ConfigError,
     TrainConfig,
     config_to_dict,

@@ -1,4 +1,4 @@
-"""nla_shell.data: sidecar lookup, tokenizer checks, prompt ids, streaming, eval split, bad input."""
+"""nla_shell.io.data: sidecar lookup, tokenizer checks, prompt ids, streaming, eval split, bad input."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 
 import fixtures
 from nla_core import marker_well_formed
-from nla_shell import toy
-from nla_shell.data import (
+from nla_shell.toy import builders as toy
+from nla_shell.io.data import (
     DataError,
     build_prompt_ids,
     chat_prompt_ids,

@@ -13,10 +13,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import fixtures
 from nla_core import parse_sidecar
-from nla_shell import cli, toy
-from nla_shell.config import ConfigError
-from nla_shell.data import DataError, check_tokenizer, load_sidecar
-from nla_shell.datagen import (
+from nla_shell import cli
+from nla_shell.toy import builders as toy
+from nla_shell.io.config import ConfigError
+from nla_shell.io.data import DataError, check_tokenizer, load_sidecar
+from nla_shell.pipeline.datagen import (
     EXTRA_COLUMNS,
     RuleExplainer,
     Site,
@@ -27,7 +28,7 @@ from nla_shell.datagen import (
     injection_char_id,
     read_documents,
 )
-from nla_shell.toy_corpus import generate_documents
+from nla_shell.toy.corpus import generate_documents
 
 SPLITS = ("rl", "av_sft", "ar_sft", "eval")
 

@@ -24,10 +24,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from nla_shell import cli, distributed
-from nla_shell import train as train_module
-from nla_shell.config import ConfigError
-from nla_shell.distributed import RankInfo
+from nla_shell import cli
+from nla_shell.training import distributed
+from nla_shell.training import train as train_module
+from nla_shell.io.config import ConfigError
+from nla_shell.training.distributed import RankInfo
 from nla_shell.engines.base import Rollout, RolloutRequest
 from nla_shell.engines.hf import HFRolloutEngine
 
@@ -64,7 +65,7 @@ class PerRequestSeededEngine(HFRolloutEngine):
 
 
 def seeded_make_engine(cfg, actor, injector, tokenizer, **_) -> PerRequestSeededEngine:
-    """Stands in for nla_shell.train.make_engine."""
+    """Stands in for nla_shell.training.train.make_engine."""
     return PerRequestSeededEngine(actor, injector, tokenizer)
 
 

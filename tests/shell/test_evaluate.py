@@ -14,11 +14,11 @@ from transformers import AutoTokenizer
 
 from nla_core import resolve_target_scale
 from nla_shell import cli
-from nla_shell.data import load_sidecar
-from nla_shell.explain import ExplainConfig, explain
+from nla_shell.io.data import load_sidecar
+from nla_shell.pipeline.explain import ExplainConfig, explain
 from nla_shell.models import ARModel, ar_predict
-from nla_shell.plot import plot_run
-from nla_shell.scoring import ar_token_ids
+from nla_shell.pipeline.plot import plot_run
+from nla_shell.training.scoring import ar_token_ids
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

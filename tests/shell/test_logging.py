@@ -9,7 +9,7 @@ import types
 
 import pytest
 
-from nla_shell.logging import (
+from nla_shell.io.logging import (
     METRIC_KEYS,
     ConsoleLogger,
     JsonlLogger,

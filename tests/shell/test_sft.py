@@ -15,10 +15,10 @@ from transformers import AutoTokenizer
 
 import fixtures
 from nla_shell import cli
-from nla_shell.config import ConfigError
-from nla_shell.data import DataError, build_prompt_ids, load_sidecar, stream_rows
+from nla_shell.io.config import ConfigError
+from nla_shell.io.data import DataError, build_prompt_ids, load_sidecar, stream_rows
 from nla_shell.models import REFERENCE_ADAPTER, ARModel, Injector, load_actor
-from nla_shell.sft import AVExample, av_response_nll, lr_factor, sft
+from nla_shell.pipeline.sft import AVExample, av_response_nll, lr_factor, sft
 
 
 def _losses(save_dir: Path) -> list[float]:

@@ -1,4 +1,4 @@
-"""nla_shell.toy: the hub-free tokenizer, tiny Qwen3, sidecar and RL parquet builders."""
+"""nla_shell.toy.builders: the hub-free tokenizer, tiny Qwen3, sidecar and RL parquet builders."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import fixtures
 from nla_core import parse_sidecar
-from nla_shell import toy
-from nla_shell.data import check_tokenizer, load_sidecar
+from nla_shell.toy import builders as toy
+from nla_shell.io.data import check_tokenizer, load_sidecar
 
 AV_PROMPT = [{"role": "user", "content": "Explain the activation at <INJECT>."}]
 

@@ -12,14 +12,15 @@ import torch
 from safetensors.torch import load_file
 
 import fixtures
-from nla_shell import cli, toy
-from nla_shell.checkpoint import latest_checkpoint
-from nla_shell.data import build_prompt_ids, load_rows, load_sidecar
+from nla_shell import cli
+from nla_shell.toy import builders as toy
+from nla_shell.training.checkpoint import latest_checkpoint
+from nla_shell.io.data import build_prompt_ids, load_rows, load_sidecar
 from nla_shell.engines.base import Rollout, RolloutRequest
 from nla_shell.engines.hf import HFRolloutEngine
-from nla_shell.logging import METRIC_KEYS
+from nla_shell.io.logging import METRIC_KEYS
 from nla_shell.models import VALUE_HEAD_FILE, ARModel, Injector, load_actor, response_logprobs
-from nla_shell.update import LossOptions, policy_update, response_batch
+from nla_shell.training.update import LossOptions, policy_update, response_batch
 
 TIMING_KEYS = {"time_rollout", "time_score", "time_update", "time_critic", "time_sync", "time_step",
                "tokens_per_s", "peak_mem_gb"}

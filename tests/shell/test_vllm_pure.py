@@ -28,7 +28,7 @@ from nla_shell.engines.vllm import (
     sampled_logprobs,
     sampling_kwargs,
 )
-from nla_shell.weight_sync import merged_weight_buckets
+from nla_shell.engines.weight_sync import merged_weight_buckets
 
 MARKER, LEFT, RIGHT = 7, 5, 6
 D = 8

@@ -6,7 +6,7 @@ micro-batched GRPO update of the LoRA -> optional AR step -> weight push to engi
 keep their own copy -> held-out eval, logs, atomic checkpoint.
 
 Under torchrun every rank runs this same story on its own device with its own engine,
-on its share of each global batch (see nla_shell.distributed); the update, the critic
+on its share of each global batch (see nla_shell.training.distributed); the update, the critic
 step and the metrics reduce over ranks, and rank 0 alone claims the run directory,
 evaluates, logs and saves.
 """
@@ -25,17 +25,17 @@ import numpy as np
 import torch
 
 import nla_core
-from nla_shell import checkpoint as ckpt
-from nla_shell import distributed
-from nla_shell.config import ConfigError, TrainConfig, config_to_dict
-from nla_shell.data import build_prompt_ids, check_tokenizer, find_sidecar, load_eval_rows, load_rows, load_sidecar
+from nla_shell.training import checkpoint as ckpt
+from nla_shell.training import distributed
+from nla_shell.io.config import ConfigError, TrainConfig, config_to_dict
+from nla_shell.io.data import build_prompt_ids, check_tokenizer, find_sidecar, load_eval_rows, load_rows, load_sidecar
 from nla_shell.engines.base import RolloutEngine, RolloutRequest
-from nla_shell.distributed import RankInfo
-from nla_shell.logging import NullLogger, make_logger
+from nla_shell.training.distributed import RankInfo
+from nla_shell.io.logging import NullLogger, make_logger
 from nla_shell.metrics import cjk_fraction, finite_mean
 from nla_shell.models import ARModel, Injector, load_actor, trainable_parameters
-from nla_shell.scoring import critic_step, score_explanations
-from nla_shell.update import LossOptions, policy_update
+from nla_shell.training.scoring import critic_step, score_explanations
+from nla_shell.training.update import LossOptions, policy_update
 
 
 # --------------------------------------------------------------------------- small pieces

@@ -22,7 +22,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, 
 from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
 from nla_core import canonical_neighbors
-from nla_shell.data import av_prompt_messages, chat_prompt_ids
+from nla_shell.io.data import av_prompt_messages, chat_prompt_ids
 
 __all__ = [
     "CHAT_TEMPLATE",
@@ -318,7 +318,7 @@ def make_toy_rl_dataset(
         av_template=av_template,
         ar_template=ar_template,
         injection_char=injection_char,
-        provenance={"generator": "nla_shell.toy.make_toy_rl_dataset", "seed": seed, "rows": n_rows, "docs": n_docs},
+        provenance={"generator": "nla_shell.toy.builders.make_toy_rl_dataset", "seed": seed, "rows": n_rows, "docs": n_docs},
     )
     write_sidecar(mapping, directory / "rl.parquet.nla_meta.yaml")
     return parquet

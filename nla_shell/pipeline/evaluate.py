@@ -21,13 +21,13 @@ import pyarrow.parquet as pq
 import torch
 
 import nla_core
-from nla_shell.config import ConfigError, normalize_fields
-from nla_shell.data import DataError, RLRow, build_prompt_ids, check_tokenizer, find_sidecar, load_sidecar, stream_rows
+from nla_shell.io.config import ConfigError, normalize_fields
+from nla_shell.io.data import DataError, RLRow, build_prompt_ids, check_tokenizer, find_sidecar, load_sidecar, stream_rows
 from nla_shell.engines.hf import HFRolloutEngine
 from nla_shell.metrics import finite_mean
 from nla_shell.models import ARModel, Injector, base_model_dir, load_actor
-from nla_shell.scoring import score_explanations
-from nla_shell.train import evaluate_rows, resolve_device
+from nla_shell.training.scoring import score_explanations
+from nla_shell.training.train import evaluate_rows, resolve_device
 
 OPTIONAL_COLUMNS = ("position", "context", "explanation")
 """Read when present: they label the samples, and `explanation` enables the gold-AR score."""

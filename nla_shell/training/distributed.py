@@ -26,7 +26,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from nla_shell.config import ConfigError
+from nla_shell.io.config import ConfigError
 
 T = TypeVar("T")
 

@@ -9,7 +9,7 @@ from typing import Sequence
 import torch
 
 import nla_core
-from nla_shell import distributed
+from nla_shell.training import distributed
 from nla_shell.models import ARModel, ar_predict, pad_right, trainable_parameters
 
 

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 import yaml
 
-from nla_shell.config import RESUME_MUTABLE_KEYS, ConfigError
+from nla_shell.io.config import RESUME_MUTABLE_KEYS, ConfigError
 
 COMPLETE = "COMPLETE"
 CONFIG_NAME = "config.yaml"

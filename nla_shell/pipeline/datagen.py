@@ -33,12 +33,12 @@ import pyarrow.parquet as pq
 import torch
 
 from nla_core import parse_sidecar, resolve_target_scale
-from nla_shell.config import ConfigError, normalize_fields
-from nla_shell.data import INJECT_PLACEHOLDER, DataError, av_prompt_messages, check_tokenizer
+from nla_shell.io.config import ConfigError, normalize_fields
+from nla_shell.io.data import INJECT_PLACEHOLDER, DataError, av_prompt_messages, check_tokenizer
 from nla_shell.models import decoder_layers, pad_right
-from nla_shell.toy import DEFAULT_AR_TEMPLATE, DEFAULT_AV_TEMPLATE, make_sidecar_mapping, write_sidecar
-from nla_shell.toy_corpus import describe, word_classes
-from nla_shell.train import resolve_device
+from nla_shell.toy.builders import DEFAULT_AR_TEMPLATE, DEFAULT_AV_TEMPLATE, make_sidecar_mapping, write_sidecar
+from nla_shell.toy.corpus import describe, word_classes
+from nla_shell.training.train import resolve_device
 
 SPLITS = ("rl", "av_sft", "ar_sft", "eval")
 """Every split datagen can write, in file order."""

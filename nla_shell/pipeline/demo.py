@@ -2,7 +2,7 @@
 
 Stages, each timed, all in one run directory:
   1. target LM  — a tiny Qwen3 and a byte-level BPE, trained briefly on the toy language
-                  (nla_shell.toy_corpus) plus chats in which it explains the last word of a
+                  (nla_shell.toy.corpus) plus chats in which it explains the last word of a
                   quoted phrase (the toy's stand-in for an instruction-tuned model);
   2. datagen    — fresh toy documents, residuals at block `layer`, rule explanations;
   3. AR SFT     — the reconstructor on gold explanations;
@@ -29,9 +29,9 @@ from typing import Any, Iterator, Mapping
 import numpy as np
 import torch
 
-from nla_shell import toy_corpus
-from nla_shell.config import ConfigError, TrainConfig, normalize_fields
-from nla_shell.toy import DEFAULT_AV_TEMPLATE, build_tiny_qwen3, save_av_checkpoint, train_tokenizer
+from nla_shell.toy import corpus as toy_corpus
+from nla_shell.io.config import ConfigError, TrainConfig, normalize_fields
+from nla_shell.toy.builders import DEFAULT_AV_TEMPLATE, build_tiny_qwen3, save_av_checkpoint, train_tokenizer
 
 RUN_MARKER = "demo_config.json"
 
@@ -135,7 +135,7 @@ def train_lm(model: torch.nn.Module, tokenizer, texts: list[str], *, steps: int,
              max_len: int = 96) -> list[float]:
     """Next-token training of `model` on `texts` (random batches, AdamW, warmup + cosine); returns the losses."""
     from nla_shell.models import pad_right
-    from nla_shell.sft import lr_factor
+    from nla_shell.pipeline.sft import lr_factor
 
     encoded = [tokenizer.encode(t, add_special_tokens=False)[:max_len] for t in texts]
     rng = np.random.default_rng(seed)
@@ -189,10 +189,10 @@ def demo(cfg: DemoConfig) -> dict[str, Any]:
     """Run the whole demo; prints and returns the report (FVE per stage, wall time per stage)."""
     import transformers
 
-    from nla_shell.datagen import DatagenConfig, datagen
-    from nla_shell.evaluate import EvalConfig, evaluate
-    from nla_shell.sft import SFTConfig, sft
-    from nla_shell.train import train
+    from nla_shell.pipeline.datagen import DatagenConfig, datagen
+    from nla_shell.pipeline.evaluate import EvalConfig, evaluate
+    from nla_shell.pipeline.sft import SFTConfig, sft
+    from nla_shell.training.train import train
 
     run_dir = Path(cfg.run_dir).absolute()
     claim_run_dir(run_dir, overwrite=cfg.overwrite)
@@ -269,7 +269,7 @@ def demo(cfg: DemoConfig) -> dict[str, Any]:
 
     with _timed("plot", times):
         try:
-            from nla_shell.plot import plot_run
+            from nla_shell.pipeline.plot import plot_run
 
             curves: Path | None = plot_run(rl_dir)
         except ModuleNotFoundError as err:

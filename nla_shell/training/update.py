@@ -9,7 +9,7 @@ from typing import Sequence
 import torch
 
 import nla_core
-from nla_shell import distributed
+from nla_shell.training import distributed
 from nla_shell.engines.base import Rollout
 from nla_shell.models import Injector, pad_right, reference_policy, response_logprobs
 

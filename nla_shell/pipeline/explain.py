@@ -17,16 +17,16 @@ import torch
 import yaml
 
 import nla_core
-from nla_shell.config import ConfigError, normalize_fields
-from nla_shell.data import DataError, av_prompt_messages, build_prompt_ids, check_tokenizer, load_sidecar
-from nla_shell.datagen import capture_activations
+from nla_shell.io.config import ConfigError, normalize_fields
+from nla_shell.io.data import DataError, av_prompt_messages, build_prompt_ids, check_tokenizer, load_sidecar
+from nla_shell.pipeline.datagen import capture_activations
 from nla_shell.engines.base import RolloutRequest
 from nla_shell.engines.hf import HFRolloutEngine
-from nla_shell.evaluate import load_av, tokenizer_dir
+from nla_shell.pipeline.evaluate import load_av, tokenizer_dir
 from nla_shell.models import ARModel, Injector
-from nla_shell.scoring import score_explanations
-from nla_shell.sft import MODEL_SIDECAR
-from nla_shell.train import resolve_device
+from nla_shell.training.scoring import score_explanations
+from nla_shell.pipeline.sft import MODEL_SIDECAR
+from nla_shell.training.train import resolve_device
 
 
 @dataclass(frozen=True, kw_only=True)

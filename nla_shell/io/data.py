@@ -3,7 +3,7 @@
 An RL parquet holds one row per sampled (document, position): `prompt`, a list of chat
 messages ({"role", "content"}) whose contents hold the placeholder `<INJECT>` exactly
 once; `activation_vector`, D floats (fixed_size_list<float32>[D] as written by
-`nla_shell.toy`, or any list of floats); `doc_id`, a string. Its sidecar
+`nla_shell.toy.builders`, or any list of floats); `doc_id`, a string. Its sidecar
 (`<parquet>.nla_meta.yaml`) says D, the layer, the prompt templates and the injection
 token with the ids of its neighbours. Every problem raises `DataError` naming the field
 and the fix, before the trainer writes anything.

@@ -26,16 +26,16 @@ import torch
 import yaml
 
 import nla_core
-from nla_shell import checkpoint as ckpt
-from nla_shell.config import ConfigError, config_to_dict, normalize_fields
-from nla_shell.data import DataError, build_prompt_ids, check_tokenizer, find_sidecar, load_sidecar, stream_rows
+from nla_shell.training import checkpoint as ckpt
+from nla_shell.io.config import ConfigError, config_to_dict, normalize_fields
+from nla_shell.io.data import DataError, build_prompt_ids, check_tokenizer, find_sidecar, load_sidecar, stream_rows
 from nla_shell.engines.base import Rollout
-from nla_shell.logging import make_logger
+from nla_shell.io.logging import make_logger
 from nla_shell.models import ARModel, Injector, load_actor, response_logprobs, trainable_parameters
-from nla_shell.scoring import critic_step
-from nla_shell.toy import write_sidecar
-from nla_shell.train import DataOrder, make_optimizer, resolve_device
-from nla_shell.update import response_batch
+from nla_shell.training.scoring import critic_step
+from nla_shell.toy.builders import write_sidecar
+from nla_shell.training.train import DataOrder, make_optimizer, resolve_device
+from nla_shell.training.update import response_batch
 
 MODEL_SIDECAR = "nla_meta.yaml"
 

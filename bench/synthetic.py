@@ -82,10 +82,11 @@ def attach_lora(model: torch.nn.Module, *, r: int, alpha: int, use_rslora: bool 
 
 def toy_tokenizer():
     """The hub-free toy tokenizer (EOS 2, pad 0, single-token marker "§") and its marker ids."""
+    from nla_shell.io.sidecars import DEFAULT_AV_TEMPLATE, token_meta
     from nla_shell.toy import builders as toy
 
     tokenizer = toy.train_tokenizer([CORPUS] * 4, vocab_size=512)
-    tokens = toy.make_sidecar_mapping(tokenizer, d_model=8, layer_index=1)["tokens"]
+    tokens = token_meta(tokenizer, DEFAULT_AV_TEMPLATE, toy.DEFAULT_INJECTION_CHAR)
     return tokenizer, tokens
 
 

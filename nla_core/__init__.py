@@ -7,10 +7,12 @@ No I/O, no logging, no device synchronisation: usable from any RL loop.
 
 from nla_core.advantages import ADVANTAGE_SCALES, group_advantages
 from nla_core.injection import (
+    INJECTION_STYLES,
     find_injection_sites,
     inject_norm_matched,
     karvonen_inject,
     marker_well_formed,
+    replace_at_sites,
 )
 from nla_core.kl import kl_k1, kl_k2, kl_k3
 from nla_core.logprobs import SampledTokens, sample_tokens, token_logprobs, token_logprobs_from_hidden
@@ -26,7 +28,15 @@ from nla_core.reconstruction import (
     reconstruction_mse,
     reward_from_mse,
 )
-from nla_core.sidecar import NLAConfig, canonical_neighbors, parse_sidecar, resolve_target_scale
+from nla_core.sidecar import (
+    INJECT_PLACEHOLDER,
+    NLAConfig,
+    actor_content,
+    canonical_neighbors,
+    parse_sidecar,
+    resolve_target_scale,
+    upstream_actor_template,
+)
 from nla_core.splits import doc_disjoint_rows
 from nla_core.weights import hf_param_name, layer_buckets, merge_lora_weight
 
@@ -36,10 +46,13 @@ __all__ = [
     "Baselines",
     "FAILED_EXTRACTION_REWARD",
     "GRPOLossOutput",
+    "INJECTION_STYLES",
+    "INJECT_PLACEHOLDER",
     "NLAConfig",
     "REWARD_KINDS",
     "SampledTokens",
     "TIS_MODES",
+    "actor_content",
     "aggregate_loss",
     "canonical_neighbors",
     "doc_disjoint_rows",
@@ -61,9 +74,11 @@ __all__ = [
     "parse_sidecar",
     "predict_mean_baselines",
     "reconstruction_mse",
+    "replace_at_sites",
     "resolve_target_scale",
     "reward_from_mse",
     "sample_tokens",
     "token_logprobs",
     "token_logprobs_from_hidden",
+    "upstream_actor_template",
 ]

@@ -1,16 +1,26 @@
-"""Norm-matched injection of an activation vector at a marker token (Karvonen-style).
+"""Injection of an activation vector at a marker token, in the two upstream styles.
 
-The AV prompt holds one marker token; at the output of block 1 the residual there is
-replaced by h' = h + s * ||h|| * v / ||v||: the vector's direction, at the residual's scale.
+The AV prompt holds one marker token (found by find_injection_sites). The styles, by name:
+
+- "residual_add" (the reference trainer, EasyNLA nla/train_rl_vllm.py; Karvonen): at the
+  output of block 1 the residual becomes h' = h + ||h|| * v / ||v||, the vector's direction
+  at the residual's scale. It has no scale setting: upstream's injection_scale is ignored.
+- "embedding_replace" (kitft nla/train_actor.py, nla_inference.py): the marker's input
+  embedding (after any embedding scale the model applies, e.g. Gemma's sqrt(D)) is replaced
+  by v rescaled to L2 norm injection_scale (v itself when injection_scale is None).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import torch
 
 from nla_core._checks import require_floating, require_integer, require_ndim
+
+INJECTION_STYLES = ("residual_add", "embedding_replace")
+"""The injection styles by name (module docstring); sidecars nla writes record one under `injection_style`."""
 
 
 def find_injection_sites(
@@ -43,6 +53,16 @@ def find_injection_sites(
     return hits.nonzero().to(torch.int64)
 
 
+def _require_sites_and_vectors(sites: torch.Tensor, vectors: torch.Tensor, d_model: int) -> None:
+    if sites.dim() != 2 or sites.shape[1] != 2:
+        raise ValueError(f"sites must be [M, 2] (row, position), got shape {tuple(sites.shape)}")
+    if vectors.dim() != 2 or vectors.shape[0] != sites.shape[0] or vectors.shape[1] != d_model:
+        raise ValueError(
+            f"vectors must be [M, D] = [{sites.shape[0]}, {d_model}] (one per site, the "
+            f"residual's D), got shape {tuple(vectors.shape)}"
+        )
+
+
 def inject_norm_matched(
     resid: torch.Tensor,
     sites: torch.Tensor,
@@ -67,19 +87,47 @@ def inject_norm_matched(
     require_integer("sites", sites)
     require_floating("vectors", vectors)
     require_ndim("resid", resid, 3, "[B, S, D]")
-    if sites.dim() != 2 or sites.shape[1] != 2:
-        raise ValueError(f"sites must be [M, 2] (row, position), got shape {tuple(sites.shape)}")
-    if vectors.dim() != 2 or vectors.shape[0] != sites.shape[0] or vectors.shape[1] != resid.shape[2]:
-        raise ValueError(
-            f"vectors must be [M, D] = [{sites.shape[0]}, {resid.shape[2]}] (one per site, the "
-            f"residual's D), got shape {tuple(vectors.shape)}"
-        )
+    _require_sites_and_vectors(sites, vectors, resid.shape[2])
     rows, positions = sites[:, 0], sites[:, 1]
     h = resid[rows, positions].float()
     v = vectors.to(device=resid.device, dtype=torch.float32)
     direction = v / v.norm(dim=-1, keepdim=True).clamp_min(eps)
     injected = h + scale * h.norm(dim=-1, keepdim=True) * direction
     return resid.index_put((rows, positions), injected.to(resid.dtype))
+
+
+def replace_at_sites(
+    embeds: torch.Tensor,
+    sites: torch.Tensor,
+    vectors: torch.Tensor,
+    *,
+    norm: float | None,
+    eps: float = 1e-12,
+) -> torch.Tensor:
+    """e'[b, p] = v_m / (max(||v_m||, eps) / norm) at each site m = (b, p); v_m itself when norm is None.
+
+    kitft's embedding replacement: the quotient is upstream's normalize_activation (float32
+    norm, one division), then the row is rounded once to embeds' dtype. Other positions are
+    returned untouched; out-of-place. The gradient reaches embeds only off the sites.
+
+    Args:
+      embeds: [B, S, D] input embeddings (after the model's embedding scale).
+      sites: [M, 2] integer (row, position), e.g. from find_injection_sites.
+      vectors: [M, D] one activation per site, in site order.
+    Returns:
+      [B, S, D] in embeds' dtype.
+    """
+    require_floating("embeds", embeds)
+    require_integer("sites", sites)
+    require_floating("vectors", vectors)
+    require_ndim("embeds", embeds, 3, "[B, S, D]")
+    _require_sites_and_vectors(sites, vectors, embeds.shape[2])
+    if norm is not None and not (math.isfinite(norm) and norm > 0):
+        raise ValueError(f"norm must be finite and > 0 (or None for the raw vector), got {norm}")
+    v = vectors.to(device=embeds.device, dtype=torch.float32)
+    if norm is not None:
+        v = v / (v.norm(dim=-1, keepdim=True).clamp_min(eps) / norm)
+    return embeds.index_put((sites[:, 0], sites[:, 1]), v.to(embeds.dtype))
 
 
 def karvonen_inject(

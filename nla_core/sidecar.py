@@ -10,7 +10,21 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
+from nla_core.injection import INJECTION_STYLES
+
 SIDECAR_KINDS = ("nla_dataset", "nla_model")
+INJECT_PLACEHOLDER = "<INJECT>"
+"""The marker's placeholder inside parquet `prompt` messages (upstream nla/schema.py)."""
+INJECTION_CHAR_FIELD = "{injection_char}"
+"""The marker's slot in upstream actor templates, filled with str.format (upstream nla/schema.py)."""
+LAYER_KEYS = (
+    "critic.extraction_layer_index",  # kitft model sidecar, schema v2
+    "critic.num_hidden_layers",  # kitft model sidecar, schema v1
+    "extraction_layer_index",  # kitft released checkpoints (release/hf_stage_and_scrub.py)
+    "extraction.layer_index",  # dataset sidecars
+    "model.layer_index",  # nla's round-one model sidecars
+)
+"""Where the extraction layer K (AR = blocks 0..K) may be written, in the order read."""
 
 
 @dataclass(frozen=True)
@@ -30,15 +44,20 @@ class NLAConfig:
     injection_right_neighbor_id: int
     """Token id right after the marker in the chat-templated AV prompt."""
     actor_prompt_template: str
-    """AV user-message template holding <INJECT>."""
+    """AV user-message content holding <INJECT> (upstream's template with {injection_char} filled by it)."""
     critic_prompt_template: str
-    """AR input template holding {explanation}."""
-    extraction_layer_index: int
-    """k: activations are the output of block k; the AR keeps blocks 0..k."""
+    """AR input template holding {explanation}, filled with str.format."""
+    extraction_layer_index: int | None
+    """K: activations are the output of block K; the AR keeps blocks 0..K. None when the sidecar names none."""
     mse_scale: str | float | None
     """Raw scale spec for normalize_activation; resolve with resolve_target_scale."""
-    injection_scale: float = 1.0
-    """s in h' = h + s * ||h|| * v / ||v||."""
+    injection_scale: str | float | None = None
+    """Raw spec of the L2 norm the vector is rescaled to under embedding_replace (upstream's
+    extraction.injection_scale; None = inject raw); residual_add ignores it."""
+    injection_style: str = "residual_add"
+    """One of INJECTION_STYLES."""
+    critic_suffix_ids: tuple[int, ...] | None = None
+    """Expected last token ids of a filled AR prompt (upstream tokens.critic_suffix_ids), if given."""
 
 
 def resolve_target_scale(raw: object, d_model: int) -> float | None:
@@ -49,16 +68,39 @@ def resolve_target_scale(raw: object, d_model: int) -> float | None:
     if isinstance(raw, str) and raw.strip().lower() == "sqrt_d_model":
         return math.sqrt(d_model)
     if isinstance(raw, bool):
-        raise ValueError(f"mse_scale={raw!r}: expected 'sqrt_d_model', 'none', 'raw' or a number")
+        raise ValueError(f"scale={raw!r}: expected 'sqrt_d_model', 'none', 'raw', null or a number")
     try:
         value = float(raw)  # type: ignore[arg-type]
     except (TypeError, ValueError):
-        raise ValueError(
-            f"mse_scale={raw!r}: expected 'sqrt_d_model', 'none', 'raw' or a number"
-        ) from None
+        raise ValueError(f"scale={raw!r}: expected 'sqrt_d_model', 'none', 'raw', null or a number") from None
     if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"mse_scale={raw!r}: a numeric scale must be finite and > 0")
+        raise ValueError(f"scale={raw!r}: a numeric scale must be finite and > 0")
     return value
+
+
+def actor_content(template: str, *, key: str = "prompt_templates.actor") -> str:
+    """The AV user-message content with <INJECT> at the marker, from either template style.
+
+    Upstream templates hold {injection_char} and are filled with str.format (so literal
+    braces are written {{ }}); nla's round-one templates hold <INJECT> itself.
+    Raises ValueError naming `key` when neither placeholder is there or the format fails.
+    """
+    if INJECTION_CHAR_FIELD in template:
+        try:
+            return template.format(injection_char=INJECT_PLACEHOLDER)
+        except (KeyError, IndexError, ValueError) as err:
+            raise ValueError(
+                f"sidecar key `{key}` holds a format field other than {{injection_char}} ({err!r}); "
+                "write literal braces as {{ and }}"
+            ) from None
+    if INJECT_PLACEHOLDER in template:
+        return template
+    raise ValueError(f"sidecar key `{key}` must contain the placeholder {{injection_char}} (upstream) or <INJECT>")
+
+
+def upstream_actor_template(content: str) -> str:
+    """Inverse of actor_content: braces escaped, <INJECT> -> {injection_char}."""
+    return content.replace("{", "{{").replace("}", "}}").replace(INJECT_PLACEHOLDER, INJECTION_CHAR_FIELD)
 
 
 _MISSING = object()
@@ -82,26 +124,53 @@ def _typed(path: str, value: Any, kind: type, what: str) -> Any:
     return value
 
 
-def _first_present(mapping: Mapping[str, Any], paths: Sequence[str]) -> tuple[str, Any]:
+def _first_present(mapping: Mapping[str, Any], paths: Sequence[str], *, required: bool = True) -> tuple[str, Any]:
     for path in paths:
         value = _get(mapping, path, None)
         if value is not None:
             return path, value
-    raise ValueError(f"sidecar is missing key `{paths[0]}` (also accepted: {', '.join(paths[1:])})")
+    if required:
+        raise ValueError(f"sidecar is missing key `{paths[0]}` (also accepted: {', '.join(paths[1:])})")
+    return paths[0], None
+
+
+def _scale(mapping: Mapping[str, Any], path: str, default: object, d_model: int) -> Any:
+    raw = _get(mapping, path, default)
+    try:
+        resolve_target_scale(raw, d_model)
+    except ValueError as err:
+        raise ValueError(f"sidecar key `{path}`: {err}") from None
+    return raw
+
+
+def _injection_style(mapping: Mapping[str, Any], kind: str, injection_scale: Any) -> str:
+    """nla's `injection_style` when written; else a kitft AV's (a model sidecar whose
+    extraction.injection_scale is set: upstream nla_inference.py injects at the embedding);
+    else the reference trainer's."""
+    style = mapping.get("injection_style")
+    if style is None:
+        return "embedding_replace" if kind == "nla_model" and injection_scale is not None else "residual_add"
+    if style not in INJECTION_STYLES:
+        raise ValueError(f"sidecar key `injection_style` is {style!r}; expected one of {INJECTION_STYLES}")
+    return style
 
 
 def parse_sidecar(mapping: Mapping[str, Any]) -> NLAConfig:
-    """Validate a sidecar mapping (kind nla_dataset or nla_model) into an NLAConfig.
+    """Validate a sidecar mapping (kind nla_dataset or nla_model, any upstream variant) into an NLAConfig.
 
-    Raises ValueError naming the missing or mistyped key.
+    Layout and variants: docs/sidecar.md. Raises ValueError naming the missing or mistyped key.
     """
     if not isinstance(mapping, Mapping):
         raise ValueError(f"sidecar must be a mapping, got {type(mapping).__name__}")
     kind = _typed("kind", _get(mapping, "kind"), str, "a string")
     if kind not in SIDECAR_KINDS:
         raise ValueError(f"sidecar key `kind` is {kind!r}; expected one of {SIDECAR_KINDS}")
-    d_path = "extraction.d_model" if kind == "nla_dataset" else "model.d_model"
-    d_model = _typed(d_path, _get(mapping, d_path), int, "a positive integer")
+    version = mapping.get("schema_version")
+    if version is not None and version not in (1, 2):
+        raise ValueError(f"sidecar key `schema_version` is {version!r}; expected 1 (datasets) or 2 (models)")
+    d_paths = ("extraction.d_model",) if kind == "nla_dataset" else ("d_model", "model.d_model")
+    d_path, d_model = _first_present(mapping, d_paths)
+    _typed(d_path, d_model, int, "a positive integer")
     if d_model <= 0:
         raise ValueError(f"sidecar key `{d_path}` must be a positive integer, got {d_model}")
 
@@ -112,36 +181,34 @@ def parse_sidecar(mapping: Mapping[str, Any]) -> NLAConfig:
         key: _typed(f"tokens.{key}", _get(mapping, f"tokens.{key}"), int, "an integer token id")
         for key in ("injection_token_id", "injection_left_neighbor_id", "injection_right_neighbor_id")
     }
+    suffix = _get(mapping, "tokens.critic_suffix_ids", None)
+    if suffix is not None and not (
+        isinstance(suffix, Sequence) and all(isinstance(t, int) and not isinstance(t, bool) for t in suffix)
+    ):
+        raise ValueError(f"sidecar key `tokens.critic_suffix_ids` must be a list of token ids or null, got {suffix!r}")
 
     av_path, av = _first_present(mapping, ("prompt_templates.av", "prompt_templates.actor"))
-    _typed(av_path, av, str, "a string")
-    if "<INJECT>" not in av:
-        raise ValueError(f"sidecar key `{av_path}` must contain the placeholder <INJECT>")
+    content = actor_content(_typed(av_path, av, str, "a string"), key=av_path)
+    if content.count(INJECT_PLACEHOLDER) != 1:
+        raise ValueError(f"sidecar key `{av_path}` must hold the marker placeholder exactly once")
     ar_path, ar = _first_present(mapping, ("prompt_templates.ar", "prompt_templates.critic"))
     _typed(ar_path, ar, str, "a string")
     if "{explanation}" not in ar:
         raise ValueError(f"sidecar key `{ar_path}` must contain the placeholder {{explanation}}")
 
-    layer_path, layer = "critic.extraction_layer_index", _get(mapping, "critic.extraction_layer_index", None)
-    if layer is None:
-        layer_path = "extraction.layer_index" if kind == "nla_dataset" else "model.layer_index"
-        layer = _get(mapping, layer_path)
-    _typed(layer_path, layer, int, "a non-negative integer")
-    if layer < 0:
-        raise ValueError(f"sidecar key `{layer_path}` must be >= 0, got {layer}")
+    layer_path, layer = _first_present(mapping, LAYER_KEYS, required=False)
+    if layer is not None:
+        _typed(layer_path, layer, int, "a non-negative integer")
+        if layer < 0:
+            raise ValueError(f"sidecar key `{layer_path}` must be >= 0, got {layer}")
 
-    scale_path = "extraction.mse_scale" if kind == "nla_dataset" else "model.mse_scale"
-    mse_scale = _get(mapping, scale_path, "sqrt_d_model")
-    try:
-        resolve_target_scale(mse_scale, d_model)
-    except ValueError as err:
-        raise ValueError(f"sidecar key `{scale_path}`: {err}") from None
-
-    inj_path = "extraction.injection_scale" if kind == "nla_dataset" else "model.injection_scale"
-    injection_scale = _get(mapping, inj_path, 1.0)
-    if isinstance(injection_scale, bool) or not isinstance(injection_scale, (int, float)):
-        raise ValueError(f"sidecar key `{inj_path}` must be a number, got {injection_scale!r}")
-
+    # Scales live under extraction.* in both kinds (upstream nla/config.py load_nla_config):
+    # mse_scale absent means sqrt_d_model, injection_scale absent means none chosen. nla's
+    # round-one model sidecars kept mse_scale under model.* (their injection_scale meant
+    # the residual add's factor, always 1, so it is not read).
+    legacy = kind == "nla_model" and "extraction" not in mapping and isinstance(mapping.get("model"), Mapping)
+    mse_scale = _scale(mapping, "model.mse_scale" if legacy else "extraction.mse_scale", "sqrt_d_model", d_model)
+    injection_scale = _scale(mapping, "extraction.injection_scale", None, d_model)
     return NLAConfig(
         kind=kind,
         d_model=d_model,
@@ -149,11 +216,13 @@ def parse_sidecar(mapping: Mapping[str, Any]) -> NLAConfig:
         injection_token_id=ids["injection_token_id"],
         injection_left_neighbor_id=ids["injection_left_neighbor_id"],
         injection_right_neighbor_id=ids["injection_right_neighbor_id"],
-        actor_prompt_template=av,
+        actor_prompt_template=content,
         critic_prompt_template=ar,
         extraction_layer_index=layer,
         mse_scale=mse_scale,
-        injection_scale=float(injection_scale),
+        injection_scale=injection_scale,
+        injection_style=_injection_style(mapping, kind, injection_scale),
+        critic_suffix_ids=None if suffix is None else tuple(suffix),
     )
 
 

@@ -1,9 +1,10 @@
 """The two networks of an NLA: the actor (AV + LoRA + injection hook) and the critic (AR).
 
-The actor is the AV checkpoint with a PEFT LoRA on q, k, v, o. An `Injector` on the output
-of decoder block 1 adds the activation at the marker (norm-matched) in every forward that
-sees the whole prompt: training, reference and generation-prefill forwards; decode steps
-(one new token) pass through untouched.
+The actor is the AV checkpoint with a PEFT LoRA on q, k, v, o. An `Injector` puts the
+activation at the marker in every forward that sees the whole prompt (training, reference
+and generation-prefill forwards), in one of the two upstream styles: the norm-matched add
+at the output of decoder block 1, or kitft's embedding replacement; decode steps (one new
+token) pass through untouched.
 
 The critic is an `ARModel`: the LM truncated after the extraction layer, its final norm
 bypassed, and a float32 `Linear(D, D)` value head on the normalised last-token hidden state.
@@ -12,6 +13,7 @@ bypassed, and a float32 `Linear(D, D)` value head on the normalised last-token h
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,7 +50,12 @@ class _Batch:
 
 
 class Injector:
-    """Norm-matched injection at the output of one decoder block, driven by `with inject(...)`.
+    """The activation injection at each row's marker, driven by `with inject(...)`.
+
+    `style` (nla_core.INJECTION_STYLES) picks the hook: "residual_add" adds the norm-matched
+    vector at the output of decoder block `layer_index` (the reference's block 1);
+    "embedding_replace" replaces the marker's input embedding by the vector at L2 norm
+    `injection_norm` (kitft). Either hook sees every forward over the whole prompt.
 
     The hook never skips a row: entering `inject` with a row that has no well-formed marker
     raises. A row whose tokens hold more than one well-formed marker (a response that echoed
@@ -63,14 +70,25 @@ class Injector:
         marker_id: int,
         left_id: int,
         right_id: int,
+        style: str = "residual_add",
+        injection_norm: float | None = None,
         layer_index: int = 1,
-        scale: float = 1.0,
     ) -> None:
+        if style not in nla_core.INJECTION_STYLES:
+            raise ValueError(f"injection_style={style!r}: expected one of {nla_core.INJECTION_STYLES}")
         self.marker_id, self.left_id, self.right_id = marker_id, left_id, right_id
-        self.scale = scale
+        self.style, self.injection_norm = style, injection_norm
         self.echo_rows = 0
         self._batch: _Batch | None = None
-        self._handle = decoder_layers(model)[layer_index].register_forward_hook(self._hook)
+        if style == "embedding_replace":
+            # HF applies embedding scales (Gemma's sqrt(D)) inside the embedding module, so its
+            # output is what kitft's hook on get_input_embeddings() overwrites.
+            module = inner_lm(model).get_input_embeddings()
+            self._apply = functools.partial(nla_core.replace_at_sites, norm=injection_norm)
+        else:
+            module = decoder_layers(model)[layer_index]
+            self._apply = nla_core.inject_norm_matched
+        self._handle = module.register_forward_hook(self._hook)
 
     def remove(self) -> None:
         self._handle.remove()
@@ -119,8 +137,7 @@ class Injector:
         # Decode steps see one new token: the marker lives in the (cached) prompt.
         if batch is None or resid.shape[1] != batch.seq_len:
             return output
-        vectors = batch.vectors.to(resid.device)
-        injected = nla_core.inject_norm_matched(resid, batch.sites.to(resid.device), vectors, scale=self.scale)
+        injected = self._apply(resid, batch.sites.to(resid.device), batch.vectors.to(resid.device))
         return (injected, *output[1:]) if isinstance(output, tuple) else injected
 
 

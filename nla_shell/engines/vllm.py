@@ -379,6 +379,8 @@ class VLLMRolloutEngine:
         left_id: int,
         right_id: int,
         injection_layer: int = 1,
+        injection_style: str = "residual_add",
+        injection_norm: float | None = None,
         steering: str = "nla",
         gpu_memory_utilization: float = 0.35,
         max_model_len: int = 1024,
@@ -393,6 +395,8 @@ class VLLMRolloutEngine:
     ) -> None:
         if steering not in STEERING_BACKENDS:
             raise ValueError(f"steering must be one of {STEERING_BACKENDS}, got {steering!r}")
+        if injection_style != "residual_add" and steering != "nla":
+            raise ValueError(f"injection_style {injection_style!r} needs steering='nla' (vllm-lens only adds at a layer)")
         vllm = require_vllm()
         self.tokenizer = tokenizer
         self.marker_id, self.left_id, self.right_id = marker_id, left_id, right_id
@@ -414,7 +418,9 @@ class VLLMRolloutEngine:
             load_format=load_format,
         )
         if steering == "nla":
-            kwargs["additional_config"] = {vllm_steering.CONFIG_KEY: {"layer": injection_layer}}
+            kwargs["additional_config"] = {
+                vllm_steering.CONFIG_KEY: {"layer": injection_layer, "style": injection_style, "norm": injection_norm}
+            }
         kwargs.update(llm_kwargs or {})
         if self._in_process:
             from vllm.compilation.monitor import set_cudagraph_capturing_enabled

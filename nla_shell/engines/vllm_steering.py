@@ -1,4 +1,4 @@
-"""A vLLM plugin: norm-matched injection at one decoder layer, inside the compiled graph.
+"""A vLLM plugin: the activation injection, in either style, inside the compiled graph.
 
 Why not vllm-lens: it forces `enforce_eager` (CUDA graphs off) and runs a Python forward
 hook on every decoder layer at every step, looping over every request in the batch (see
@@ -26,7 +26,14 @@ stream over in two halves), the op returns hidden' = 0 and residual' = round(h +
 u = v / ||v||, norms in float32: the next layer's fused add then sees exactly the HF-side
 `nla_core.inject_norm_matched(h)`. Every other row is returned bit-identical.
 
-Enabling: pass `additional_config={CONFIG_KEY: {"layer": L}}` to vLLM, and have
+Style "embedding_replace" (kitft) instead swaps decoder layer 0 for a subclass whose
+forward first passes its input through `nla::replace_embedding(hidden)`: at marker rows
+the input embedding (vLLM applies embedding scales such as Gemma's sqrt(D) before layer 0)
+becomes table[slot] = v / (||v|| / norm), kitft's normalize_activation, or v when norm is
+None; `nla_core.replace_at_sites` on the HF side.
+
+Enabling: pass `additional_config={CONFIG_KEY: {"layer": L, "style": S, "norm": N}}` to vLLM
+("style" and "norm" default to residual_add and None), and have
 `register()` run in every process that hosts a worker: call it directly for the in-process
 engine, or install it as the `vllm.general_plugins` entry point
 `nla_steering = "nla_shell.engines.vllm_steering:register"` for spawned workers. Engines
@@ -44,7 +51,7 @@ import torch
 EXTRA_ARGS_KEY = "nla_steer"
 """SamplingParams.extra_args key carrying {"position": int, "vector": bytes}."""
 CONFIG_KEY = "nla_steering"
-"""vLLM additional_config key carrying {"layer": int}; its presence turns the plugin on."""
+"""vLLM additional_config key carrying {"layer": int, "style": str, "norm": float | None}; its presence turns the plugin on."""
 STEERED_CLASS_PREFIX = "NLASteered"
 
 
@@ -59,6 +66,18 @@ def unit_vector(data: bytes, d_model: int) -> torch.Tensor:
     if v.numel() != d_model:
         raise ValueError(f"steering vector has {v.numel()} values but the model's hidden size is {d_model}")
     return v / v.norm().clamp_min(1e-12)
+
+
+def injection_row(data: bytes, d_model: int, *, style: str, norm: float | None) -> torch.Tensor:
+    """Bytes from `encode_vector` -> the [D] float32 table row of a style: the unit vector
+    (residual_add), or the vector at L2 norm `norm` as nla_core.replace_at_sites computes it
+    (embedding_replace; the vector itself when norm is None)."""
+    if style == "residual_add":
+        return unit_vector(data, d_model)
+    v = torch.from_numpy(np.frombuffer(data, dtype="<f4").astype(np.float32))
+    if v.numel() != d_model:
+        raise ValueError(f"steering vector has {v.numel()} values but the model's hidden size is {d_model}")
+    return v if norm is None else v / (v.norm().clamp_min(1e-12) / norm)
 
 
 def marker_rows(
@@ -118,11 +137,35 @@ def steer_residual(
     return torch.where(at_marker, torch.zeros_like(hidden), hidden), torch.where(at_marker, injected, residual)
 
 
+def replace_rows(hidden: torch.Tensor, slot: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """table[slot[t]] (rounded to hidden's dtype) at every token t with slot[t] > 0; others unchanged.
+
+    Args:
+      hidden: [T, D] the input embeddings of layer 0.
+      slot: [>= T] int64 row of `table` per token (0 = no injection).
+      table: [R, D] float32 vectors at their target norm, row 0 zeros.
+    Returns:
+      [T, D] in hidden's dtype.
+    """
+    index = slot[: hidden.shape[0]]
+    return torch.where((index > 0).unsqueeze(-1), table.index_select(0, index).to(hidden.dtype), hidden)
+
+
 class SteeringState:
     """One engine's steering bookkeeping in a worker: vectors by request, and the two buffers."""
 
-    def __init__(self, *, d_model: int, max_tokens: int, max_requests: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        *,
+        d_model: int,
+        max_tokens: int,
+        max_requests: int,
+        device: torch.device,
+        style: str = "residual_add",
+        norm: float | None = None,
+    ) -> None:
         self.d_model = d_model
+        self.style, self.norm = style, norm
         self.device = torch.device(device)
         self.slot = torch.zeros(max_tokens, dtype=torch.int64, device=self.device)
         self.table = torch.zeros(max_requests + 1, d_model, dtype=torch.float32, device=self.device)
@@ -142,7 +185,7 @@ class SteeringState:
             spec = (params.extra_args or {}).get(EXTRA_ARGS_KEY) if params is not None else None
             if spec is not None:
                 self.markers[request.req_id] = int(spec["position"])
-                self.units[request.req_id] = unit_vector(spec["vector"], self.d_model)
+                self.units[request.req_id] = injection_row(spec["vector"], self.d_model, style=self.style, norm=self.norm)
         for req_id in finished_ids:
             self.markers.pop(req_id, None)
             self.units.pop(req_id, None)
@@ -198,21 +241,44 @@ def _(hidden: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch
     return torch.empty_like(hidden), torch.empty_like(residual)
 
 
-_STEERED_CLASSES: dict[type, type] = {}
+@torch.library.custom_op("nla::replace_embedding", mutates_args=())
+def _replace_embedding_op(hidden: torch.Tensor) -> torch.Tensor:
+    if _ACTIVE is None:
+        raise RuntimeError("nla::replace_embedding ran with no active steering state (was register() called?)")
+    return replace_rows(hidden, _ACTIVE.slot, _ACTIVE.table)
 
 
-def steered_class(base: type) -> type:
-    """A subclass of a decoder-layer class whose (hidden, residual) output goes through the op."""
-    cls = _STEERED_CLASSES.get(base)
+@_replace_embedding_op.register_fake
+def _(hidden: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(hidden)
+
+
+_STEERED_CLASSES: dict[tuple[type, str], type] = {}
+
+
+def steered_class(base: type, style: str = "residual_add") -> type:
+    """A subclass of a decoder-layer class: its (hidden, residual) output goes through
+    nla::steer_residual (residual_add), or its input embeddings through
+    nla::replace_embedding (embedding_replace; layer 0 only, where residual is None)."""
+    cls = _STEERED_CLASSES.get((base, style))
     if cls is None:
         base_forward = base.forward
 
-        def forward(self, positions, hidden_states, residual, **kwargs):
-            hidden_states, residual = base_forward(self, positions, hidden_states, residual, **kwargs)
-            return torch.ops.nla.steer_residual(hidden_states, residual)
+        if style == "residual_add":
+
+            def forward(self, positions, hidden_states, residual, **kwargs):
+                hidden_states, residual = base_forward(self, positions, hidden_states, residual, **kwargs)
+                return torch.ops.nla.steer_residual(hidden_states, residual)
+
+        else:
+
+            def forward(self, positions, hidden_states, residual, **kwargs):
+                if residual is None:  # layer 0: hidden_states are the input embeddings
+                    hidden_states = torch.ops.nla.replace_embedding(hidden_states)
+                return base_forward(self, positions, hidden_states, residual, **kwargs)
 
         cls = type(f"{STEERED_CLASS_PREFIX}{base.__name__}", (base,), {"forward": forward})
-        _STEERED_CLASSES[base] = cls
+        _STEERED_CLASSES[(base, style)] = cls
     return cls
 
 
@@ -230,7 +296,8 @@ def _install(runner) -> None:
         return
     from vllm.model_executor.models.utils import PPMissingLayer
 
-    layer = runner.get_model().model.layers[int(config["layer"])]
+    style, norm = config.get("style", "residual_add"), config.get("norm")
+    layer = runner.get_model().model.layers[0 if style == "embedding_replace" else int(config["layer"])]
     if isinstance(layer, PPMissingLayer):
         return  # another pipeline stage holds the layer
     max_tokens = max(
@@ -242,8 +309,10 @@ def _install(runner) -> None:
         max_tokens=max_tokens,
         max_requests=runner.max_num_reqs,
         device=runner.device,
+        style=style,
+        norm=norm,
     )
-    layer.__class__ = steered_class(type(layer))
+    layer.__class__ = steered_class(type(layer), style)
     runner._nla_steering = state
     # Profiling and CUDA-graph capture follow load_model before any execute_model.
     _ACTIVE = state

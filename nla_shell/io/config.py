@@ -56,7 +56,13 @@ class TrainConfig:
     rl_parquet: str
     """RL dataset parquet (columns prompt, activation_vector, doc_id)."""
     sidecar: str | None = None
-    """Sidecar YAML; None finds `<rl_parquet>.nla_meta.yaml` or the directory's `nla_meta.yaml`."""
+    """Sidecar YAML (or a parquet or checkpoint dir it belongs to); None finds `<rl_parquet>.nla_meta.yaml`."""
+    injection_style: Literal["residual_add", "embedding_replace"] | None = None
+    """How the AV receives the activation (nla_core.injection): "residual_add", the reference's add at block 1's
+    output, or "embedding_replace", kitft's; None takes the AV checkpoint's sidecar, else the dataset's (residual_add)."""
+    injection_scale: str | None = None
+    """embedding_replace only: the injected vector's L2 norm ("sqrt_d_model", "raw" or a number, upstream's
+    extraction.injection_scale); None takes the sidecar's."""
     save_dir: str
     """Run directory: config.yaml, metrics.jsonl, samples.jsonl, step_NNNNNN/ checkpoints."""
 

@@ -20,9 +20,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
-import yaml
-
-from nla_core import NLAConfig, canonical_neighbors, doc_disjoint_rows, marker_well_formed, parse_sidecar
+from nla_core import INJECT_PLACEHOLDER, NLAConfig, canonical_neighbors, doc_disjoint_rows, marker_well_formed
 
 __all__ = [
     "INJECT_PLACEHOLDER",
@@ -33,50 +31,18 @@ __all__ = [
     "build_prompt_ids",
     "chat_prompt_ids",
     "check_tokenizer",
-    "find_sidecar",
     "load_eval_rows",
     "load_rows",
-    "load_sidecar",
     "stream_rows",
     "validate_parquet_schema",
 ]
 
-INJECT_PLACEHOLDER = "<INJECT>"
 REQUIRED_COLUMNS = ("prompt", "activation_vector", "doc_id")
 _DRIFT_FIX = "regenerate the sidecar with this tokenizer or point av_ckpt at the tokenizer the data was made with"
 
 
 class DataError(ValueError):
     """A dataset, sidecar or tokenizer problem; the message names the field and the fix."""
-
-
-# ---------------------------------------------------------------- sidecar
-
-
-def find_sidecar(parquet_path: str | Path) -> Path:
-    """`<parquet>.nla_meta.yaml` if it exists, else the directory's `nla_meta.yaml`."""
-    parquet_path = Path(parquet_path)
-    candidates = (parquet_path.with_name(parquet_path.name + ".nla_meta.yaml"), parquet_path.parent / "nla_meta.yaml")
-    for candidate in candidates:
-        if candidate.is_file():
-            return candidate
-    raise DataError(
-        f"sidecar: no sidecar for {parquet_path}; tried {candidates[0]} and {candidates[1]}. "
-        "Write one (docs/sidecar.md) or pass `sidecar` explicitly"
-    )
-
-
-def load_sidecar(path: str | Path) -> NLAConfig:
-    """Read a sidecar YAML into an NLAConfig; any problem raises DataError naming the file."""
-    path = Path(path)
-    try:
-        mapping = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (OSError, yaml.YAMLError) as err:
-        raise DataError(f"sidecar: cannot read {path}: {err}") from None
-    try:
-        return parse_sidecar(mapping)
-    except ValueError as err:
-        raise DataError(f"sidecar {path}: {err}") from None
 
 
 # ---------------------------------------------------------------- prompts and the tokenizer
@@ -202,8 +168,8 @@ def build_prompt_ids(
 class RLRow:
     """One RL example."""
 
-    prompt: list[dict[str, Any]]
-    """Chat messages; string contents hold `<INJECT>` exactly once in all."""
+    prompt: list[dict[str, Any]] | str
+    """Chat messages whose string contents hold `<INJECT>` exactly once in all; an AR-SFT row's filled AR template."""
     activation: torch.Tensor
     """[D] float32, finite, non-zero."""
     doc_id: str
@@ -214,9 +180,11 @@ class RLRow:
     """Values of the `extra_columns` asked for (e.g. position, context)."""
 
 
-def validate_parquet_schema(path: str | Path, *, d_model: int) -> pq.ParquetFile:
+def validate_parquet_schema(path: str | Path, *, d_model: int, text_prompt: bool = False) -> pq.ParquetFile:
     """Check the required columns and the activation width D; return the open file.
 
+    `prompt` holds chat messages, or with text_prompt a string (an AR-SFT parquet: the
+    filled AR template, as upstream nla/datagen/stage3_build.py writes it).
     Fixed-size activation lists are checked from the schema alone; variable-length lists
     by the lengths in the first row group (stream_rows checks every row).
     """
@@ -232,13 +200,20 @@ def validate_parquet_schema(path: str | Path, *, d_model: int) -> pq.ParquetFile
                 f"an RL parquet needs {list(REQUIRED_COLUMNS)}"
             )
     prompt_type = schema.field("prompt").type
-    if not (
+    is_text = pa.types.is_string(prompt_type) or pa.types.is_large_string(prompt_type)
+    if text_prompt and not is_text:
+        raise DataError(
+            f"prompt: column type is {prompt_type} in {path}, expected string (an AR-SFT parquet's prompt is the "
+            "filled AR template); point parquet at the ar_sft split"
+        )
+    if not text_prompt and not (
         (pa.types.is_list(prompt_type) or pa.types.is_large_list(prompt_type))
         and pa.types.is_struct(prompt_type.value_type)
         and {"role", "content"} <= {f.name for f in prompt_type.value_type}
     ):
         raise DataError(
             f"prompt: column type is {prompt_type}, expected chat messages, list<struct<role: string, content: string>>"
+            + (" (a string prompt is an AR-SFT parquet: use it with `nla sft mode=ar`)" if is_text else "")
         )
     act_type = schema.field("activation_vector").type
     is_list = pa.types.is_list(act_type) or pa.types.is_large_list(act_type) or pa.types.is_fixed_size_list(act_type)
@@ -335,22 +310,30 @@ def _stream(
         extras = {c: table.column(c).to_pylist() for c in extra_columns}
         for j, (index, prompt) in enumerate(zip(indices, prompts)):
             if not prompt:
-                raise DataError(f"prompt: {labels[j]} has no messages; each prompt is a list of chat messages")
-            _check_placeholders(prompt, labels[j])
+                raise DataError(f"prompt: {labels[j]} is empty; each prompt is a list of chat messages (or AR text)")
+            if not isinstance(prompt, str):
+                _check_placeholders(prompt, labels[j])
             yield RLRow(prompt, acts[j], str(doc_ids[j]), index, {c: v[j] for c, v in extras.items()})
 
 
 def stream_rows(
-    path: str | Path, cfg: NLAConfig, *, start: int = 0, stop: int | None = None, extra_columns: Sequence[str] = ()
+    path: str | Path,
+    cfg: NLAConfig,
+    *,
+    start: int = 0,
+    stop: int | None = None,
+    extra_columns: Sequence[str] = (),
+    text_prompt: bool = False,
 ) -> Iterator[RLRow]:
-    """Validated rows [start, stop) of an RL parquet, read one row group at a time.
+    """Validated rows [start, stop) of an RL/SFT parquet, read one row group at a time.
 
     Reads only `prompt`, `activation_vector`, `doc_id` and the `extra_columns` asked for
     (their values land in RLRow.extras). Each activation must have length cfg.d_model, be
-    finite and be non-zero; each prompt must hold one `<INJECT>`. Raises DataError naming
-    the row and its doc_id otherwise.
+    finite and be non-zero; each prompt must hold one `<INJECT>` (with text_prompt: be a
+    non-empty string, the filled AR template). Raises DataError naming the row and its
+    doc_id otherwise.
     """
-    pf = validate_parquet_schema(path, d_model=cfg.d_model)
+    pf = validate_parquet_schema(path, d_model=cfg.d_model, text_prompt=text_prompt)
     return _stream(pf, cfg, start, stop, None, extra_columns)
 
 

@@ -5,12 +5,15 @@ at the output of block K is read at a few seeded positions (each with at least
 `min_context` tokens before it). Each document goes to exactly one split, chosen by a
 seeded hash of its id, so no document is in two splits:
 
-    rl.parquet       prompt, activation_vector, doc_id, position, context
-    av_sft.parquet   ... + explanation, response ("<explanation>…</explanation>")
-    ar_sft.parquet   ... + explanation, ar_prompt (the AR template filled in)
+    rl.parquet       prompt (chat messages with <INJECT>), activation_vector, doc_id,
+                     n_raw_tokens, activation_layer, position, context
+    av_sft.parquet   ... + explanation, response ("<explanation>\n…\n</explanation>")
+    ar_sft.parquet   the same, but prompt is the AR template filled in (a string)
     eval.parquet     ... + explanation, response (held-out documents for `nla eval`)
 
-each with its sidecar `<file>.nla_meta.yaml` (docs/sidecar.md). Gold explanations come
+each with its sidecar `<file>.nla_meta.yaml`. Column names, types and sidecar keys are
+upstream's (kitft nla/datagen/stage3_build.py, docs/sidecar.md); position and context
+(the decoded text up to the position) are nla's additions. Gold explanations come
 from an `Explainer`: a JSONL file keyed by (doc_id, position), or the deterministic rule
 of the toy language. Outputs are written to a temp dir and moved into place at the end,
 so an interrupted run leaves nothing half-written and can simply be run again.
@@ -32,11 +35,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from nla_core import parse_sidecar, resolve_target_scale
+from nla_core import actor_content, parse_sidecar, resolve_target_scale
 from nla_shell.io.config import ConfigError, normalize_fields
-from nla_shell.io.data import INJECT_PLACEHOLDER, DataError, av_prompt_messages, check_tokenizer
+from nla_shell.io.data import DataError, av_prompt_messages, check_tokenizer
+from nla_shell.io.sidecars import DEFAULT_AR_TEMPLATE, DEFAULT_AV_TEMPLATE, dataset_sidecar, write_sidecar
 from nla_shell.models import decoder_layers, pad_right
-from nla_shell.toy.builders import DEFAULT_AR_TEMPLATE, DEFAULT_AV_TEMPLATE, make_sidecar_mapping, write_sidecar
 from nla_shell.toy.corpus import describe, word_classes
 from nla_shell.training.train import resolve_device
 
@@ -45,10 +48,10 @@ SPLITS = ("rl", "av_sft", "ar_sft", "eval")
 EXTRA_COLUMNS: Mapping[str, tuple[str, ...]] = {
     "rl": (),
     "av_sft": ("explanation", "response"),
-    "ar_sft": ("explanation", "ar_prompt"),
+    "ar_sft": ("explanation",),
     "eval": ("explanation", "response"),
 }
-"""String columns each split adds to prompt, activation_vector, doc_id, position, context."""
+"""String columns each split adds to the columns every split has."""
 
 INJECTION_CHAR_CANDIDATES = "§¶※†‡¤¦¬µ°±×÷©®~^|@"
 """Tried in order when the injection char is chosen automatically (or the asked one is unusable)."""
@@ -89,7 +92,7 @@ class DatagenConfig:
     eval_fraction: float = 0.1
     """Share of documents whose rows go to eval.parquet; the rest go to rl.parquet."""
     av_template: str = DEFAULT_AV_TEMPLATE
-    """AV user-message template; must hold <INJECT>."""
+    """AV user-message template holding {injection_char} (upstream's style; literal braces as {{ }}) or <INJECT>."""
     ar_template: str = DEFAULT_AR_TEMPLATE
     """AR input template; must hold {explanation}."""
     mse_scale: str = "sqrt_d_model"
@@ -123,7 +126,10 @@ class DatagenConfig:
             _require(0 <= value <= 1, key, value, "use a fraction in [0, 1]")
         _require(sum(fractions) < 1, "eval_fraction", self.eval_fraction,
                  f"the split fractions sum to {sum(fractions):g}; leave a share > 0 for rl")
-        _require(INJECT_PLACEHOLDER in self.av_template, "av_template", self.av_template, "include <INJECT>")
+        try:
+            actor_content(self.av_template, key="av_template")
+        except ValueError as err:
+            raise ConfigError(f"config key 'av_template' = {self.av_template!r} is invalid: {err}") from None
         _require("{explanation}" in self.ar_template, "ar_template", self.ar_template, "include {explanation}")
         try:
             resolve_target_scale(_sidecar_scale(self.mse_scale), 1)
@@ -388,9 +394,11 @@ def split_schema(split: str, d_model: int) -> pa.Schema:
     message = pa.struct([("role", pa.string()), ("content", pa.string())])
     return pa.schema(
         [
-            ("prompt", pa.list_(message)),
+            ("prompt", pa.string() if split == "ar_sft" else pa.list_(message)),
             ("activation_vector", pa.list_(pa.float32(), d_model)),
             ("doc_id", pa.string()),
+            ("n_raw_tokens", pa.int64()),
+            ("activation_layer", pa.int64()),
             ("position", pa.int64()),
             ("context", pa.string()),
             *[(name, pa.string()) for name in EXTRA_COLUMNS[split]],
@@ -487,7 +495,8 @@ def datagen(cfg: DatagenConfig) -> DatagenResult:
     writers = {s: _SplitWriter(tmp_dir / f"{s}.parquet", s, d_model, cfg.row_group_size) for s in active}
 
     # --- stream documents in batches -----------------------------------------------------
-    prompt = av_prompt_messages(cfg.av_template)
+    av_content = actor_content(cfg.av_template)
+    prompt = av_prompt_messages(av_content)
     corpus_chars: set[str] = set()
     missing: list[tuple[str, int]] = []
     n_docs = skipped = 0
@@ -517,10 +526,13 @@ def datagen(cfg: DatagenConfig) -> DatagenResult:
                         "check the model and dtype"
                     )
                 row = {"prompt": prompt, "activation_vector": vector, "doc_id": doc.doc_id,
+                       "n_raw_tokens": site.position + 1, "activation_layer": cfg.layer,
                        "position": site.position, "context": site.context}
                 if text is not None:
-                    row.update(explanation=text, response=f"<explanation>{text}</explanation>",
-                               ar_prompt=cfg.ar_template.format(explanation=text))
+                    # upstream nla/schema.py wrap_explanation; the AR-SFT prompt is the filled AR template
+                    row.update(explanation=text, response=f"<explanation>\n{text}\n</explanation>")
+                    if split == "ar_sft":
+                        row["prompt"] = cfg.ar_template.format(explanation=text)
                 writers[split].add({k: row[k] for k in writers[split].schema.names})
 
     for doc in docs:
@@ -564,10 +576,12 @@ def datagen(cfg: DatagenConfig) -> DatagenResult:
     forbidden = corpus_chars | set(cfg.av_template) | set(cfg.ar_template)
     char = choose_injection_char(tokenizer, forbidden, cfg.injection_char)
     for split in active:
-        mapping = make_sidecar_mapping(
-            tokenizer, d_model=d_model, layer_index=cfg.layer, av_template=cfg.av_template,
-            ar_template=cfg.ar_template, stage=split, mse_scale=_sidecar_scale(cfg.mse_scale), injection_char=char,
-            provenance={
+        mapping = dataset_sidecar(
+            tokenizer, stage="av_sft" if split == "eval" else split, row_count=writers[split].rows,
+            base_model=str(Path(cfg.model).resolve()), d_model=d_model, layer_index=cfg.layer,
+            corpus=str(Path(cfg.corpus).resolve()), positions_per_doc=cfg.positions_per_doc, av_content=av_content,
+            ar_template=cfg.ar_template, mse_scale=_sidecar_scale(cfg.mse_scale), injection_char=char,
+            provenance={"split": split,
                 "model": str(Path(cfg.model).resolve()), "corpus": str(Path(cfg.corpus).resolve()),
                 "seed": cfg.seed, "rows": writers[split].rows, "documents_read": n_docs,
                 "documents_skipped_short": skipped, "positions_per_doc": cfg.positions_per_doc,

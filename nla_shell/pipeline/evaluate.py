@@ -22,7 +22,8 @@ import torch
 
 import nla_core
 from nla_shell.io.config import ConfigError, normalize_fields
-from nla_shell.io.data import DataError, RLRow, build_prompt_ids, check_tokenizer, find_sidecar, load_sidecar, stream_rows
+from nla_shell.io.data import DataError, RLRow, build_prompt_ids, check_tokenizer, stream_rows
+from nla_shell.io.sidecars import injection_settings, load_sidecar
 from nla_shell.engines.hf import HFRolloutEngine
 from nla_shell.metrics import finite_mean
 from nla_shell.models import ARModel, Injector, base_model_dir, load_actor
@@ -128,7 +129,7 @@ def evaluate(cfg: EvalConfig) -> EvalResult:
     # --- inputs ----------------------------------------------------------------------------
     device, dtype = resolve_device(cfg.device, cfg.dtype)
     tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer or tokenizer_dir(cfg.av, cfg.ar))
-    nla = load_sidecar(cfg.sidecar or find_sidecar(cfg.parquet))
+    nla = load_sidecar(cfg.sidecar or cfg.parquet)
     check_tokenizer(nla, tokenizer)
     mse_scale = nla_core.resolve_target_scale(nla.mse_scale, nla.d_model)
     present = set(pq.ParquetFile(cfg.parquet).schema_arrow.names)
@@ -163,8 +164,9 @@ def evaluate(cfg: EvalConfig) -> EvalResult:
     # --- the AV's explanations, scored by the AR --------------------------------------------
     if cfg.av is not None:
         actor = load_av(cfg.av, dtype=dtype, device=device)
+        style, injection_norm = injection_settings(nla, av_dir=cfg.av)
         injector = Injector(actor, marker_id=nla.injection_token_id, left_id=nla.injection_left_neighbor_id,
-                            right_id=nla.injection_right_neighbor_id, scale=nla.injection_scale)
+                            right_id=nla.injection_right_neighbor_id, style=style, injection_norm=injection_norm)
         prompt_ids = [build_prompt_ids(r.prompt, nla, tokenizer, row=r.index) for r in rows]
         collector = _TableCollector()
         torch.manual_seed(cfg.seed)

@@ -14,18 +14,17 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-import yaml
 
 import nla_core
 from nla_shell.io.config import ConfigError, normalize_fields
-from nla_shell.io.data import DataError, av_prompt_messages, build_prompt_ids, check_tokenizer, load_sidecar
+from nla_shell.io.data import DataError, av_prompt_messages, build_prompt_ids, check_tokenizer
+from nla_shell.io.sidecars import MODEL_SIDECAR, injection_settings, load_sidecar, read_sidecar
 from nla_shell.pipeline.datagen import capture_activations
 from nla_shell.engines.base import RolloutRequest
 from nla_shell.engines.hf import HFRolloutEngine
 from nla_shell.pipeline.evaluate import load_av, tokenizer_dir
 from nla_shell.models import ARModel, Injector
 from nla_shell.training.scoring import score_explanations
-from nla_shell.pipeline.sft import MODEL_SIDECAR
 from nla_shell.training.train import resolve_device
 
 
@@ -78,7 +77,7 @@ def explain(cfg: ExplainConfig) -> list[dict[str, Any]]:
     device, dtype = resolve_device(cfg.device, cfg.dtype)
     sidecar_path = _model_sidecar_path(cfg)
     nla = load_sidecar(sidecar_path)
-    rawvar = (yaml.safe_load(sidecar_path.read_text(encoding="utf-8")).get("baselines") or {}).get("rawvar")
+    rawvar = (read_sidecar(sidecar_path)[1].get("baselines") or {}).get("rawvar")
     target_tokenizer = AutoTokenizer.from_pretrained(cfg.model)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir(cfg.av, cfg.ar))
     check_tokenizer(nla, tokenizer)
@@ -97,11 +96,15 @@ def explain(cfg: ExplainConfig) -> list[dict[str, Any]]:
     target = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=dtype).to(device).eval()
     if target.config.hidden_size != nla.d_model:
         raise ValueError(f"model {cfg.model} has hidden size {target.config.hidden_size}, the sidecar's d_model is {nla.d_model}")
+    if nla.extraction_layer_index is None:
+        raise DataError(f"sidecar {sidecar_path}: names no extraction layer ({', '.join(nla_core.sidecar.LAYER_KEYS)}); "
+                        "pass sidecar= the AR's or the dataset's sidecar")
     acts = capture_activations(target, torch.tensor([ids], device=device), torch.ones(1, len(ids), dtype=torch.long,
                                device=device), nla.extraction_layer_index)[0, positions].cpu()
     actor = load_av(cfg.av, dtype=dtype, device=device)
+    style, injection_norm = injection_settings(nla, av_dir=cfg.av)
     injector = Injector(actor, marker_id=nla.injection_token_id, left_id=nla.injection_left_neighbor_id,
-                        right_id=nla.injection_right_neighbor_id, scale=nla.injection_scale)
+                        right_id=nla.injection_right_neighbor_id, style=style, injection_norm=injection_norm)
     prompt = tuple(build_prompt_ids(av_prompt_messages(nla.actor_prompt_template), nla, tokenizer))
     torch.manual_seed(cfg.seed)
     rollouts = HFRolloutEngine(actor, injector, tokenizer).generate(

@@ -20,24 +20,21 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Mapping, Sequence
+from typing import Any, Literal, Sequence
 
 import torch
-import yaml
 
 import nla_core
 from nla_shell.training import checkpoint as ckpt
 from nla_shell.io.config import ConfigError, config_to_dict, normalize_fields
-from nla_shell.io.data import DataError, build_prompt_ids, check_tokenizer, find_sidecar, load_sidecar, stream_rows
+from nla_shell.io.data import DataError, build_prompt_ids, check_tokenizer, stream_rows
+from nla_shell.io.sidecars import MODEL_SIDECAR, injection_settings, load_sidecar, model_sidecar, write_sidecar
 from nla_shell.engines.base import Rollout
 from nla_shell.io.logging import make_logger
 from nla_shell.models import ARModel, Injector, load_actor, response_logprobs, trainable_parameters
 from nla_shell.training.scoring import critic_step
-from nla_shell.toy.builders import write_sidecar
 from nla_shell.training.train import DataOrder, make_optimizer, resolve_device
 from nla_shell.training.update import response_batch
-
-MODEL_SIDECAR = "nla_meta.yaml"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -49,9 +46,13 @@ class SFTConfig:
     model: str
     """The target LM (HF checkpoint dir with tokenizer): the AV's base, or the AR's source before truncation."""
     parquet: str
-    """av_sft.parquet (needs a `response` column) or ar_sft.parquet (needs `ar_prompt`) from `nla datagen`."""
+    """av_sft.parquet (needs a `response` column) or ar_sft.parquet (`prompt` the filled AR template, a string), nla's or upstream's."""
     sidecar: str | None = None
-    """Dataset sidecar; None finds `<parquet>.nla_meta.yaml`."""
+    """Dataset sidecar (or the parquet or checkpoint dir it belongs to); None finds `<parquet>.nla_meta.yaml`."""
+    injection_style: Literal["residual_add", "embedding_replace"] | None = None
+    """AV only: "residual_add" (the reference's add at block 1's output) or "embedding_replace" (kitft's); None: the sidecar's."""
+    injection_scale: str | None = None
+    """AV, embedding_replace only: the injected L2 norm ("sqrt_d_model", "raw" or a number); None: the sidecar's."""
     save_dir: str
     """Run directory: config.yaml, metrics.jsonl, step_NNNNNN/ checkpoints."""
     num_steps: int = 500
@@ -166,19 +167,6 @@ def av_response_nll(
 # --------------------------------------------------------------------------- the run
 
 
-def model_sidecar(dataset_sidecar: Mapping[str, Any], *, baselines: nla_core.Baselines, provenance: Mapping[str, Any]) -> dict[str, Any]:
-    """The kind nla_model sidecar of a checkpoint trained on a dataset with `dataset_sidecar`.
-
-    Same tokens, templates and geometry (under `model:`), plus the predict-the-mean MSEs of
-    the training activations under `baselines:`, which `nla explain` divides by for FVE.
-    """
-    mapping: dict[str, Any] = {"kind": "nla_model", "model": dict(dataset_sidecar["extraction"])}
-    mapping.update({k: v for k, v in dataset_sidecar.items() if k not in ("kind", "stage", "extraction", "provenance")})
-    mapping["baselines"] = {"rawvar": float(baselines.rawvar), "meannorm": float(baselines.meannorm)}
-    mapping["provenance"] = {"data": dict(dataset_sidecar.get("provenance") or {}), **provenance}
-    return mapping
-
-
 def sft(cfg: SFTConfig) -> Path:
     """Run (or resume) AV or AR warm-start training; returns the final checkpoint dir."""
     from transformers import AutoTokenizer
@@ -192,22 +180,25 @@ def sft(cfg: SFTConfig) -> Path:
             "(SFT starts the adapter itself; to continue a run, rerun it with the same save_dir)"
         )
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    sidecar_path = Path(cfg.sidecar) if cfg.sidecar else find_sidecar(cfg.parquet)
-    nla = load_sidecar(sidecar_path)
+    nla = load_sidecar(cfg.sidecar or cfg.parquet)
     check_tokenizer(nla, tokenizer)
     mse_scale = nla_core.resolve_target_scale(nla.mse_scale, nla.d_model)
-    column = "response" if cfg.mode == "av" else "ar_prompt"
-    rows = list(stream_rows(cfg.parquet, nla, stop=cfg.max_rows, extra_columns=(column,)))
     if cfg.mode == "av":
+        style, injection_norm = injection_settings(nla, style=cfg.injection_style, scale=cfg.injection_scale)
+        rows = list(stream_rows(cfg.parquet, nla, stop=cfg.max_rows, extra_columns=("response",)))
         eos = (tokenizer.eos_token_id,)
         examples: list[Any] = [
             AVExample(tuple(build_prompt_ids(r.prompt, nla, tokenizer, row=r.index)),
-                      tuple(tokenizer.encode(r.extras[column], add_special_tokens=False)) + eos, r.activation)
+                      tuple(tokenizer.encode(r.extras["response"], add_special_tokens=False)) + eos, r.activation)
             for r in rows
         ]
         examples = [e for e in examples if len(e.response_ids) <= cfg.max_tokens]
     else:
-        encoded = [(tokenizer.encode(r.extras[column], add_special_tokens=False), r.activation) for r in rows]
+        style, injection_norm = "residual_add", None  # the AR injects nothing
+        if nla.extraction_layer_index is None:
+            raise DataError(f"sidecar of {cfg.parquet}: names no extraction layer (extraction.layer_index); add it")
+        rows = list(stream_rows(cfg.parquet, nla, stop=cfg.max_rows, text_prompt=True))
+        encoded = [(tokenizer.encode(r.prompt, add_special_tokens=False), r.activation) for r in rows]
         examples = [e for e in encoded if 0 < len(e[0]) <= cfg.max_tokens]
     if len(rows) > len(examples):
         print(f"[sft {cfg.mode}] dropped {len(rows) - len(examples)} rows longer than max_tokens={cfg.max_tokens}",
@@ -218,7 +209,6 @@ def sft(cfg: SFTConfig) -> Path:
             "use more data or a smaller batch_size"
         )
     baselines = nla_core.predict_mean_baselines(torch.stack([r.activation for r in rows]), scale=mse_scale)
-    dataset_mapping = yaml.safe_load(sidecar_path.read_text(encoding="utf-8"))
 
     save_dir = Path(cfg.save_dir)
     config_dict = config_to_dict(cfg)
@@ -235,7 +225,7 @@ def sft(cfg: SFTConfig) -> Path:
         )
         injector = Injector(
             model, marker_id=nla.injection_token_id, left_id=nla.injection_left_neighbor_id,
-            right_id=nla.injection_right_neighbor_id, scale=nla.injection_scale,
+            right_id=nla.injection_right_neighbor_id, style=style, injection_norm=injection_norm,
         )
     else:
         model = (
@@ -260,7 +250,8 @@ def sft(cfg: SFTConfig) -> Path:
         project=cfg.wandb_project, start_step=start_step,
     )
     sidecar_out = model_sidecar(
-        dataset_mapping, baselines=baselines,
+        nla, role=cfg.mode, stage="sft", base_checkpoint=str(model_dir), injection_style=style,
+        injection_norm=injection_norm, trained_on=[str(Path(cfg.parquet).resolve())], baselines=baselines,
         provenance={"sft": {"mode": cfg.mode, "parquet": str(Path(cfg.parquet).resolve()), "base_model": str(model_dir)}},
     )
 

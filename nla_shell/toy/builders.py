@@ -1,5 +1,5 @@
-"""Hub-free tiny artefacts: a locally trained tokenizer, a random tiny Qwen3, a sidecar
-and an RL parquet. Test fixtures use them, and so does `nla demo`, which must run on a
+"""Hub-free tiny artefacts: a locally trained tokenizer, a random tiny Qwen3 and an RL
+parquet with its sidecar. Test fixtures use them, and so does `nla demo`, which must run on a
 machine that cannot reach the model hub.
 
 The tokenizer mimics what the real pipeline relies on in Qwen's: byte-level BPE, no BOS,
@@ -17,12 +17,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
-import yaml
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
-from nla_core import canonical_neighbors
-from nla_shell.io.data import av_prompt_messages, chat_prompt_ids
+from nla_shell.io.data import av_prompt_messages
+from nla_shell.io.sidecars import DEFAULT_AR_TEMPLATE, DEFAULT_AV_TEMPLATE, dataset_sidecar, write_sidecar
 
 __all__ = [
     "CHAT_TEMPLATE",
@@ -33,17 +32,13 @@ __all__ = [
     "SPECIAL_TOKENS",
     "av_prompt_messages",
     "build_tiny_qwen3",
-    "make_sidecar_mapping",
     "make_toy_rl_dataset",
     "save_av_checkpoint",
     "train_tokenizer",
     "write_rl_parquet",
-    "write_sidecar",
 ]
 
 DEFAULT_INJECTION_CHAR = "§"
-DEFAULT_AV_TEMPLATE = "Explain the activation at <INJECT>."
-DEFAULT_AR_TEMPLATE = "Text: {explanation}"
 
 PAD_TOKEN, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = (PAD_TOKEN, IM_START, IM_END)
@@ -196,55 +191,6 @@ def save_av_checkpoint(model: torch.nn.Module, tokenizer: PreTrainedTokenizerFas
     return directory
 
 
-def make_sidecar_mapping(
-    tokenizer: PreTrainedTokenizerFast,
-    *,
-    d_model: int,
-    layer_index: int,
-    av_template: str = DEFAULT_AV_TEMPLATE,
-    ar_template: str = DEFAULT_AR_TEMPLATE,
-    stage: str = "rl",
-    kind: str = "nla_dataset",
-    mse_scale: str | float | None = "sqrt_d_model",
-    injection_char: str = DEFAULT_INJECTION_CHAR,
-    provenance: Mapping[str, Any] | None = None,
-) -> dict[str, Any]:
-    """The sidecar mapping (docs/sidecar.md) for data made with `tokenizer`.
-
-    The marker's neighbours are read from the chat-templated AV prompt (generation prompt
-    added, no special tokens prepended), the way the trainer will see it.
-    """
-    ids = tokenizer.encode(injection_char, add_special_tokens=False)
-    if len(ids) != 1:
-        raise ValueError(f"injection_char {injection_char!r} encodes to {len(ids)} tokens {ids}; choose another")
-    prompt_ids = chat_prompt_ids(av_prompt_messages(av_template), injection_char, tokenizer)
-    left, right = canonical_neighbors(prompt_ids, ids[0])
-    geometry = {"d_model": d_model, "layer_index": layer_index, "mse_scale": mse_scale, "injection_scale": 1.0}
-    mapping: dict[str, Any] = {"kind": kind}
-    if kind == "nla_dataset":
-        mapping["stage"] = stage
-        mapping["extraction"] = geometry
-    else:
-        mapping["model"] = geometry
-    mapping["tokens"] = {
-        "injection_char": injection_char,
-        "injection_token_id": ids[0],
-        "injection_left_neighbor_id": left,
-        "injection_right_neighbor_id": right,
-    }
-    mapping["prompt_templates"] = {"av": av_template, "ar": ar_template}
-    mapping["critic"] = {"extraction_layer_index": layer_index}
-    mapping["provenance"] = dict(provenance or {})
-    return mapping
-
-
-def write_sidecar(mapping: Mapping[str, Any], path: str | Path) -> Path:
-    """Write a sidecar mapping as YAML (UTF-8, keys in the order given)."""
-    path = Path(path)
-    path.write_text(yaml.safe_dump(dict(mapping), sort_keys=False, allow_unicode=True), encoding="utf-8")
-    return path
-
-
 _MESSAGE = pa.struct([("role", pa.string()), ("content", pa.string())])
 _OPTIONAL_COLUMNS = {"position": pa.int64(), "context": pa.string()}
 
@@ -311,11 +257,16 @@ def make_toy_rl_dataset(
         for i in range(n_rows)
     ]
     parquet = write_rl_parquet(directory / "rl.parquet", rows, row_group_size=row_group_size)
-    mapping = make_sidecar_mapping(
+    mapping = dataset_sidecar(
         tokenizer,
+        stage="rl",
+        row_count=n_rows,
+        base_model="toy",
         d_model=d_model,
         layer_index=layer_index,
-        av_template=av_template,
+        corpus="toy",
+        positions_per_doc=1,
+        av_content=av_template,
         ar_template=ar_template,
         injection_char=injection_char,
         provenance={"generator": "nla_shell.toy.builders.make_toy_rl_dataset", "seed": seed, "rows": n_rows, "docs": n_docs},

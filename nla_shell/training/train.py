@@ -28,7 +28,8 @@ import nla_core
 from nla_shell.training import checkpoint as ckpt
 from nla_shell.training import distributed
 from nla_shell.io.config import ConfigError, TrainConfig, config_to_dict
-from nla_shell.io.data import build_prompt_ids, check_tokenizer, find_sidecar, load_eval_rows, load_rows, load_sidecar
+from nla_shell.io.data import build_prompt_ids, check_tokenizer, load_eval_rows, load_rows
+from nla_shell.io.sidecars import injection_settings, load_sidecar
 from nla_shell.engines.base import RolloutEngine, RolloutRequest
 from nla_shell.training.distributed import RankInfo
 from nla_shell.io.logging import NullLogger, make_logger
@@ -100,6 +101,8 @@ def make_engine(cfg: TrainConfig, actor, injector: Injector, tokenizer, *, layer
         left_id=injector.left_id,
         right_id=injector.right_id,
         injection_layer=layer_index,
+        injection_style=injector.style,
+        injection_norm=injector.injection_norm,
         gpu_memory_utilization=cfg.vllm_gpu_mem,
         max_model_len=cfg.vllm_max_len,
         tensor_parallel_size=cfg.vllm_tp,
@@ -187,7 +190,8 @@ def run_ranked(cfg: TrainConfig, rank: RankInfo, device: torch.device, dtype: to
 
     # --- validate every input before anything is written ------------------------------
     tokenizer = AutoTokenizer.from_pretrained(cfg.av_ckpt)
-    nla = load_sidecar(cfg.sidecar or find_sidecar(cfg.rl_parquet))
+    nla = load_sidecar(cfg.sidecar or cfg.rl_parquet)
+    style, injection_norm = injection_settings(nla, style=cfg.injection_style, scale=cfg.injection_scale, av_dir=cfg.av_ckpt)
     check_tokenizer(nla, tokenizer)
     mse_scale = nla_core.resolve_target_scale(nla.mse_scale, nla.d_model)
     rows = load_rows(cfg.rl_parquet, nla, max_rows=cfg.max_rows, min_rows=cfg.batch_prompts)
@@ -232,7 +236,8 @@ def run_ranked(cfg: TrainConfig, rank: RankInfo, device: torch.device, dtype: to
         marker_id=nla.injection_token_id,
         left_id=nla.injection_left_neighbor_id,
         right_id=nla.injection_right_neighbor_id,
-        scale=nla.injection_scale,
+        style=style,
+        injection_norm=injection_norm,
     )
     if resume_from is not None and cfg.train_critic and (resume_from / "critic").exists():
         critic = ARModel.from_pretrained(resume_from / "critic", mse_scale=mse_scale, dtype=dtype, device=device)

@@ -15,7 +15,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 import fixtures  # noqa: E402
 from nla_shell import toy  # noqa: E402
-from nla_shell.io.data import build_prompt_ids, load_rows, load_sidecar  # noqa: E402
+from nla_shell.io.data import build_prompt_ids, load_rows  # noqa: E402
+from nla_shell.io.sidecars import load_sidecar  # noqa: E402
 from nla_shell.engines.base import RolloutRequest  # noqa: E402
 from nla_shell.engines.native import NativeRolloutEngine  # noqa: E402
 from nla_shell.models import Injector, load_actor, response_logprobs  # noqa: E402

@@ -23,13 +23,12 @@ from nla_shell.io.data import (
     build_prompt_ids,
     chat_prompt_ids,
     check_tokenizer,
-    find_sidecar,
     load_eval_rows,
     load_rows,
-    load_sidecar,
     stream_rows,
     validate_parquet_schema,
 )
+from nla_shell.io.sidecars import find_sidecar, load_sidecar
 
 DRIFT_FIX = "regenerate the sidecar with this tokenizer or point av_ckpt at the tokenizer the data was made with"
 

@@ -16,7 +16,8 @@ from nla_core import parse_sidecar
 from nla_shell import cli
 from nla_shell.toy import builders as toy
 from nla_shell.io.config import ConfigError
-from nla_shell.io.data import DataError, check_tokenizer, load_sidecar
+from nla_shell.io.data import DataError, check_tokenizer
+from nla_shell.io.sidecars import load_sidecar
 from nla_shell.pipeline.datagen import (
     EXTRA_COLUMNS,
     RuleExplainer,
@@ -45,20 +46,22 @@ def test_splits_are_document_disjoint_with_the_promised_columns(toy_datasets):
             assert not docs[a] & docs[b], f"{a} and {b} share documents {docs[a] & docs[b]}"
     corpus = [json.loads(line)["id"] for line in (toy_datasets / "corpus.jsonl").read_text().splitlines()]
     assert set().union(*docs.values()) == set(corpus)  # no document lost (none is too short)
-    template = yaml.safe_load((toy_datasets / "ar_sft.parquet.nla_meta.yaml").read_text())["prompt_templates"]["ar"]
+    template = yaml.safe_load((toy_datasets / "ar_sft.parquet.nla_meta.yaml").read_text())["prompt_templates"]["critic"]
     for split in SPLITS:
         rows = _rows(toy_datasets, split)
-        assert list(rows[0]) == ["prompt", "activation_vector", "doc_id", "position", "context", *EXTRA_COLUMNS[split]]
+        assert list(rows[0]) == ["prompt", "activation_vector", "doc_id", "n_raw_tokens", "activation_layer",
+                                 "position", "context", *EXTRA_COLUMNS[split]]
         assert all(r["position"] >= 4 for r in rows)  # min_context
+        assert all(r["n_raw_tokens"] == r["position"] + 1 and r["activation_layer"] == 1 for r in rows)
         per_doc = {}
         for r in rows:
             per_doc.setdefault(r["doc_id"], []).append(r["position"])
         assert all(len(p) == len(set(p)) <= 3 for p in per_doc.values())  # distinct, positions_per_doc
         for r in rows:
-            if "response" in r:
-                assert r["response"] == f"<explanation>{r['explanation']}</explanation>"
-            if "ar_prompt" in r:
-                assert r["ar_prompt"] == template.format(explanation=r["explanation"])
+            if "response" in r:  # upstream nla/schema.py wrap_explanation
+                assert r["response"] == f"<explanation>\n{r['explanation']}\n</explanation>"
+            if split == "ar_sft":  # upstream nla/datagen/stage3_build.py: the filled critic template
+                assert r["prompt"] == template.format(explanation=r["explanation"])
     assert pq.ParquetFile(toy_datasets / "rl.parquet").schema_arrow.field("activation_vector").type.list_size == 64
 
 
@@ -70,7 +73,9 @@ def test_sidecars_round_trip_through_parse_and_the_tokenizer_check(toy_datasets,
         cfg = load_sidecar(path)
         assert cfg == parse_sidecar(mapping)
         check_tokenizer(cfg, tokenizer)
-        assert (mapping["kind"], mapping["stage"], cfg.d_model, cfg.extraction_layer_index) == ("nla_dataset", split, 64, 1)
+        stage = "av_sft" if split == "eval" else split
+        assert (mapping["kind"], mapping["stage"], cfg.d_model, cfg.extraction_layer_index) == ("nla_dataset", stage, 64, 1)
+        assert mapping["provenance"]["split"] == split and mapping["row_count"] == mapping["provenance"]["rows"]
         assert mapping["provenance"]["rows"] == pq.ParquetFile(toy_datasets / f"{split}.parquet").metadata.num_rows
         assert mapping["provenance"]["seed"] == 0 and mapping["provenance"]["model"] == str(tiny_av_dir.resolve())
         corpus_text = (toy_datasets / "corpus.jsonl").read_text(encoding="utf-8")

@@ -14,7 +14,7 @@ from transformers import AutoTokenizer
 
 from nla_core import resolve_target_scale
 from nla_shell import cli
-from nla_shell.io.data import load_sidecar
+from nla_shell.io.sidecars import load_sidecar
 from nla_shell.pipeline.explain import ExplainConfig, explain
 from nla_shell.models import ARModel, ar_predict
 from nla_shell.pipeline.plot import plot_run

@@ -16,7 +16,8 @@ from transformers import AutoTokenizer
 import fixtures
 from nla_shell import cli
 from nla_shell.io.config import ConfigError
-from nla_shell.io.data import DataError, build_prompt_ids, load_sidecar, stream_rows
+from nla_shell.io.data import DataError, build_prompt_ids, stream_rows
+from nla_shell.io.sidecars import load_sidecar
 from nla_shell.models import REFERENCE_ADAPTER, ARModel, Injector, load_actor
 from nla_shell.pipeline.sft import AVExample, av_response_nll, lr_factor, sft
 

@@ -12,7 +12,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import fixtures
 from nla_core import parse_sidecar
 from nla_shell.toy import builders as toy
-from nla_shell.io.data import check_tokenizer, load_sidecar
+from nla_shell.io.data import check_tokenizer
+from nla_shell.io.sidecars import load_sidecar
 
 AV_PROMPT = [{"role": "user", "content": "Explain the activation at <INJECT>."}]
 
@@ -58,34 +59,6 @@ def test_tokenizer_training_is_deterministic(tiny_tokenizer):
 def test_non_single_char_rejected():
     with pytest.raises(ValueError, match="injection_char"):
         toy.train_tokenizer(["abc"], injection_char="ab")
-
-
-def test_sidecar_neighbours_match_an_independent_split(tiny_tokenizer):
-    """The marker never merges, so prefix ids + [marker] + suffix ids is the full encoding."""
-    mapping = toy.make_sidecar_mapping(tiny_tokenizer, d_model=64, layer_index=1)
-    tokens = mapping["tokens"]
-    text = tiny_tokenizer.apply_chat_template(
-        [{"role": "user", "content": "Explain the activation at §."}], tokenize=False, add_generation_prompt=True
-    )
-    before, after = text.split("§")
-    prefix = tiny_tokenizer.encode(before, add_special_tokens=False)
-    suffix = tiny_tokenizer.encode(after, add_special_tokens=False)
-    assert tiny_tokenizer.encode(text, add_special_tokens=False) == prefix + [tokens["injection_token_id"]] + suffix
-    assert tokens["injection_left_neighbor_id"] == prefix[-1]
-    assert tokens["injection_right_neighbor_id"] == suffix[0]
-    assert tokens["injection_token_id"] == tiny_tokenizer.convert_tokens_to_ids("Â§")
-
-
-@pytest.mark.parametrize("kind", ["nla_dataset", "nla_model"])
-def test_sidecar_round_trips_through_parse_and_tokenizer_check(tmp_path, tiny_tokenizer, kind):
-    mapping = toy.make_sidecar_mapping(tiny_tokenizer, d_model=64, layer_index=1, kind=kind, mse_scale=None)
-    path = toy.write_sidecar(mapping, tmp_path / "nla_meta.yaml")
-    assert yaml.safe_load(path.read_text(encoding="utf-8")) == mapping
-    cfg = load_sidecar(path)
-    assert cfg == parse_sidecar(mapping)
-    assert (cfg.kind, cfg.d_model, cfg.extraction_layer_index, cfg.mse_scale) == (kind, 64, 1, None)
-    assert cfg.injection_char == "§"
-    check_tokenizer(cfg, tiny_tokenizer)
 
 
 def test_tiny_qwen3_config_and_generation_defaults(tiny_tokenizer):

@@ -15,7 +15,8 @@ import fixtures
 from nla_shell import cli
 from nla_shell.toy import builders as toy
 from nla_shell.training.checkpoint import latest_checkpoint
-from nla_shell.io.data import build_prompt_ids, load_rows, load_sidecar
+from nla_shell.io.data import build_prompt_ids, load_rows
+from nla_shell.io.sidecars import load_sidecar
 from nla_shell.engines.base import Rollout, RolloutRequest
 from nla_shell.engines.hf import HFRolloutEngine
 from nla_shell.io.logging import METRIC_KEYS

@@ -84,6 +84,13 @@ def _explain(args: argparse.Namespace) -> None:
     explain(_load_config(ExplainConfig, args))
 
 
+def _export(args: argparse.Namespace) -> None:
+    from nla_shell.pipeline.export import ExportConfig, export
+
+    for name, path in export(_load_config(ExportConfig, args)).items():
+        print(f"[nla export] {name}: {path}", flush=True)
+
+
 def _plot(args: argparse.Namespace) -> None:
     from nla_shell.pipeline.plot import plot_run
 
@@ -105,6 +112,8 @@ CONFIG_COMMANDS: dict[str, tuple[Callable[[argparse.Namespace], None], str, str,
              "held-out FVE, reward, extraction rate of an AV+AR (and of the AR on gold explanations)"),
     "explain": (_explain, "nla_shell.pipeline.explain", "ExplainConfig",
                 "explain the activations of a text at one position (--position) or all (--all)"),
+    "export": (_export, "nla_shell.pipeline.export", "ExportConfig",
+               "a trained AV (LoRA merged) and AR as HF dirs with upstream-layout nla_meta.yaml"),
     "demo": (_demo, "nla_shell.pipeline.demo", "DemoConfig",
              "a toy NLA from scratch on CPU in minutes: LM, datagen, SFT, RL, eval, plot"),
 }

@@ -148,8 +148,8 @@ def build_trainer_inputs(directory: Path, tokenizer: PreTrainedTokenizerFast | N
     extraction layer with an identity value head; the data is the toy RL set (48 rows).
     """
     from nla_core import resolve_target_scale
-    from nla_shell.io.data import build_prompt_idsNone
-    from nla_shell.io.sidecars import load_sidecarNone
+    from nla_shell.io.data import build_prompt_ids
+    from nla_shell.io.sidecars import load_sidecar
     from nla_shell.models import ARModel
 
     directory = Path(directory)

@@ -221,13 +221,10 @@ def write_dataset(directory: Path, tokenizer: Any, *, stage: str, n_rows: int, d
     return path
 
 
-def easynla_rl_checkpoint(directory: Path, adapter_src: Path, dataset_parquet: Path) -> Path:
-    """EasyNLA nla/train_rl_vllm.py: an RL save dir holds the LoRA adapter and a copy of the
-    dataset sidecar (kind nla_dataset) as nla_meta.yaml."""
+def easynla_checkpoint_sidecar(directory: Path, dataset_parquet: Path) -> Path:
+    """EasyNLA nla/train_rl_vllm.py: an RL save dir gets a copy of the dataset sidecar (kind
+    nla_dataset) as nla_meta.yaml, next to its LoRA checkpoints; returns the dir."""
     directory.mkdir(parents=True, exist_ok=True)
-    for f in adapter_src.iterdir():
-        if f.is_file() and f.name != SIDECAR_BASENAME:
-            shutil.copy2(f, directory / f.name)
     shutil.copy2(dataset_parquet.with_name(dataset_parquet.name + SIDECAR_SUFFIX), directory / SIDECAR_BASENAME)
     return directory
 

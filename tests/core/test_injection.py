@@ -318,3 +318,73 @@ def test_marker_well_formed_vs_reference(ids):
     # consistent with the site finder on a one-row batch
     if ids and marker_well_formed(ids, **IDS):
         assert find_injection_sites(torch.tensor([ids]), **IDS).shape[0] == 1
+
+
+# ---------------------------------------------------------------- replace_at_sites (kitft's embedding replacement)
+
+from nla_core import INJECTION_STYLES, replace_at_sites  # noqa: E402
+
+
+def kitft_replace64(input_ids, embeds, vectors, norm):
+    """kitft nla/injection.py inject_at_marked_positions after nla/schema.py normalize_activation, in float64:
+    scan (row, position) in row-major order, skip the ends and wrong neighbours, overwrite the row."""
+    out = embeds.double().clone()
+    v = vectors.double()
+    if norm is not None:
+        v = v / (v.norm(dim=-1, keepdim=True).clamp_min(1e-12) / norm)
+    k = 0
+    for b, p in (input_ids == MARKER).nonzero().tolist():
+        if p == 0 or p == input_ids.shape[1] - 1 or input_ids[b, p - 1] != LEFT or input_ids[b, p + 1] != RIGHT:
+            continue
+        out[b, p] = v[k]
+        k += 1
+    assert k == vectors.shape[0]
+    return out
+
+
+@FAST
+@given(resid_with_sites(), st.sampled_from([None, 1.0, 150.0, 80000.0]))
+def test_replace_equals_kitft_loop(data, norm):
+    ids, embeds, sites, vectors = data
+    out = replace_at_sites(embeds, find_injection_sites(ids, **IDS), vectors, norm=norm)
+    torch.testing.assert_close(out.double(), kitft_replace64(ids, embeds, vectors, norm), rtol=1e-5, atol=1e-5 * (norm or 1))
+    if sites.shape[0] and norm is not None:  # the injected rows have norm `norm` exactly (up to rounding)
+        got = out[sites[:, 0], sites[:, 1]].double().norm(dim=-1)
+        torch.testing.assert_close(got, torch.full_like(got, norm), rtol=1e-5, atol=0)
+
+
+@FAST
+@given(resid_with_sites(dtype=torch.bfloat16))
+def test_replace_keeps_other_rows_bit_exact_and_rounds_once(data):
+    ids, embeds, sites, vectors = data
+    before = embeds.clone()
+    out = replace_at_sites(embeds, sites, vectors, norm=2.0)
+    assert out.dtype == torch.bfloat16 and torch.equal(embeds, before)
+    mask = torch.ones(embeds.shape[:2], dtype=torch.bool)
+    mask[sites[:, 0], sites[:, 1]] = False
+    assert torch.equal(out[mask], embeds[mask])
+    v32 = vectors / (vectors.norm(dim=-1, keepdim=True) / 2.0)
+    assert torch.equal(out[sites[:, 0], sites[:, 1]], v32.to(torch.bfloat16))
+
+
+def test_replace_does_not_depend_on_the_replaced_row_and_passes_gradient_elsewhere():
+    embeds = torch.randn(1, 4, 3, requires_grad=True)
+    out = replace_at_sites(embeds, torch.tensor([[0, 2]]), torch.tensor([[3.0, 0.0, 4.0]]), norm=10.0)
+    torch.testing.assert_close(out[0, 2], torch.tensor([6.0, 0.0, 8.0]))
+    out.sum().backward()
+    assert embeds.grad[0, 2].abs().sum() == 0 and torch.equal(embeds.grad[0, [0, 1, 3]], torch.ones(3, 3))
+
+
+@pytest.mark.parametrize("norm", [0.0, -1.0, float("inf"), float("nan")])
+def test_replace_rejects_bad_norms(norm):
+    with pytest.raises(ValueError, match="norm"):
+        replace_at_sites(torch.zeros(1, 3, 2), torch.tensor([[0, 1]]), torch.ones(1, 2), norm=norm)
+
+
+def test_replace_shape_errors_name_shapes():
+    with pytest.raises(ValueError, match=r"\[M, D\] = \[1, 2\]"):
+        replace_at_sites(torch.zeros(1, 3, 2), torch.tensor([[0, 1]]), torch.ones(2, 2), norm=None)
+
+
+def test_style_names():
+    assert INJECTION_STYLES == ("residual_add", "embedding_replace")

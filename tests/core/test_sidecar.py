@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nla_core import NLAConfig, canonical_neighbors, parse_sidecar, resolve_target_scale
+from nla_core import NLAConfig, actor_content, canonical_neighbors, parse_sidecar, resolve_target_scale, upstream_actor_template
 
 FAST = settings(max_examples=50, deadline=None)
 
@@ -308,3 +308,101 @@ def test_canonical_neighbors_vs_definition(ids, insert_at):
     else:
         with pytest.raises(ValueError):
             canonical_neighbors(seq, 300)
+
+
+# ---------------------------------------------------------------- upstream's variants (tests/upstream.py)
+
+import upstream  # noqa: E402
+
+TOKENS = {"injection_char": "㈎", "injection_token_id": 149705, "injection_left_neighbor_id": 27,
+          "injection_right_neighbor_id": 522, "critic_suffix_ids": [1318, 29, 366, 1708, 29]}
+
+
+def test_kitft_dataset_sidecar_as_datagen_writes_it():
+    m = upstream.dataset_sidecar(TOKENS, stage="rl", d_model=3584, layer_index=20, row_count=10)
+    cfg = parse_sidecar(m)
+    assert (cfg.kind, cfg.d_model, cfg.extraction_layer_index) == ("nla_dataset", 3584, 20)
+    assert (cfg.injection_char, cfg.injection_token_id) == ("㈎", 149705)
+    assert cfg.actor_prompt_template == upstream.ACTOR_TEMPLATE.format(injection_char="<INJECT>")
+    assert cfg.critic_prompt_template == upstream.CRITIC_TEMPLATE
+    assert cfg.critic_suffix_ids == (1318, 29, 366, 1708, 29)
+    # no scale keys: mse_scale means sqrt_d_model, injection_scale none chosen (upstream nla/config.py)
+    assert resolve_target_scale(cfg.mse_scale, cfg.d_model) == pytest.approx(math.sqrt(3584))
+    assert cfg.injection_scale is None and cfg.injection_style == "residual_add"
+
+
+@pytest.mark.parametrize("layer_key", ["extraction_layer_index", "num_hidden_layers"])
+def test_kitft_model_sidecar_both_schema_spellings(layer_key):
+    m = upstream.model_sidecar(TOKENS, role="actor", d_model=3584, injection_scale=150.0, mse_scale=59.866,
+                               critic_layer=20, layer_key=layer_key)
+    cfg = parse_sidecar(m)
+    assert (cfg.kind, cfg.d_model, cfg.extraction_layer_index) == ("nla_model", 3584, 20)
+    assert cfg.injection_scale == 150.0 and cfg.mse_scale == 59.866
+    assert cfg.injection_style == "embedding_replace"  # a kitft AV injects at the embedding
+
+
+def test_released_sidecar_top_level_layer_and_av_ar_keys():
+    model = upstream.model_sidecar(TOKENS, role="actor", d_model=3840, injection_scale=80000.0, mse_scale=None,
+                                   critic_layer=None)
+    released = upstream.released_sidecar(model, layer_index=32)
+    assert released["role"] == "av" and "av" in released["prompt_templates"] and "critic" not in released
+    cfg = parse_sidecar(released)
+    assert (cfg.extraction_layer_index, cfg.injection_scale, cfg.mse_scale) == (32, 80000.0, None)
+    assert cfg.actor_prompt_template.count("<INJECT>") == 1 and cfg.injection_style == "embedding_replace"
+
+
+def test_kitft_critic_sidecar_has_no_injection():
+    m = upstream.model_sidecar(TOKENS, role="critic", d_model=64, injection_scale=None, mse_scale=8.0, critic_layer=1)
+    cfg = parse_sidecar(m)
+    assert cfg.injection_style == "residual_add" and cfg.injection_scale is None and cfg.extraction_layer_index == 1
+
+
+def test_layer_spellings_are_read_in_upstream_order():
+    m = upstream.model_sidecar(TOKENS, role="critic", d_model=64, injection_scale=None, mse_scale=None, critic_layer=3)
+    m["extraction_layer_index"] = 9  # the released key; a critic.* key says the same thing where both exist
+    assert parse_sidecar(m).extraction_layer_index == 3
+    del m["critic"]
+    assert parse_sidecar(m).extraction_layer_index == 9
+
+
+@pytest.mark.parametrize("key", ["mse_scale", "injection_scale"])
+@pytest.mark.parametrize("raw, resolved", [(None, None), ("sqrt_d_model", 8.0), ("raw", None), (150, 150.0), ("2.5", 2.5)])
+def test_scale_variants(key, raw, resolved):
+    m = upstream.dataset_sidecar(TOKENS, stage="rl", d_model=64, layer_index=1, row_count=1)
+    m["extraction"][key] = raw
+    cfg = parse_sidecar(m)
+    assert resolve_target_scale(getattr(cfg, key), 64) == resolved
+
+
+def test_nla_injection_style_key_wins_over_the_inference():
+    m = upstream.model_sidecar(TOKENS, role="av", d_model=64, injection_scale=3.0, mse_scale=None, critic_layer=1)
+    assert parse_sidecar({**m, "injection_style": "residual_add"}).injection_style == "residual_add"
+    with pytest.raises(ValueError, match=r"injection_style.*'bogus'.*residual_add.*embedding_replace"):
+        parse_sidecar({**m, "injection_style": "bogus"})
+
+
+@pytest.mark.parametrize(
+    "template, why",
+    [("Explain {injection_char} and {other}", "format field"), ("Explain this", r"\{injection_char\}.*<INJECT>"),
+     ("<INJECT> and <INJECT>", "exactly once")],
+)
+def test_bad_actor_templates_name_the_key(template, why):
+    m = upstream.dataset_sidecar(TOKENS, stage="rl", d_model=64, layer_index=1, row_count=1, actor_template=template)
+    with pytest.raises(ValueError, match=rf"prompt_templates\.actor.*{why}"):
+        parse_sidecar(m)
+
+
+def test_schema_version_outside_upstream_named():
+    m = upstream.dataset_sidecar(TOKENS, stage="rl", d_model=64, layer_index=1, row_count=1)
+    with pytest.raises(ValueError, match=r"schema_version.*3.*1.*2"):
+        parse_sidecar({**m, "schema_version": 3})
+
+
+@FAST
+@given(st.text(alphabet=st.sampled_from("ab {}<>INJECT_x\n"), max_size=30), st.text(alphabet=st.sampled_from("cd {}<>\n"), max_size=30))
+def test_upstream_template_round_trip(before, after):
+    """upstream_actor_template(content).format(injection_char=c) is the content with <INJECT> -> c."""
+    content = before.replace("<INJECT>", "") + "<INJECT>" + after
+    template = upstream_actor_template(content)
+    assert template.format(injection_char="§") == content.replace("<INJECT>", "§")
+    assert actor_content(template) == content

@@ -529,7 +529,9 @@ def datagen(cfg: DatagenConfig) -> DatagenResult:
                        "n_raw_tokens": site.position + 1, "activation_layer": cfg.layer,
                        "position": site.position, "context": site.context}
                 if text is not None:
-                    # upstream nla/schema.py wrap_explanation; the AR-SFT prompt is the filled AR template
+                    # Stripped, as extract_explanation returns it (upstream nla/schema.py): the AR then
+                    # reads the same text in SFT and in RL. wrap_explanation's layout for the response.
+                    text = text.strip()
                     row.update(explanation=text, response=f"<explanation>\n{text}\n</explanation>")
                     if split == "ar_sft":
                         row["prompt"] = cfg.ar_template.format(explanation=text)

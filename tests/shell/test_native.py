@@ -222,3 +222,19 @@ def test_nla_train_runs_with_the_native_engine(native_inputs, tmp_path):
     assert [line["step"] for line in lines] == [0, 1]
     # The engine samples with the trainer's policy: behaviour and trainer log-probs agree.
     assert all(line["logp_diff_max"] <= 1e-4 for line in lines)
+
+
+def test_embedding_replace_style_behaviour_logprobs_equal_the_training_forward(setup):
+    """kitft's style through the native engine: the same Injector serves prefill and the update."""
+    actor, _, tokenizer, requests = setup
+    marker = setup[1]
+    injector = Injector(actor, marker_id=marker.marker_id, left_id=marker.left_id, right_id=marker.right_id,
+                        style="embedding_replace", injection_norm=20.0)
+    engine = NativeRolloutEngine(actor, injector, tokenizer)
+    rollouts = _generate(engine, requests, group_size=2, max_new_tokens=10)
+    logp, batch = _trainer_logprobs(actor, injector, tokenizer, requests, rollouts)
+    diff = (logp - batch.behavior_logp)[batch.mask].abs()
+    assert diff.numel() >= len(rollouts) and float(diff.max()) <= 1e-4
+    injector.remove()
+    plain, _ = _trainer_logprobs(actor, marker, tokenizer, requests, rollouts)  # the block-1 add gives others
+    assert float((plain - logp)[batch.mask].abs().max()) > 1e-3

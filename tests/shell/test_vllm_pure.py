@@ -405,3 +405,51 @@ def test_bf16_merge_rounds_once_from_float32():
     assert got.dtype == torch.bfloat16
     # within half a bf16 ulp of the exact value: one rounding, not two
     torch.testing.assert_close(got.double(), exact, rtol=2**-8, atol=1e-6)
+
+
+# --------------------------------------------------------------------------- embedding_replace in the plugin
+
+
+def test_injection_row_of_each_style_matches_the_core():
+    v = torch.randn(D) * 3
+    data = steer.encode_vector(v)
+    torch.testing.assert_close(steer.injection_row(data, D, style="residual_add", norm=None), v / v.norm())
+    sites = torch.tensor([[0, 1]])
+    for norm in (None, 150.0):
+        want = nla_core.replace_at_sites(torch.zeros(1, 3, D), sites, v[None], norm=norm)[0, 1]
+        assert torch.equal(steer.injection_row(data, D, style="embedding_replace", norm=norm), want)
+
+
+def test_replace_rows_equals_replace_at_sites_and_keeps_other_rows():
+    hidden = torch.randn(6, D, dtype=torch.bfloat16)
+    table = torch.zeros(3, D)
+    table[1], table[2] = torch.randn(D) * 5, torch.randn(D)
+    slot = torch.tensor([0, 2, 0, 0, 1, 0, 0, 0])  # longer than T, as the persistent buffer is
+    got = steer.replace_rows(hidden, slot, table)
+    want = nla_core.replace_at_sites(hidden[None], torch.tensor([[0, 1], [0, 4]]), table[[2, 1]], norm=None)[0]
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+
+
+def test_embedding_style_layer_replaces_its_input_only_at_layer_0(monkeypatch):
+    seen = []
+
+    class Layer(torch.nn.Module):
+        def forward(self, positions, hidden_states, residual):
+            seen.append(hidden_states.clone())
+            return hidden_states, hidden_states if residual is None else residual
+
+    v = torch.randn(D)
+    state = steer.SteeringState(d_model=D, max_tokens=8, max_requests=2, device=torch.device("cpu"),
+                                style="embedding_replace", norm=7.0)
+    state.update_requests([_new_request("a", 1, v)], [])
+    state.prepare_step(["a"], np.array([0, 3]), np.array([0]), [0])
+    monkeypatch.setattr(steer, "_ACTIVE", state)
+    layer = Layer()
+    layer.__class__ = steer.steered_class(Layer, "embedding_replace")
+    assert steer.steered_class(Layer, "embedding_replace") is not steer.steered_class(Layer, "residual_add")
+    h = torch.randn(3, D)
+    layer(None, h, None)  # layer 0: residual is None, the embeddings are replaced at the marker
+    torch.testing.assert_close(seen[-1][1], v / v.norm() * 7.0)
+    assert torch.equal(seen[-1][[0, 2]], h[[0, 2]])
+    layer(None, h, torch.zeros(3, D))  # a later call with a residual passes through
+    assert torch.equal(seen[-1], h)

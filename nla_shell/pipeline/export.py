@@ -51,18 +51,12 @@ class ExportConfig:
             raise ConfigError("config keys 'av' and 'ar' are both unset; give at least one checkpoint to export")
 
 
-def _sidecar_dir(checkpoint: str | Path) -> Path:
-    """The dir whose nla_meta.yaml describes a checkpoint: itself, or the step dir above an `adapter/`."""
-    path = Path(checkpoint)
-    return path.parent if path.name == "adapter" and not (path / MODEL_SIDECAR).is_file() else path
-
-
 def _sidecar_source(cfg: ExportConfig) -> str | Path:
     if cfg.sidecar is not None:
         return cfg.sidecar
     for checkpoint in (cfg.av, cfg.ar):
-        if checkpoint is not None and (_sidecar_dir(checkpoint) / MODEL_SIDECAR).is_file():
-            return _sidecar_dir(checkpoint)
+        if checkpoint is not None and (Path(checkpoint) / MODEL_SIDECAR).is_file():
+            return checkpoint
     raise DataError(f"sidecar: no {MODEL_SIDECAR} next to av={cfg.av} or ar={cfg.ar}; pass sidecar= the dataset's sidecar")
 
 
@@ -92,7 +86,7 @@ def export(cfg: ExportConfig) -> dict[str, Path]:
 
     # --- the AV: LoRA merged into the base weights ------------------------------------------
     if cfg.av is not None:
-        style, norm = injection_settings(nla, av_dir=_sidecar_dir(cfg.av))
+        style, norm = injection_settings(nla, av_dir=cfg.av)
         actor = load_actor(cfg.av, lora_r=1, lora_alpha=1, use_rslora=True, resume_adapter=None, dtype=torch.float32,
                            device=torch.device("cpu"))
         merged = actor.merge_and_unload().to(dtype)

@@ -29,12 +29,12 @@ from nla_shell.training import checkpoint as ckpt
 from nla_shell.training import distributed
 from nla_shell.io.config import ConfigError, TrainConfig, config_to_dict
 from nla_shell.io.data import build_prompt_ids, check_tokenizer, load_eval_rows, load_rows
-from nla_shell.io.sidecars import injection_settings, load_sidecar
+from nla_shell.io.sidecars import MODEL_SIDECAR, injection_settings, load_sidecar, model_sidecar, write_sidecar
 from nla_shell.engines.base import RolloutEngine, RolloutRequest
 from nla_shell.training.distributed import RankInfo
 from nla_shell.io.logging import NullLogger, make_logger
 from nla_shell.metrics import cjk_fraction, finite_mean
-from nla_shell.models import ARModel, Injector, load_actor, trainable_parameters
+from nla_shell.models import ARModel, Injector, base_model_dir, load_actor, trainable_parameters
 from nla_shell.training.scoring import critic_step, score_explanations
 from nla_shell.training.update import LossOptions, policy_update
 
@@ -91,7 +91,6 @@ def make_engine(cfg: TrainConfig, actor, injector: Injector, tokenizer, *, layer
 
         return NativeRolloutEngine(actor, injector, tokenizer)
     from nla_shell.engines.vllm import VLLMRolloutEngine
-    from nla_shell.models import base_model_dir
 
     # vLLM loads the base weights; the trainer's first sync pushes the LoRA-merged actor.
     return VLLMRolloutEngine(
@@ -287,6 +286,11 @@ def run_ranked(cfg: TrainConfig, rank: RankInfo, device: torch.device, dtype: to
     if not engine.shares_actor_weights:
         say(f"[sync] initial weight push: {engine.sync_weights(actor):.2f}s")
 
+    def sidecar_for(role: str) -> dict[str, Any]:
+        return model_sidecar(nla, role=role, stage="rl", base_checkpoint=str(base_model_dir(cfg.av_ckpt)),
+                             injection_style=injector.style, injection_norm=injector.injection_norm,
+                             trained_on=[str(Path(cfg.rl_parquet).resolve())])
+
     def save(step_done: int) -> None:
         # Every rank calls this (gathering the RNG states is a collective); rank 0 writes.
         rng_states = distributed.all_gather(ckpt.rng_state())
@@ -298,8 +302,10 @@ def run_ranked(cfg: TrainConfig, rank: RankInfo, device: torch.device, dtype: to
 
         def write(tmp: Path) -> None:
             actor.save_pretrained(tmp / "adapter", selected_adapters=["default"])
+            write_sidecar(sidecar_for("av"), tmp / "adapter" / MODEL_SIDECAR)
             if cfg.train_critic:
                 critic.save_pretrained(tmp / "critic")
+                write_sidecar(sidecar_for("ar"), tmp / "critic" / MODEL_SIDECAR)
             optimizers = {"actor": optimizer.state_dict()}
             if critic_optimizer is not None:
                 optimizers["critic"] = critic_optimizer.state_dict()

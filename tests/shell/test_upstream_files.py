@@ -137,6 +137,10 @@ def test_train_two_steps_on_kitft_data_with_the_parquet_as_sidecar(tmp_path, tin
     assert cli.main(args) == 0
     lines = [json.loads(line) for line in (save_dir / "metrics.jsonl").read_text().splitlines()]
     assert [line["step"] for line in lines] == [0, 1]
+    adapter = save_dir / "step_000002" / "adapter"  # its sidecar says how it was trained, in upstream's layout
+    theirs = upstream.load_config(adapter, tiny_tokenizer)
+    assert (theirs.d_model, theirs.critic_num_layers, theirs.injection_scale) == (fixtures.D_MODEL, fixtures.LAYER_INDEX, None)
+    assert injection_settings(load_sidecar(adapter), av_dir=adapter) == ("residual_add", None)
 
 
 def test_an_easynla_rl_save_dir_is_a_sidecar_source(tmp_path, tiny_tokenizer):

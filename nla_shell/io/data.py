@@ -1,12 +1,13 @@
-"""Sidecar loading, tokenizer checks, the streamed RL parquet and its doc-disjoint eval split.
+"""Tokenizer checks, the streamed RL / SFT parquet and its doc-disjoint eval split.
 
 An RL parquet holds one row per sampled (document, position): `prompt`, a list of chat
 messages ({"role", "content"}) whose contents hold the placeholder `<INJECT>` exactly
-once; `activation_vector`, D floats (fixed_size_list<float32>[D] as written by
-`nla_shell.toy.builders`, or any list of floats); `doc_id`, a string. Its sidecar
-(`<parquet>.nla_meta.yaml`) says D, the layer, the prompt templates and the injection
-token with the ids of its neighbours. Every problem raises `DataError` naming the field
-and the fix, before the trainer writes anything.
+once; `activation_vector`, D floats (fixed_size_list<float32>[D] as upstream's datagen and
+`nla datagen` write it, or any list of floats); `doc_id`, a string. An AR-SFT parquet's
+`prompt` is instead the filled AR template, a string. The sidecar (nla_shell.io.sidecars)
+says D, the layer, the prompt templates and the injection token with the ids of its
+neighbours. Every problem raises `DataError` naming the field and the fix, before the
+trainer writes anything.
 """
 
 from __future__ import annotations

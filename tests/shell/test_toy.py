@@ -1,4 +1,4 @@
-"""nla_shell.toy.builders: the hub-free tokenizer, tiny Qwen3, sidecar and RL parquet builders."""
+"""nla_shell.toy.builders: the hub-free tokenizer, tiny Qwen3 and RL parquet (with its sidecar) builders."""
 
 from __future__ import annotations
 
@@ -6,13 +6,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import fixtures
-from nla_core import parse_sidecar
 from nla_shell.toy import builders as toy
-from nla_shell.io.data import check_tokenizer
 from nla_shell.io.sidecars import load_sidecar
 
 AV_PROMPT = [{"role": "user", "content": "Explain the activation at <INJECT>."}]

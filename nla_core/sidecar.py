@@ -1,7 +1,10 @@
 """The sidecar: what a dataset or model says about its marker, prompts, layer and scale.
 
-See docs/sidecar.md for the YAML layout. Parsing takes an already-loaded mapping (the
-shell reads the file), so this stays I/O-free.
+The schema is upstream's (kitft natural_language_autoencoders nla/schema.py, nla/config.py,
+nla/datagen/sidecar.py; EasyNLA shares it): dataset sidecars (schema_version 1), model
+sidecars (schema_version 2), released checkpoints, and nla's round-one files; every variant
+is listed in docs/sidecar.md. Parsing takes an already-loaded mapping (the shell reads the
+file), so this stays I/O-free.
 """
 
 from __future__ import annotations

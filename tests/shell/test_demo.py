@@ -42,10 +42,15 @@ def test_the_readme_pipeline_commands_parse():
     from pathlib import Path
 
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    section = readme[readme.index("## The pipeline") :]
-    block = re.search(r"```bash\n(.*?)```", section, re.DOTALL).group(1)
-    commands = [shlex.split(line.split("  #")[0])[1:] for line in block.splitlines() if line.startswith("nla ")]
-    assert [c[0] for c in commands] == ["datagen", "sft", "sft", "train", "eval", "plot", "explain"]
-    for argv in commands:
+
+    def commands_of(title):
+        section = readme[readme.index(title) :]
+        block = re.search(r"```bash\n(.*?)```", section, re.DOTALL).group(1)
+        return [shlex.split(line.split("  #")[0])[1:] for line in block.splitlines() if line.startswith("nla ")]
+
+    pipeline, upstream_data = commands_of("## The pipeline"), commands_of("## Bring your EasyNLA / kitft data")
+    assert [c[0] for c in pipeline] == ["datagen", "sft", "sft", "train", "eval", "plot", "explain", "export"]
+    assert [c[0] for c in upstream_data] == ["train", "sft", "explain", "export"]
+    for argv in pipeline + upstream_data:
         parser, _ = cli.build_parser(argv)
         parser.parse_args(argv)  # exits (SystemExit) on an unknown flag

@@ -190,7 +190,7 @@ def datagen_config(model: Path, corpus: Path, out_dir: Path, **overrides: Any):
     from nla_shell.pipeline.datagen import DatagenConfig
 
     settings = dict(model=str(model), corpus=str(corpus), layer=LAYER_INDEX, out_dir=str(out_dir),
-                    positions_per_doc=3, min_context=4, batch_size=5, row_group_size=8, device="cpu",
+                    explainer="rule", positions_per_doc=3, min_context=4, batch_size=5, row_group_size=8, device="cpu",
                     progress=False, av_sft_fraction=0.3, ar_sft_fraction=0.3, eval_fraction=0.2)
     settings.update(overrides)
     return DatagenConfig(**settings)

@@ -195,8 +195,12 @@ def dataset_sidecar(
     injection_char: str,
     mse_scale: str | float | None = "sqrt_d_model",
     provenance: Mapping[str, Any] | None = None,
+    api_summaries: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """A kind nla_dataset sidecar in upstream's layout (kitft nla/datagen/sidecar.py NLADatasetMeta).
+
+    `api_summaries` (model, max_tokens, temperature, instruction_prompt: the LLM that wrote the
+    explanations, as EasyNLA's stage 2 records it) is written only when given.
 
     `extraction` holds exactly upstream's NLAExtractionMeta fields (its reader builds the
     dataclass from them), plus `mse_scale` only when it is not the default sqrt_d_model
@@ -224,6 +228,7 @@ def dataset_sidecar(
         "keep_debug_metadata": True,
         "tokens": token_meta(tokenizer, av_content, injection_char, ar_template=ar_template),
         "prompt_templates": {"actor": upstream_actor_template(av_content), "critic": ar_template},
+        **({"api_summaries": dict(api_summaries)} if api_summaries else {}),
         "parent_datasets": [],
         "created_at": _now(),
         "created_by": "nla datagen",

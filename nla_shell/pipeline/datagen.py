@@ -12,11 +12,15 @@ seeded hash of its id, so no document is in two splits:
     eval.parquet     ... + explanation, response (held-out documents for `nla eval`)
 
 each with its sidecar `<file>.nla_meta.yaml`. Column names, types and sidecar keys are
-upstream's (kitft nla/datagen/stage3_build.py, docs/sidecar.md); position and context
-(the decoded text up to the position) are nla's additions. Gold explanations come
-from an `Explainer`: a JSONL file keyed by (doc_id, position), or the deterministic rule
-of the toy language. Outputs are written to a temp dir and moved into place at the end,
-so an interrupted run leaves nothing half-written and can simply be run again.
+upstream's (kitft nla/datagen/stage3_build.py, docs/sidecar.md); position and context are
+nla's additions: `position` is the 0-based index of the site's token in the document's
+token ids (`tokenizer.encode(text, add_special_tokens=False)`, cut to max_seq_len) and
+`context` the text up to and including it. Gold explanations come from the `explainer` the
+user chose (nla_shell.explainers: an LLM API, a local model, a JSONL file keyed by
+(doc_id, position), or the toy language's rule); `write_sites=FILE` instead writes the
+sites that need one, to be labelled by hand. Outputs are written to a temp dir and moved
+into place at the end, so an interrupted run leaves nothing half-written and can simply be
+run again (the api/local explainers' reply cache makes the rerun free up to where it stopped).
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Literal, Mapping, Protocol, Sequence
+from typing import Any, Iterator, Literal, Mapping
 
 import numpy as np
 import pyarrow as pa
@@ -36,11 +40,12 @@ import pyarrow.parquet as pq
 import torch
 
 from nla_core import actor_content, parse_sidecar, resolve_target_scale
+from nla_shell.explainers import Site, make_explainer
+from nla_shell.explainers.jsonl import jsonl_objects, write_sites
 from nla_shell.io.config import ConfigError, normalize_fields
 from nla_shell.io.data import DataError, av_prompt_messages, check_tokenizer
 from nla_shell.io.sidecars import DEFAULT_AR_TEMPLATE, DEFAULT_AV_TEMPLATE, dataset_sidecar, write_sidecar
 from nla_shell.models import decoder_layers, pad_right
-from nla_shell.toy.corpus import describe, word_classes
 from nla_shell.training.train import resolve_device
 
 SPLITS = ("rl", "av_sft", "ar_sft", "eval")
@@ -73,10 +78,38 @@ class DatagenConfig:
     """JSONL key / parquet column holding a document's text."""
     id_column: str = "id"
     """JSONL key / parquet column holding a document's id; absent -> "doc{index:06d}"."""
-    explainer: Literal["rule", "jsonl", "none"] = "rule"
-    """Gold explanations: the toy language's rule, a JSONL file (`explanations`), or none (rl split only)."""
+    explainer: Literal["api", "local", "jsonl", "rule", "none"] | None = None
+    """Gold explanations (must be chosen): an LLM API, a local HF model, a JSONL file (`explanations`), the toy
+    language's rule (toy corpora only), or none (rl split only). Not needed with write_sites."""
     explanations: str | None = None
-    """JSONL of {"doc_id", "position", "explanation"} objects (explainer=jsonl)."""
+    """JSONL of {"doc_id", "position", "explanation"} objects (explainer=jsonl); write_sites lists the keys."""
+    write_sites: str | None = None
+    """Instead of datasets, write the sites that need an explanation (the av_sft/ar_sft/eval splits) to this JSONL:
+    {"doc_id", "position", "split", "token", "context"} per line; add "explanation" and pass it as explanations=."""
+    explainer_provider: Literal["openai", "anthropic"] = "openai"
+    """explainer=api: an OpenAI-compatible chat-completions endpoint or the Anthropic messages API."""
+    explainer_model: str | None = None
+    """explainer=api: the model name; explainer=local: an HF instruct-model checkpoint dir."""
+    explainer_base_url: str | None = None
+    """explainer=api: API base URL; None reads OPENAI_BASE_URL / ANTHROPIC_BASE_URL, then the provider's own."""
+    explainer_api_key: str | None = None
+    """explainer=api: API key; None reads OPENAI_API_KEY / ANTHROPIC_API_KEY (never written to any file)."""
+    explainer_max_tokens: int = 300
+    """Longest explanation reply, in tokens (a reply cut off before </explanation> is dropped)."""
+    explainer_temperature: float = 1.0
+    """Sampling temperature of the explainer LLM (0: greedy)."""
+    explainer_concurrency: int = 16
+    """explainer=api: requests in flight at once."""
+    explainer_max_retries: int = 6
+    """explainer=api: retries of a request answered 408/409/429/5xx or lost, with backoff (Retry-After honoured)."""
+    explainer_timeout_s: float = 120.0
+    """explainer=api: seconds to wait for one answer."""
+    explainer_failure_threshold: float = 0.2
+    """Stop the run when more than this share of a batch's requests fail after retries (refusals do not count)."""
+    explainer_batch_size: int = 64
+    """Sites labelled per explainer call: the local model's generation batch, the API's unit of the failure check."""
+    explainer_cache: str | None = None
+    """explainer=api/local: the reply cache (JSONL); None uses out_dir/explainer_cache.jsonl. Reruns reuse it."""
     positions_per_doc: int = 4
     """Token positions sampled per document (fewer when the document has fewer eligible)."""
     min_context: int = 4
@@ -116,7 +149,8 @@ class DatagenConfig:
 
     def __post_init__(self) -> None:
         normalize_fields(self)
-        for key in ("positions_per_doc", "max_seq_len", "batch_size", "row_group_size"):
+        for key in ("positions_per_doc", "max_seq_len", "batch_size", "row_group_size", "explainer_max_tokens",
+                    "explainer_concurrency", "explainer_batch_size"):
             _require(getattr(self, key) >= 1, key, getattr(self, key), "use an integer >= 1")
         _require(self.layer >= 0, "layer", self.layer, "use a block index >= 0")
         _require(self.min_context >= 1, "min_context", self.min_context, "use an integer >= 1")
@@ -135,8 +169,19 @@ class DatagenConfig:
             resolve_target_scale(_sidecar_scale(self.mse_scale), 1)
         except ValueError as err:
             raise ConfigError(f"config key 'mse_scale' = {self.mse_scale!r} is invalid: {err}") from None
+        _require(self.explainer is not None or self.write_sites is not None, "explainer", None,
+                 "choose api (an LLM API), local (a local HF model), jsonl (your labels), rule (the toy language "
+                 "only) or none (rl split only); or write_sites=FILE to list the sites to label")
         if self.explainer == "jsonl":
             _require(self.explanations is not None, "explanations", None, "give the JSONL path (explainer=jsonl)")
+        if self.explainer in ("api", "local"):
+            _require(self.explainer_model is not None, "explainer_model", None,
+                     "name the model (explainer=api) or give its checkpoint dir (explainer=local)")
+        _require(self.explainer_max_retries >= 0, "explainer_max_retries", self.explainer_max_retries, "use >= 0")
+        _require(self.explainer_temperature >= 0, "explainer_temperature", self.explainer_temperature, "use >= 0")
+        _require(self.explainer_timeout_s > 0, "explainer_timeout_s", self.explainer_timeout_s, "use seconds > 0")
+        _require(0 <= self.explainer_failure_threshold < 1, "explainer_failure_threshold",
+                 self.explainer_failure_threshold, "use a fraction in [0, 1)")
         if self.explainer == "none":
             _require(sum(fractions) == 0, "explainer", "none",
                      "set av_sft_fraction, ar_sft_fraction and eval_fraction to 0 (they need explanations)")
@@ -156,18 +201,6 @@ class Document:
     text: str
 
 
-def _jsonl_objects(path: Path, *, field: str) -> Iterator[tuple[int, Any]]:
-    """(line number, parsed value) of each non-blank line; a DataError naming `field` on bad JSON."""
-    with path.open(encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                yield line_no, json.loads(line)
-            except json.JSONDecodeError as err:
-                raise DataError(f"{field}: {path} line {line_no} is not JSON: {err}") from None
-
-
 def read_documents(path: str | Path, *, text_column: str = "text", id_column: str = "id") -> Iterator[Document]:
     """Stream documents from .jsonl/.json lines, .txt (blank-line separated) or .parquet.
 
@@ -179,7 +212,7 @@ def read_documents(path: str | Path, *, text_column: str = "text", id_column: st
         raise DataError(f"corpus: {path} does not exist")
     suffix = path.suffix.lower()
     if suffix in (".jsonl", ".json"):
-        for line_no, obj in _jsonl_objects(path, field="corpus"):
+        for line_no, obj in jsonl_objects(path, field="corpus"):
             text = obj.get(text_column) if isinstance(obj, dict) else None
             if not isinstance(text, str):
                 raise DataError(f"corpus: {path} line {line_no} has no string {text_column!r} (text_column)")
@@ -316,77 +349,6 @@ def choose_injection_char(tokenizer: Any, forbidden: set[str], preferred: str | 
     )
 
 
-# --------------------------------------------------------------------------- explainers
-
-
-@dataclass(frozen=True)
-class Site:
-    """One sampled position of one document."""
-
-    doc_id: str
-    position: int
-    """Token index in the document."""
-    token_ids: tuple[int, ...]
-    """The document's tokens up to and including `position`."""
-    context: str
-    """Those tokens decoded."""
-
-
-class Explainer(Protocol):
-    """Writes the gold explanation of sites (the text inside <explanation> tags)."""
-
-    def explain(self, sites: Sequence[Site]) -> list[str | None]:
-        """One explanation per site; None where this explainer has none for it."""
-        ...
-
-
-class RuleExplainer:
-    """The toy rule: "{class}: {token}, after {previous token}" (see toy_corpus.describe)."""
-
-    def __init__(self, tokenizer: Any, classes: Mapping[str, str] | None = None) -> None:
-        self.tokenizer = tokenizer
-        self.classes = word_classes() if classes is None else classes
-
-    def explain(self, sites: Sequence[Site]) -> list[str | None]:
-        return [describe(self._word(s.token_ids[-1]), self._word(s.token_ids[-2]), self.classes) for s in sites]
-
-    def _word(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id]).strip()
-
-
-class JsonlExplainer:
-    """Explanations read from JSONL lines {"doc_id": str, "position": int, "explanation": str}."""
-
-    def __init__(self, path: str | Path) -> None:
-        path = Path(path)
-        if not path.is_file():
-            raise DataError(f"explanations: {path} does not exist")
-        self.table: dict[tuple[str, int], str] = {}
-        for line_no, obj in _jsonl_objects(path, field="explanations"):
-            try:
-                key = (str(obj["doc_id"]), int(obj["position"]))
-                text = obj["explanation"]
-            except (KeyError, TypeError, ValueError):
-                raise DataError(
-                    f"explanations: {path} line {line_no} is not an object with doc_id, position (int) and "
-                    "explanation"
-                ) from None
-            if not isinstance(text, str):
-                raise DataError(f"explanations: {path} line {line_no}: explanation must be a string")
-            self.table[key] = text
-
-    def explain(self, sites: Sequence[Site]) -> list[str | None]:
-        return [self.table.get((s.doc_id, s.position)) for s in sites]
-
-
-def make_explainer(cfg: DatagenConfig, tokenizer: Any) -> Explainer | None:
-    if cfg.explainer == "rule":
-        return RuleExplainer(tokenizer)
-    if cfg.explainer == "jsonl":
-        return JsonlExplainer(cfg.explanations)
-    return None
-
-
 # --------------------------------------------------------------------------- writing
 
 
@@ -457,17 +419,64 @@ class DatagenResult:
     """Width of the activations."""
 
 
+# --------------------------------------------------------------------------- sites
+
+
+def split_fractions(cfg: DatagenConfig) -> dict[str, float]:
+    """split -> share of documents, rl taking what the other three leave."""
+    shares = {"av_sft": cfg.av_sft_fraction, "ar_sft": cfg.ar_sft_fraction, "eval": cfg.eval_fraction}
+    return {"rl": 1.0 - sum(shares.values()), **shares}
+
+
+def document_sites(doc: Document, tokens: list[int], cfg: DatagenConfig, tokenizer: Any,
+                   fractions: Mapping[str, float]) -> tuple[str, list[Site]]:
+    """The document's split and its sampled sites; depends only on (doc_id, tokens, seed, settings)."""
+    split = assign_split(doc.doc_id, cfg.seed, fractions)
+    rng = np.random.default_rng([cfg.seed, _stable_hash("positions", doc.doc_id)])
+    positions = sample_positions(len(tokens), cfg.positions_per_doc, cfg.min_context, rng)
+    return split, [Site(doc.doc_id, p, tuple(tokens[: p + 1]), tokenizer.decode(tokens[: p + 1]),
+                        tokenizer.decode([tokens[p]])) for p in positions]
+
+
+def tokenized_documents(cfg: DatagenConfig, tokenizer: Any) -> Iterator[tuple[Document, list[int]]]:
+    """The corpus's documents (at most max_docs) with their first max_seq_len token ids."""
+    docs = read_documents(cfg.corpus, text_column=cfg.text_column, id_column=cfg.id_column)
+    for n_docs, doc in enumerate(docs):
+        if cfg.max_docs is not None and n_docs >= cfg.max_docs:
+            return
+        yield doc, tokenizer.encode(doc.text, add_special_tokens=False)[: cfg.max_seq_len]
+
+
+def datagen_sites(cfg: DatagenConfig, tokenizer: Any) -> Path:
+    """Write the sites of the splits that need explanations to cfg.write_sites (no model, no datasets)."""
+    fractions = split_fractions(cfg)
+
+    def to_label() -> Iterator[tuple[str, Site, str]]:
+        for doc, tokens in tokenized_documents(cfg, tokenizer):
+            if len(tokens) > cfg.min_context:
+                split, sites = document_sites(doc, tokens, cfg, tokenizer, fractions)
+                if EXTRA_COLUMNS[split]:
+                    yield from ((split, site, site.token) for site in sites)
+
+    count = write_sites(to_label(), cfg.write_sites)
+    print(f"[datagen] wrote {count} sites to label to {cfg.write_sites}; add an \"explanation\" to each line, then "
+          "run datagen with the same settings and explainer=jsonl explanations=THAT_FILE", flush=True)
+    return Path(cfg.write_sites)
+
+
 # --------------------------------------------------------------------------- the run
 
 
-def datagen(cfg: DatagenConfig) -> DatagenResult:
-    """Write the NLA datasets configured by cfg; see the module docstring."""
+def datagen(cfg: DatagenConfig) -> DatagenResult | Path:
+    """Write the NLA datasets configured by cfg (or, with write_sites, the sites to label); see the module docstring."""
     from tqdm.auto import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     # --- validate before anything is written ---------------------------------------------
-    device, dtype = resolve_device(cfg.device, cfg.dtype)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model)
+    if cfg.write_sites is not None:
+        return datagen_sites(cfg, tokenizer)
+    device, dtype = resolve_device(cfg.device, cfg.dtype)
     model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=dtype).to(device).eval()
     n_layers = model.config.num_hidden_layers
     if cfg.layer >= n_layers:
@@ -477,8 +486,7 @@ def datagen(cfg: DatagenConfig) -> DatagenResult:
         )
     d_model = model.config.hidden_size
     explainer = make_explainer(cfg, tokenizer)
-    fractions = {"av_sft": cfg.av_sft_fraction, "ar_sft": cfg.ar_sft_fraction, "eval": cfg.eval_fraction}
-    fractions = {"rl": 1.0 - sum(fractions.values()), **fractions}
+    fractions = split_fractions(cfg)
     active = [s for s in SPLITS if fractions[s] > 0]
     out_dir = Path(cfg.out_dir)
     final_paths = {s: out_dir / f"{s}.parquet" for s in active}
@@ -494,31 +502,36 @@ def datagen(cfg: DatagenConfig) -> DatagenResult:
     tmp_dir.mkdir(parents=True)
     writers = {s: _SplitWriter(tmp_dir / f"{s}.parquet", s, d_model, cfg.row_group_size) for s in active}
 
-    # --- stream documents in batches -----------------------------------------------------
+    # --- stream documents in batches; rows that need an explanation wait for a full explainer batch ---
     av_content = actor_content(cfg.av_template)
     prompt = av_prompt_messages(av_content)
     corpus_chars: set[str] = set()
-    missing: list[tuple[str, int]] = []
     n_docs = skipped = 0
-    docs = read_documents(cfg.corpus, text_column=cfg.text_column, id_column=cfg.id_column)
     bar = tqdm(desc="datagen", unit="doc", disable=not cfg.progress)
     batch: list[tuple[Document, list[int]]] = []
+    unlabelled: list[tuple[str, dict[str, Any], Site]] = []
+
+    def label(final: bool) -> None:
+        while len(unlabelled) >= cfg.explainer_batch_size or (final and unlabelled):
+            chunk = unlabelled[: cfg.explainer_batch_size]
+            del unlabelled[: cfg.explainer_batch_size]
+            for (split, row, _), text in zip(chunk, explainer.explain([site for _, _, site in chunk])):
+                if text is None:  # no explanation: the explainer counts and reports it
+                    continue
+                # Stripped, as extract_explanation returns it (upstream nla/schema.py): the AR then
+                # reads the same text in SFT and in RL. wrap_explanation's layout for the response.
+                text = text.strip()
+                row.update(explanation=text, response=f"<explanation>\n{text}\n</explanation>")
+                if split == "ar_sft":
+                    row["prompt"] = cfg.ar_template.format(explanation=text)
+                writers[split].add({k: row[k] for k in writers[split].schema.names})
 
     def process(batch: list[tuple[Document, list[int]]]) -> None:
         ids, mask = pad_right([tokens for _, tokens in batch], tokenizer.pad_token_id, device)
         acts = capture_activations(model, ids, mask, cfg.layer).cpu()
         for b, (doc, tokens) in enumerate(batch):
-            split = assign_split(doc.doc_id, cfg.seed, fractions)
-            if split not in writers:
-                continue
-            rng = np.random.default_rng([cfg.seed, _stable_hash("positions", doc.doc_id)])
-            positions = sample_positions(len(tokens), cfg.positions_per_doc, cfg.min_context, rng)
-            sites = [Site(doc.doc_id, p, tuple(tokens[: p + 1]), tokenizer.decode(tokens[: p + 1])) for p in positions]
-            texts = explainer.explain(sites) if EXTRA_COLUMNS[split] else [None] * len(sites)
-            for site, text in zip(sites, texts):
-                if EXTRA_COLUMNS[split] and text is None:
-                    missing.append((site.doc_id, site.position))
-                    continue
+            split, sites = document_sites(doc, tokens, cfg, tokenizer, fractions)
+            for site in sites:
                 vector = acts[b, site.position].numpy()
                 if not (np.isfinite(vector).all() and vector.any()):
                     raise DataError(
@@ -528,22 +541,16 @@ def datagen(cfg: DatagenConfig) -> DatagenResult:
                 row = {"prompt": prompt, "activation_vector": vector, "doc_id": doc.doc_id,
                        "n_raw_tokens": site.position + 1, "activation_layer": cfg.layer,
                        "position": site.position, "context": site.context}
-                if text is not None:
-                    # Stripped, as extract_explanation returns it (upstream nla/schema.py): the AR then
-                    # reads the same text in SFT and in RL. wrap_explanation's layout for the response.
-                    text = text.strip()
-                    row.update(explanation=text, response=f"<explanation>\n{text}\n</explanation>")
-                    if split == "ar_sft":
-                        row["prompt"] = cfg.ar_template.format(explanation=text)
-                writers[split].add({k: row[k] for k in writers[split].schema.names})
+                if EXTRA_COLUMNS[split]:
+                    unlabelled.append((split, row, site))
+                else:
+                    writers[split].add(row)
+        label(final=False)
 
-    for doc in docs:
-        if cfg.max_docs is not None and n_docs >= cfg.max_docs:
-            break
+    for doc, tokens in tokenized_documents(cfg, tokenizer):
         n_docs += 1
         bar.update()
         corpus_chars.update(doc.text)
-        tokens = tokenizer.encode(doc.text, add_special_tokens=False)[: cfg.max_seq_len]
         if len(tokens) <= cfg.min_context:
             skipped += 1
             continue
@@ -553,6 +560,7 @@ def datagen(cfg: DatagenConfig) -> DatagenResult:
             batch = []
     if batch:
         process(batch)
+    label(final=True)
     bar.close()
     for writer in writers.values():
         writer.close()
@@ -561,13 +569,12 @@ def datagen(cfg: DatagenConfig) -> DatagenResult:
     if skipped:
         print(f"[datagen] skipped {skipped} of {n_docs} documents shorter than min_context + 1 = "
               f"{cfg.min_context + 1} tokens", flush=True)
-    if missing:
+    try:
+        if explainer is not None:
+            explainer.finish()
+    except DataError:
         shutil.rmtree(tmp_dir)
-        shown = ", ".join(f"({d!r}, {p})" for d, p in missing[:10])
-        raise DataError(
-            f"explanations: {cfg.explanations} has no explanation for {len(missing)} (doc_id, position) key(s) "
-            f"needed by the sft/eval splits: {shown}{' ...' if len(missing) > 10 else ''}; add them to the file"
-        )
+        raise
     empty = [s for s in active if writers[s].rows == 0]
     if empty:
         shutil.rmtree(tmp_dir)
@@ -589,6 +596,7 @@ def datagen(cfg: DatagenConfig) -> DatagenResult:
                 "documents_skipped_short": skipped, "positions_per_doc": cfg.positions_per_doc,
                 "min_context": cfg.min_context, "explainer": cfg.explainer,
             },
+            api_summaries=explainer.sidecar_summary() if EXTRA_COLUMNS[split] and explainer is not None else None,
         )
         check_tokenizer(parse_sidecar(mapping), tokenizer)
         write_sidecar(mapping, tmp_dir / f"{split}.parquet.nla_meta.yaml")

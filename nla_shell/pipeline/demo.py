@@ -222,7 +222,7 @@ def demo(cfg: DemoConfig) -> dict[str, Any]:
             for i, text in enumerate(toy_corpus.generate_documents(cfg.nla_docs, seed=cfg.seed + 100)):
                 f.write(json.dumps({"id": f"toy{i:05d}", "text": text}) + "\n")
         data = datagen(DatagenConfig(
-            model=str(target), corpus=str(corpus), layer=cfg.layer, out_dir=str(run_dir / "data"),
+            model=str(target), corpus=str(corpus), layer=cfg.layer, out_dir=str(run_dir / "data"), explainer="rule",
             positions_per_doc=cfg.positions_per_doc, eval_fraction=cfg.eval_fraction, seed=cfg.seed, device="cpu",
             dtype="float32", progress=False, batch_size=64,
         ))

@@ -20,8 +20,6 @@ from nla_shell.io.data import DataError, check_tokenizer
 from nla_shell.io.sidecars import load_sidecar
 from nla_shell.pipeline.datagen import (
     EXTRA_COLUMNS,
-    RuleExplainer,
-    Site,
     assign_split,
     capture_activations,
     choose_injection_char,
@@ -29,6 +27,8 @@ from nla_shell.pipeline.datagen import (
     injection_char_id,
     read_documents,
 )
+from nla_shell.explainers import Site
+from nla_shell.explainers.rule import RuleExplainer
 from nla_shell.toy.corpus import generate_documents
 
 SPLITS = ("rl", "av_sft", "ar_sft", "eval")
@@ -113,7 +113,7 @@ def test_rule_explainer_names_class_word_and_previous_word():
     tokenizer = toy.train_tokenizer(docs + ["the red cat sees a bread ."], vocab_size=400)
     ids = tokenizer.encode("the red cat sees a bread .", add_special_tokens=False)
     assert len(ids) == 7  # every toy word is one token
-    sites = [Site("d", p, tuple(ids[: p + 1]), "") for p in (2, 3, 6)]
+    sites = [Site("d", p, tuple(ids[: p + 1]), "", "") for p in (2, 3, 6)]
     assert RuleExplainer(tokenizer).explain(sites) == [
         "animal: cat, after red", "verb: sees, after cat", "punctuation: ., after bread",
     ]
@@ -158,7 +158,7 @@ def test_short_documents_are_skipped_and_counted(tmp_path, tiny_av_dir, capsys):
 def test_layer_beyond_the_model_is_refused_before_writing(tmp_path, tiny_av_dir, capsys):
     corpus = fixtures.write_toy_corpus(tmp_path / "c.jsonl", n_docs=4)
     argv = ["datagen", "--model", str(tiny_av_dir), "--corpus", str(corpus), "--layer", "3",
-            "--out-dir", str(tmp_path / "out"), "device=cpu"]
+            "--out-dir", str(tmp_path / "out"), "device=cpu", "explainer=rule"]
     assert cli.main(argv) == 2
     assert "'layer' = 3" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()

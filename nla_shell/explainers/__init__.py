@@ -1,0 +1,100 @@
+"""Gold explanations for datagen's sites, behind one small interface.
+
+An `Explainer` turns sampled sites (a document's text up to a token) into the text that
+goes inside `<explanation>…</explanation>`:
+
+    rule    the toy language's deterministic rule (toy corpora only)
+    jsonl   hand-written labels keyed by (doc_id, position); `write_sites` lists the sites
+    api     an LLM behind an OpenAI-compatible or Anthropic HTTP API (api.py)
+    local   a local HF instruct model (local.py)
+
+`api` and `local` share llm.py: one versioned instruction prompt (prompt.py), a
+content-addressed cache of replies (cache.py) so an interrupted run resumes without
+paying twice, extraction with nla_core's regex, and a tally of what happened.
+`make_explainer` builds the one a datagen config names.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping, Protocol, Sequence
+
+__all__ = ["Site", "Explainer", "ExplainerError", "make_explainer", "default_cache_path"]
+
+
+@dataclass(frozen=True)
+class Site:
+    """One sampled position of one document."""
+
+    doc_id: str
+    position: int
+    """0-based index of the token in the document's token ids (add_special_tokens=False, cut to max_seq_len)."""
+    token_ids: tuple[int, ...]
+    """The document's tokens up to and including `position`."""
+    context: str
+    """Those tokens decoded: the text the LM has read when its activation at `position` is taken."""
+    token: str
+    """The token at `position`, decoded alone."""
+
+
+class ExplainerError(ValueError):
+    """The explainer cannot go on (systemic API failure, refused key); the message says what to fix.
+
+    A ValueError, like the other bad-input errors, so the CLI prints it as one line.
+    """
+
+
+class Explainer(Protocol):
+    """Writes the gold explanation of sites (the text inside <explanation> tags)."""
+
+    def explain(self, sites: Sequence[Site]) -> list[str | None]:
+        """One explanation per site; None where this explainer has none for it (the row is dropped)."""
+        ...
+
+    def finish(self) -> None:
+        """Called once after the last site: report, and raise when the labels cannot be used."""
+        ...
+
+    def sidecar_summary(self) -> Mapping[str, Any] | None:
+        """The dataset sidecar's `api_summaries` (model, max_tokens, temperature, instruction_prompt), if any."""
+        ...
+
+
+def default_cache_path(out_dir: str | Path) -> Path:
+    """Where the api/local explainers keep their reply cache unless `explainer_cache` says otherwise."""
+    return Path(out_dir) / "explainer_cache.jsonl"
+
+
+def make_explainer(cfg: Any, tokenizer: Any) -> Explainer | None:
+    """The explainer named by a DatagenConfig's `explainer` and `explainer_*` keys; None for "none"."""
+    if cfg.explainer == "rule":
+        from nla_shell.explainers.rule import RuleExplainer
+
+        return RuleExplainer(tokenizer)
+    if cfg.explainer == "jsonl":
+        from nla_shell.explainers.jsonl import JsonlExplainer
+
+        return JsonlExplainer(cfg.explanations)
+    if cfg.explainer in ("api", "local"):
+        from nla_shell.explainers.cache import ReplyCache
+        from nla_shell.explainers.llm import LLMExplainer
+
+        settings = dict(max_tokens=cfg.explainer_max_tokens, temperature=cfg.explainer_temperature)
+        if cfg.explainer == "api":
+            from nla_shell.explainers.api import ApiCompleter
+
+            completer = ApiCompleter(
+                provider=cfg.explainer_provider, model=cfg.explainer_model, base_url=cfg.explainer_base_url,
+                api_key=cfg.explainer_api_key, concurrency=cfg.explainer_concurrency,
+                max_retries=cfg.explainer_max_retries, timeout_s=cfg.explainer_timeout_s, **settings,
+            )
+        else:
+            from nla_shell.explainers.local import LocalCompleter
+
+            completer = LocalCompleter(model=cfg.explainer_model, device=cfg.device, dtype=cfg.dtype, seed=cfg.seed,
+                                       **settings)
+        cache = ReplyCache(cfg.explainer_cache or default_cache_path(cfg.out_dir))
+        return LLMExplainer(completer, cache, failure_threshold=cfg.explainer_failure_threshold,
+                            progress=cfg.progress)
+    return None

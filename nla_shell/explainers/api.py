@@ -177,6 +177,9 @@ class ApiCompleter:
                 return "cancelled"
             try:
                 return self._post(body, headers)
+            except ExplainerError:
+                self._stop.set()  # no other thread starts a request that cannot succeed either
+                raise
             except _Transient as err:
                 reason = f"{err} (after {attempt + 1} attempts)"
                 if attempt == self.max_retries:

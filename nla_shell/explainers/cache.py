@@ -59,7 +59,8 @@ class ReplyCache:
         for line_no, line in enumerate(complete.decode("utf-8").splitlines(), start=1):
             try:
                 entry = json.loads(line)
-                self.replies[entry.pop("key")] = Reply(**entry)
+                key = entry.pop("key")
+                self.replies[key] = Reply(**entry)
             except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
                 raise DataError(
                     f"explainer_cache: {self.path} line {line_no} is not a cache entry; point explainer_cache at "

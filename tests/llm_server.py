@@ -22,7 +22,17 @@ from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable
 
+from nla_shell.explainers import Site
+
 API_KEY = "test-key"
+API_SETTINGS = dict(model="mock-model", api_key=API_KEY, max_retries=3, backoff_s=0.01, max_tokens=77, temperature=0.5)
+"""ApiCompleter settings for talking to this server (besides provider, base_url and concurrency)."""
+
+
+def sample_sites(n: int, *, repeat_first: bool = False) -> list[Site]:
+    """n sites with distinct contexts; repeat_first appends one more with the first site's text (same prompt)."""
+    sites = [Site(f"d{i}", 5 + i, (1, 2, 3), f"The text number {i} ends with", " with") for i in range(n)]
+    return sites + [Site("dup", 9, (1, 2, 3), sites[0].context, sites[0].token)] if repeat_first else sites
 
 
 @dataclass(frozen=True)

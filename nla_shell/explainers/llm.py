@@ -52,8 +52,8 @@ class Tally:
     """Sites that got an explanation."""
     cached: int = 0
     """Sites answered from the cache (no request)."""
-    requested: int = 0
-    """Requests sent (distinct uncached prompts)."""
+    answered: int = 0
+    """Distinct uncached prompts the model answered in this run (refusals included)."""
     refused: int = 0
     """Sites whose model declined to answer."""
     failed: int = 0
@@ -66,7 +66,7 @@ class Tally:
     """Reply tokens of the replies received in this run."""
 
     def line(self) -> str:
-        return (f"{self.sites} sites: {self.labelled} labelled ({self.cached} from cache, {self.requested} requested), "
+        return (f"{self.sites} sites: {self.labelled} labelled ({self.cached} from cache, {self.answered} answered now), "
                 f"{self.refused} refused, {self.failed} failed, {self.unextractable} unextractable; "
                 f"tokens {self.input_tokens} in / {self.output_tokens} out")
 
@@ -101,7 +101,7 @@ class LLMExplainer:
 
         failures = self.completer.complete([prompt_of[k] for k in missing], on_reply) if missing else {}
         self.cache.sync()
-        self.tally.requested += len(missing) - len(failures)
+        self.tally.answered += len(missing) - len(failures)
         if missing and len(failures) > self.failure_threshold * len(missing):
             first = failures[min(failures)]
             raise ExplainerError(

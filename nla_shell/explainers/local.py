@@ -3,6 +3,9 @@
 Each prompt becomes the user turn of the model's chat template (with the generation
 prompt); the batch is left-padded and generated at once. Temperature 0 is greedy; any
 other temperature samples, seeded per batch so a rerun without the cache writes the same.
+For vLLM's throughput, serve the model with `vllm serve DIR` and use the api explainer
+(explainer_provider=openai, explainer_base_url=http://127.0.0.1:8000/v1): vLLM's server
+speaks the OpenAI chat-completions format, so no second code path is needed.
 """
 
 from __future__ import annotations

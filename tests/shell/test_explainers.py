@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 import fixtures
-from llm_server import API_KEY, Answer, LLMServer, mock_reply, usage
+from llm_server import API_KEY, API_SETTINGS, Answer, LLMServer, mock_reply, sample_sites, usage
 from nla_core import extract_explanation
 from nla_shell import cli
 from nla_shell.explainers import ExplainerError, Site
@@ -28,15 +28,6 @@ from nla_shell.explainers.prompt import INSTRUCTION, instruction_prompt
 from nla_shell.io.config import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def _sites(n: int, *, repeat_first: bool = False) -> list[Site]:
-    sites = [Site(f"d{i}", 5 + i, (1, 2, 3), f"The text number {i} ends with", " with") for i in range(n)]
-    return sites + [Site("dup", 9, (1, 2, 3), sites[0].context, sites[0].token)] if repeat_first else sites
-
-
-API_SETTINGS = dict(model="mock-model", api_key=API_KEY, max_retries=3, backoff_s=0.01, max_tokens=77, temperature=0.5)
-"""The ApiCompleter settings of these tests (besides provider, base_url and concurrency)."""
 
 
 def _explainer(server: LLMServer, provider: str, cache: Path, **overrides) -> LLMExplainer:
@@ -53,7 +44,7 @@ def _expected(site: Site) -> str:
 
 @pytest.mark.parametrize("provider", ["openai", "anthropic"])
 def test_both_wire_formats_label_every_site_and_a_rerun_is_free(tmp_path, provider):
-    sites = _sites(7, repeat_first=True)
+    sites = sample_sites(7, repeat_first=True)
     with LLMServer() as server:
         explainer = _explainer(server, provider, tmp_path / "cache.jsonl")
         assert explainer.explain(sites) == [_expected(s) for s in sites]
@@ -66,7 +57,7 @@ def test_both_wire_formats_label_every_site_and_a_rerun_is_free(tmp_path, provid
         if provider == "anthropic":
             assert request.headers["anthropic-version"] == "2023-06-01"
         tally = explainer.tally
-        assert (tally.sites, tally.labelled, tally.requested, tally.cached) == (8, 8, 7, 0)
+        assert (tally.sites, tally.labelled, tally.answered, tally.cached) == (8, 8, 7, 0)
         assert tally.input_tokens == sum(usage(r.prompt, mock_reply(r.prompt))[0] for r in server.requests)
         assert tally.output_tokens == 7 * usage("", mock_reply("x"))[1]
         explainer.finish()
@@ -82,7 +73,7 @@ def test_rate_limits_and_server_errors_are_retried_honouring_retry_after(tmp_pat
     def script(prompt, attempt):
         return [Answer("status", status=429, retry_after="0.3"), Answer("status", status=503), Answer()][min(attempt, 2)]
 
-    sites = _sites(4)
+    sites = sample_sites(4)
     with LLMServer(script) as server:
         explainer = _explainer(server, "openai", tmp_path / "cache.jsonl")
         assert explainer.explain(sites) == [_expected(s) for s in sites]
@@ -94,7 +85,7 @@ def test_rate_limits_and_server_errors_are_retried_honouring_retry_after(tmp_pat
 
 
 def test_requests_that_keep_failing_are_counted_and_not_cached(tmp_path):
-    sites = _sites(10)
+    sites = sample_sites(10)
     doomed = instruction_prompt(sites[3].context, sites[3].token)
     outage = [True]
     with LLMServer(lambda p, a: Answer("status", status=500, retry_after="0") if p == doomed and outage[0]
@@ -112,7 +103,7 @@ def test_requests_that_keep_failing_are_counted_and_not_cached(tmp_path):
 
 @pytest.mark.parametrize("provider", ["openai", "anthropic"])
 def test_refusals_are_missing_rows_and_cached_as_answers(tmp_path, provider):
-    sites = _sites(5)
+    sites = sample_sites(5)
     refused = instruction_prompt(sites[1].context, sites[1].token)
     with LLMServer(lambda p, a: Answer("refuse") if p == refused else Answer()) as server:
         explainer = _explainer(server, provider, tmp_path / "cache.jsonl")
@@ -124,7 +115,7 @@ def test_refusals_are_missing_rows_and_cached_as_answers(tmp_path, provider):
 
 
 def test_malformed_bodies_fail_and_replies_without_tags_are_unextractable(tmp_path, capsys):
-    sites = _sites(10)
+    sites = sample_sites(10)
     prompts = [instruction_prompt(s.context, s.token) for s in sites]
     scripted = {prompts[0]: Answer("malformed"), prompts[1]: Answer(text="no tags at all"),
                 prompts[2]: Answer(text="<explanation>cut off by max_tokens"),
@@ -142,7 +133,7 @@ def test_malformed_bodies_fail_and_replies_without_tags_are_unextractable(tmp_pa
 
 
 def test_a_systemic_failure_rate_stops_the_run_and_keeps_what_was_answered(tmp_path):
-    sites = _sites(10)
+    sites = sample_sites(10)
     down = {instruction_prompt(sites[i].context, sites[i].token) for i in (1, 3)}
     with LLMServer(lambda p, a: Answer("status", status=503, retry_after="0") if p in down else Answer()) as server:
         explainer = _explainer(server, "openai", tmp_path / "cache.jsonl", max_retries=1)
@@ -157,7 +148,7 @@ def test_a_bad_key_stops_at_once_naming_the_setting(tmp_path):
     with LLMServer() as server:
         explainer = _explainer(server, "openai", tmp_path / "cache.jsonl", api_key="wrong")
         with pytest.raises(ExplainerError, match="HTTP 401.*OPENAI_API_KEY"):
-            explainer.explain(_sites(6))
+            explainer.explain(sample_sites(6))
         assert len(server.requests) <= 3  # the in-flight ones; nothing retried, the rest cancelled
 
 
@@ -170,6 +161,17 @@ def test_a_missing_key_is_refused_before_any_request(monkeypatch):
     monkeypatch.setenv("ANTHROPIC_BASE_URL", "http://127.0.0.1:9/")
     completer = ApiCompleter(provider="anthropic", model="m")
     assert (completer.api_key, completer.url) == ("from-env", "http://127.0.0.1:9/v1/messages")
+
+
+def test_datagen_without_a_key_is_refused_before_writing(tmp_path, tiny_av_dir, capsys, monkeypatch):
+    for name in ("OPENAI_API_KEY", "OPENAI_BASE_URL"):
+        monkeypatch.delenv(name, raising=False)
+    corpus = fixtures.write_toy_corpus(tmp_path / "c.jsonl", n_docs=4)
+    assert cli.main(_datagen_argv(tiny_av_dir, corpus, tmp_path / "out", "explainer=api", "explainer_model=m")) == 2
+    assert "'explainer_api_key' is not set and OPENAI_API_KEY is empty" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+    assert cli.main(_datagen_argv(tiny_av_dir, corpus, tmp_path / "out", "explainer=api")) == 2
+    assert "'explainer_model'" in capsys.readouterr().err
 
 
 def test_retry_after_reads_seconds_and_http_dates():
@@ -198,14 +200,12 @@ def test_the_cache_drops_a_line_torn_by_a_kill(tmp_path):
 
 
 KILL_SCRIPT = """
-import sys
+from llm_server import API_SETTINGS, sample_sites
 from nla_shell.explainers.api import ApiCompleter
 from nla_shell.explainers.cache import ReplyCache
 from nla_shell.explainers.llm import LLMExplainer
-sys.path.insert(0, {tests!r})
-from test_explainers import API_SETTINGS, _sites
 completer = ApiCompleter(provider="openai", base_url={url!r}, concurrency=2, **API_SETTINGS)
-LLMExplainer(completer, ReplyCache({cache!r}), progress=False).explain(_sites(12))
+LLMExplainer(completer, ReplyCache({cache!r}), progress=False).explain(sample_sites(12))
 """
 
 
@@ -214,7 +214,7 @@ def test_kill_9_mid_run_then_resume_asks_only_for_what_is_not_cached(tmp_path):
     answered = 5
     killed = [False]
     with LLMServer(lambda p, a: Answer("hang") if not killed[0] and len(server.requests) > answered else Answer()) as server:
-        script = KILL_SCRIPT.format(tests=str(REPO / "tests" / "shell"), url=server.url + "/v1", cache=str(cache))
+        script = KILL_SCRIPT.format(url=server.url + "/v1", cache=str(cache))
         proc = subprocess.Popen([sys.executable, "-c", script], cwd=tmp_path,
                                 env={**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}"})
         try:
@@ -232,7 +232,7 @@ def test_kill_9_mid_run_then_resume_asks_only_for_what_is_not_cached(tmp_path):
         cached = ReplyCache(cache)
         assert len(cached) == answered
 
-        sites = _sites(12)
+        sites = sample_sites(12)
         explainer = _explainer(server, "openai", cache)
         assert explainer.explain(sites) == [_expected(s) for s in sites]
         resumed = server.requests[len(first_run):]
@@ -245,7 +245,7 @@ def test_kill_9_mid_run_then_resume_asks_only_for_what_is_not_cached(tmp_path):
 def test_local_explainer_on_a_tiny_hf_model(tmp_path, tiny_av_dir):
     from nla_shell.explainers.local import LocalCompleter
 
-    sites = _sites(3, repeat_first=True)
+    sites = sample_sites(3, repeat_first=True)
 
     def make():
         completer = LocalCompleter(model=str(tiny_av_dir), max_tokens=12, temperature=1.0, device="cpu", seed=3)

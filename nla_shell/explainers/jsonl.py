@@ -75,15 +75,15 @@ class JsonlExplainer:
         return None
 
 
-def write_sites(sites: Iterable[tuple[str, Site, str]], path: str | Path) -> int:
-    """Write (split, site, token text) triples as the JSONL to label; atomic (temp file + rename). Returns the count."""
+def write_sites(sites: Iterable[tuple[str, Site]], path: str | Path) -> int:
+    """Write (split, site) pairs as the JSONL to label; atomic (temp file + rename). Returns the count."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     count = 0
     with tmp.open("w", encoding="utf-8") as f:
-        for split, site, token in sites:
-            record = {"doc_id": site.doc_id, "position": site.position, "split": split, "token": token,
+        for split, site in sites:
+            record = {"doc_id": site.doc_id, "position": site.position, "split": split, "token": site.token,
                       "context": site.context}
             f.write(json.dumps(record, ensure_ascii=False) + "\n")
             count += 1

@@ -66,7 +66,7 @@ class Tally:
     """Reply tokens of the replies received in this run."""
 
     def line(self) -> str:
-        return (f"{self.sites} sites: {self.labelled} labelled ({self.cached} from cache, {self.answered} answered now), "
+        return (f"{self.sites} sites ({self.cached} from cache, {self.answered} answered now): {self.labelled} labelled, "
                 f"{self.refused} refused, {self.failed} failed, {self.unextractable} unextractable; "
                 f"tokens {self.input_tokens} in / {self.output_tokens} out")
 

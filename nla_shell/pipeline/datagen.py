@@ -143,7 +143,7 @@ class DatagenConfig:
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """Model dtype for the forward ("auto": bf16 on cuda, fp32 on cpu); activations are stored as float32."""
     overwrite: bool = False
-    """Replace datasets already in out_dir."""
+    """Replace datasets already in out_dir (or the write_sites file)."""
     progress: bool = True
     """Show a progress bar."""
 
@@ -449,14 +449,19 @@ def tokenized_documents(cfg: DatagenConfig, tokenizer: Any) -> Iterator[tuple[Do
 
 def datagen_sites(cfg: DatagenConfig, tokenizer: Any) -> Path:
     """Write the sites of the splits that need explanations to cfg.write_sites (no model, no datasets)."""
+    if Path(cfg.write_sites).exists() and not cfg.overwrite:
+        raise ConfigError(
+            f"config key 'write_sites' = {cfg.write_sites!r} already exists (labels added to it would be lost); "
+            "choose another file or set overwrite=true"
+        )
     fractions = split_fractions(cfg)
 
-    def to_label() -> Iterator[tuple[str, Site, str]]:
+    def to_label() -> Iterator[tuple[str, Site]]:
         for doc, tokens in tokenized_documents(cfg, tokenizer):
             if len(tokens) > cfg.min_context:
                 split, sites = document_sites(doc, tokens, cfg, tokenizer, fractions)
                 if EXTRA_COLUMNS[split]:
-                    yield from ((split, site, site.token) for site in sites)
+                    yield from ((split, site) for site in sites)
 
     count = write_sites(to_label(), cfg.write_sites)
     print(f"[datagen] wrote {count} sites to label to {cfg.write_sites}; add an \"explanation\" to each line, then "

@@ -361,3 +361,6 @@ def test_sites_to_label_round_trip_through_the_jsonl_explainer(tmp_path, tiny_av
             for r in pq.read_table(tmp_path / "out" / f"{split}.parquet").to_pylist()]
     assert sorted((r["doc_id"], r["position"]) for r in rows) == sorted((s["doc_id"], s["position"]) for s in sites)
     assert all(r["explanation"] == f"label {r['doc_id']}@{r['position']}" for r in rows)
+    # Writing the sites again would lose labels added in place: refused unless overwrite.
+    assert cli.main(_datagen_argv(tiny_av_dir, corpus, tmp_path / "o2", f"write_sites={labelled}")) == 2
+    assert "'write_sites'" in capsys.readouterr().err and "explanation" in labelled.read_text()

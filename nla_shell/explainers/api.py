@@ -61,10 +61,15 @@ PROVIDERS: Mapping[str, Provider] = {
 }
 
 
-def request_body(*, model: str, prompt: str, max_tokens: int, temperature: float) -> dict[str, Any]:
-    """The JSON body asking `model` for one reply to the user message `prompt` (the same keys in both formats)."""
-    return {"model": model, "max_tokens": max_tokens, "temperature": temperature,
-            "messages": [{"role": "user", "content": prompt}]}
+def request_body(*, model: str, prompt: str, max_tokens: int, temperature: float | None) -> dict[str, Any]:
+    """The JSON body asking `model` for one reply to the user message `prompt` (the same keys in both formats).
+
+    temperature None leaves the key out: some newer models reject it (as EasyNLA's providers.py notes).
+    """
+    body: dict[str, Any] = {"model": model, "max_tokens": max_tokens, "messages": [{"role": "user", "content": prompt}]}
+    if temperature is not None:
+        body["temperature"] = temperature
+    return body
 
 
 def request_headers(provider: str, api_key: str | None) -> dict[str, str]:
@@ -123,7 +128,7 @@ class ApiCompleter:
     """A Completer over an LLM API (see the module docstring for the wire formats)."""
 
     def __init__(self, *, provider: str, model: str, base_url: str | None = None, api_key: str | None = None,
-                 max_tokens: int = 300, temperature: float = 1.0, concurrency: int = 16, max_retries: int = 6,
+                 max_tokens: int = 300, temperature: float | None = 1.0, concurrency: int = 16, max_retries: int = 6,
                  timeout_s: float = 120.0, backoff_s: float = 1.0, max_backoff_s: float = 60.0) -> None:
         if provider not in PROVIDERS:
             raise ConfigError(f"config key 'explainer_provider' = {provider!r} is invalid: use one of {sorted(PROVIDERS)}")

@@ -27,8 +27,8 @@ class Completer(Protocol):
     """The model's name (API) or checkpoint dir (local), as the sidecar records it."""
     max_tokens: int
     """Longest reply, in tokens."""
-    temperature: float
-    """Sampling temperature (0: greedy)."""
+    temperature: float | None
+    """Sampling temperature (0: greedy; None: the model's default)."""
 
     def settings(self) -> Mapping[str, Any]:
         """Everything besides the prompt that changes the reply (part of every cache key)."""

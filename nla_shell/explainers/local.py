@@ -2,7 +2,8 @@
 
 Each prompt becomes the user turn of the model's chat template (with the generation
 prompt); the batch is left-padded and generated at once. Temperature 0 is greedy; any
-other temperature samples, seeded per batch so a rerun without the cache writes the same.
+other temperature samples, seeded per batch so a rerun without the cache writes the same;
+None keeps the checkpoint's own generation_config.
 For vLLM's throughput, serve the model with `vllm serve DIR` and use the api explainer
 (explainer_provider=openai, explainer_base_url=http://127.0.0.1:8000/v1): vLLM's server
 speaks the OpenAI chat-completions format, so no second code path is needed.
@@ -20,7 +21,7 @@ from nla_shell.io.config import ConfigError
 class LocalCompleter:
     """A Completer over a local HF causal LM checkpoint dir (loaded on the first uncached prompt)."""
 
-    def __init__(self, *, model: str, max_tokens: int = 300, temperature: float = 1.0, device: str = "auto",
+    def __init__(self, *, model: str, max_tokens: int = 300, temperature: float | None = 1.0, device: str = "auto",
                  dtype: str = "auto", seed: int = 0) -> None:
         path = Path(model)
         if not path.is_dir():
@@ -44,8 +45,12 @@ class LocalCompleter:
         texts = [self._chat_text(p) for p in prompts]
         batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(lm.device)
         torch.manual_seed(self.seed)
-        sampling = {"do_sample": True, "temperature": self.temperature, "top_p": 1.0, "top_k": 0} \
-            if self.temperature > 0 else {"do_sample": False}
+        if self.temperature is None:
+            sampling = {}
+        elif self.temperature > 0:
+            sampling = {"do_sample": True, "temperature": self.temperature, "top_p": 1.0, "top_k": 0}
+        else:
+            sampling = {"do_sample": False}
         with torch.no_grad():
             out = lm.generate(**batch, max_new_tokens=self.max_tokens, pad_token_id=tokenizer.pad_token_id, **sampling)
         new = out[:, batch["input_ids"].shape[1]:].cpu()

@@ -58,7 +58,7 @@ def parse_reply(reply: str) -> str | None:
     return explanation or None
 
 
-def api_summaries(*, model: str, max_tokens: int, temperature: float) -> dict[str, Any]:
+def api_summaries(*, model: str, max_tokens: int, temperature: float | None) -> dict[str, Any]:
     """The sidecar's `api_summaries`, with upstream's keys (EasyNLA nla/datagen/sidecar.py NLAApiSummaryMeta).
 
     `instruction_prompt` is the template with its {text} and {token} placeholders, as upstream

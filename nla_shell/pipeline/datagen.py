@@ -96,8 +96,8 @@ class DatagenConfig:
     """explainer=api: API key; None reads OPENAI_API_KEY / ANTHROPIC_API_KEY (never written to any file)."""
     explainer_max_tokens: int = 300
     """Longest explanation reply, in tokens (a reply cut off before </explanation> is dropped)."""
-    explainer_temperature: float = 1.0
-    """Sampling temperature of the explainer LLM (0: greedy)."""
+    explainer_temperature: float | None = 1.0
+    """Sampling temperature of the explainer LLM (0: greedy; null: the model's default, for APIs that reject it)."""
     explainer_concurrency: int = 16
     """explainer=api: requests in flight at once."""
     explainer_max_retries: int = 6
@@ -178,7 +178,8 @@ class DatagenConfig:
             _require(self.explainer_model is not None, "explainer_model", None,
                      "name the model (explainer=api) or give its checkpoint dir (explainer=local)")
         _require(self.explainer_max_retries >= 0, "explainer_max_retries", self.explainer_max_retries, "use >= 0")
-        _require(self.explainer_temperature >= 0, "explainer_temperature", self.explainer_temperature, "use >= 0")
+        _require(self.explainer_temperature is None or self.explainer_temperature >= 0, "explainer_temperature",
+                 self.explainer_temperature, "use >= 0, or null for the model's default")
         _require(self.explainer_timeout_s > 0, "explainer_timeout_s", self.explainer_timeout_s, "use seconds > 0")
         _require(0 <= self.explainer_failure_threshold < 1, "explainer_failure_threshold",
                  self.explainer_failure_threshold, "use a fraction in [0, 1)")

@@ -69,6 +69,15 @@ def test_both_wire_formats_label_every_site_and_a_rerun_is_free(tmp_path, provid
     assert summary == {"model": "mock-model", "max_tokens": 77, "temperature": 0.5, "instruction_prompt": INSTRUCTION}
 
 
+def test_a_null_temperature_is_left_out_of_the_request_and_is_its_own_cache_key(tmp_path):
+    sites = sample_sites(2)
+    with LLMServer() as server:
+        _explainer(server, "anthropic", tmp_path / "cache.jsonl").explain(sites)
+        explainer = _explainer(server, "anthropic", tmp_path / "cache.jsonl", temperature=None)
+        assert explainer.explain(sites) == [_expected(s) for s in sites]
+        assert len(server.requests) == 4 and "temperature" not in server.requests[-1].body
+
+
 def test_rate_limits_and_server_errors_are_retried_honouring_retry_after(tmp_path):
     def script(prompt, attempt):
         return [Answer("status", status=429, retry_after="0.3"), Answer("status", status=503), Answer()][min(attempt, 2)]

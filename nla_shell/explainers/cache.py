@@ -46,7 +46,6 @@ class ReplyCache:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self.replies: dict[str, Reply] = {}
-        self._file: Any = None  # opened at the first put: a run refused before labelling writes nothing
         if self.path.exists():
             self._load()
 
@@ -71,23 +70,20 @@ class ReplyCache:
         return self.replies.get(key)
 
     def put(self, key: str, reply: Reply) -> None:
-        """Record a reply: in memory, and appended + flushed to the file at once."""
+        """Record a reply: in memory, and appended to the file at once (opened per line, so nothing is left open).
+
+        The file is created by the first put: a run refused before it labels anything writes nothing.
+        """
         self.replies[key] = reply
-        if self._file is None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = self.path.open("a", encoding="utf-8")
-        self._file.write(json.dumps({"key": key, **asdict(reply)}, ensure_ascii=False) + "\n")
-        self._file.flush()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with self.path.open("a", encoding="utf-8") as f:
+            f.write(json.dumps({"key": key, **asdict(reply)}, ensure_ascii=False) + "\n")
 
     def sync(self) -> None:
         """fsync the file (after a batch), so the replies also survive a machine crash."""
-        if self._file is not None:
-            os.fsync(self._file.fileno())
-
-    def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        if self.path.exists():
+            with self.path.open("rb") as f:
+                os.fsync(f.fileno())
 
     def __len__(self) -> int:
         return len(self.replies)

@@ -128,7 +128,6 @@ class LLMExplainer:
         return out
 
     def finish(self) -> None:
-        self.cache.close()
         hint = ""
         if self.tally.unextractable:
             hint = (f"; replies without <explanation>…</explanation> were dropped (raise explainer_max_tokens = "

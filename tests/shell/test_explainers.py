@@ -195,13 +195,11 @@ def test_the_cache_drops_a_line_torn_by_a_kill(tmp_path):
     cache = ReplyCache(path)
     cache.put("a", Reply("<explanation>x</explanation>", input_tokens=3, output_tokens=2))
     cache.put("b", Reply(None, refused=True))
-    cache.close()
     with path.open("a") as f:
         f.write('{"key": "c", "text": "half a li')
     cache = ReplyCache(path)
     assert set(cache.replies) == {"a", "b"} and cache.get("b").refused
     cache.put("d", Reply("y"))
-    cache.close()
     assert set(ReplyCache(path).replies) == {"a", "b", "d"}
     path.write_text("not json\n")
     with pytest.raises(ValueError, match="explainer_cache.*line 1"):

@@ -309,12 +309,13 @@ _EXTRACTION_FIELDS = ("base_model", "d_model", "layer_index", "norm", "corpus", 
 _TOKEN_FIELDS = ("injection_char", "injection_token_id", "injection_left_neighbor_id", "injection_right_neighbor_id",
                  "critic_suffix_ids")
 _DATASET_REQUIRED = ("dataset_id", "stage", "row_count", "extraction")
+_API_SUMMARY_FIELDS = ("model", "max_tokens", "temperature", "instruction_prompt")
 
 
 def deserialize_dataset_sidecar(text: str) -> dict[str, Any]:
     """kitft nla/datagen/sidecar.py deserialize_sidecar: kind and schema_version 1 asserted;
-    extraction and tokens built as dataclasses, so a missing or unknown field raises
-    TypeError; unknown top-level keys are dropped."""
+    extraction, tokens and api_summaries built as dataclasses, so a missing or unknown field
+    raises TypeError; unknown top-level keys are dropped."""
     d = yaml.safe_load(text)
     assert d["kind"] == "nla_dataset", d["kind"]
     assert d["schema_version"] == 1, d["schema_version"]
@@ -327,6 +328,10 @@ def deserialize_dataset_sidecar(text: str) -> dict[str, Any]:
         missing = [k for k in _TOKEN_FIELDS[:4] if k not in d["tokens"]]
         if missing or unknown:
             raise TypeError(f"NLATokenMeta: missing {missing}, unexpected {unknown}")
+    if d.get("api_summaries") is not None:  # NLAApiSummaryMeta(**d["api_summaries"])
+        keys = sorted(d["api_summaries"])
+        if keys != sorted(_API_SUMMARY_FIELDS):
+            raise TypeError(f"NLAApiSummaryMeta: fields {keys}, expected {sorted(_API_SUMMARY_FIELDS)}")
     missing = [k for k in _DATASET_REQUIRED if k not in d]
     if missing:
         raise TypeError(f"NLADatasetMeta: missing {missing}")

@@ -32,7 +32,12 @@ class GRPOLossOutput(NamedTuple):
     tis_weight: torch.Tensor
     """[N, T] float32 detached importance weight w (1 for ratio_cap and tis=None)."""
     clip_frac: torch.Tensor
-    """Scalar: fraction of unmasked tokens whose ratio lies outside the clip range."""
+    """Scalar: fraction of unmasked tokens where the clip is active, i.e. the clipped term is
+    the minimum and the token gets no surrogate gradient: r > 1 + clip_eps_high with A > 0,
+    or r < 1 - clip_eps with A < 0 (verl's pg_clipfrac, TRL's clip_ratio/region_mean)."""
+    outside_clip_frac: torch.Tensor
+    """Scalar: fraction of unmasked tokens whose ratio lies outside [1 - clip_eps, 1 + clip_eps_high],
+    whatever their advantage (what the reference logs as clip_frac); >= clip_frac."""
     kl_mean: torch.Tensor
     """Scalar: mean k3 over unmasked tokens."""
     tis_frac: torch.Tensor
@@ -108,6 +113,9 @@ def grpo_loss(
         token, or exp(sum_t over the mask) per sequence; truncate: w = min(rho, tis_cap);
         mask: w = rho * 1[rho <= tis_cap]. w is detached.
       None: w = 1 and no cap.
+    With "ratio_cap", tis_cap must be >= 1 + clip_eps_high: a lower cap would bind before the
+    PPO clip on positive-advantage tokens. behavior_logp is refused where it would be ignored
+    (tis "ratio_cap" or None: there old_logp *are* the engine's log-probs).
     The KL term is dropped when ref_logp is None or kl_beta == 0. Outside ratio_cap the
     log-ratio is clamped at max_log_ratio before exp (a ratio beyond e^20 carries no gradient)
     so that no token can overflow to inf and turn the backward into NaN.
@@ -145,10 +153,21 @@ def grpo_loss(
             raise ValueError(f"tis={tis!r} needs behavior_logp (the rollout engine's log-probs)")
         require_floating("behavior_logp", behavior_logp)
         require_same_shape("behavior_logp", behavior_logp, "logp", logp)
+    elif behavior_logp is not None:
+        raise ValueError(
+            f"behavior_logp would be ignored with tis={tis!r}: pass the engine's log-probs as old_logp, "
+            "or choose a decoupled tis mode (token_/sequence_ truncate or mask)"
+        )
     if not clip_eps > 0 or (clip_eps_high is not None and not clip_eps_high > 0):
         raise ValueError(f"clip_eps and clip_eps_high must be > 0, got {clip_eps!r}, {clip_eps_high!r}")
+    high = clip_eps if clip_eps_high is None else clip_eps_high
     if tis is not None and not tis_cap > 0:
         raise ValueError(f"tis_cap must be > 0, got {tis_cap!r}")
+    if tis == "ratio_cap" and tis_cap < 1.0 + high:
+        raise ValueError(
+            f"tis_cap = {tis_cap!r} is below 1 + clip_eps_high = {1.0 + high!r}: with tis='ratio_cap' it would "
+            "cap positive-advantage ratios inside the PPO clip range; use tis_cap >= 1 + clip_eps_high"
+        )
 
     def masked_f32(x: torch.Tensor) -> torch.Tensor:
         # Zero out padding *before* any exp, so NaN/inf there cannot leak into values or grads.
@@ -178,7 +197,6 @@ def grpo_loss(
             weight = torch.where(over, torch.zeros_like(log_rho), torch.exp(log_rho.clamp(max=math.log(tis_cap))))
 
     adv = advantages.float().detach()[:, None]
-    high = clip_eps if clip_eps_high is None else clip_eps_high
     surrogate = torch.minimum(ratio * adv, ratio.clamp(1.0 - clip_eps, 1.0 + high) * adv)
     per_token = -(weight * surrogate)
     kl = torch.zeros_like(lp)
@@ -192,13 +210,16 @@ def grpo_loss(
 
     ratio_d = ratio.detach()
     outside = (ratio_d < 1.0 - clip_eps) | (ratio_d > 1.0 + high)
+    # The clip binds where the clipped term is the minimum: above the range for A > 0, below it for A < 0.
+    active = ((ratio_d > 1.0 + high) & (adv > 0)) | ((ratio_d < 1.0 - clip_eps) & (adv < 0))
     return GRPOLossOutput(
         loss=loss,
         per_token=per_token.detach(),
         kl=torch.where(mask, kl, torch.zeros_like(kl)).detach(),
         ratio=torch.where(mask, ratio_d, torch.zeros_like(ratio_d)),
         tis_weight=torch.where(mask, weight, torch.zeros_like(weight)).detach(),
-        clip_frac=_masked_mean(outside.float(), mask),
+        clip_frac=_masked_mean(active.float(), mask),
+        outside_clip_frac=_masked_mean(outside.float(), mask),
         kl_mean=_masked_mean(kl.detach(), mask),
         tis_frac=_masked_mean(capped.float(), mask),
     )

@@ -168,8 +168,9 @@ def test_hand_worked_example():
     torch.testing.assert_close(out.ratio[mask], torch.tensor([1.5, 0.5, 1.5]))
     tok = grpo_loss(logp, old, adv, mask, tis=None, kl_beta=0.0, aggregation="token_mean")
     assert tok.loss.item() == pytest.approx((-1.2 - 0.5 + 1.5) / 3, abs=1e-6)
-    # every unmasked ratio (1.5, 0.5, 1.5) lies outside [0.8, 1.2]
-    assert scalar(out.clip_frac) == pytest.approx(1.0)
+    # every unmasked ratio (1.5, 0.5, 1.5) lies outside [0.8, 1.2]; the clip binds on row 0's 1.5 only
+    assert scalar(out.outside_clip_frac) == pytest.approx(1.0)
+    assert scalar(out.clip_frac) == pytest.approx(1 / 3)
     # ratio_cap at 1.4: row 1's r = 1.5 -> 1.4, min(-1.4, -1.2) = -1.4; row 0 unchanged
     cap = grpo_loss(logp, old, adv, mask, tis="ratio_cap", tis_cap=1.4, kl_beta=0.0)
     assert cap.loss.item() == pytest.approx((-0.85 + 1.4) / 2, abs=1e-6)
@@ -391,7 +392,7 @@ def test_clipped_token_gradient_is_zero_even_when_ratio_overflows(tis):
     st.lists(st.integers(0, 6), min_size=1, max_size=6),
     st.integers(0, 2**31 - 1),
     st.sampled_from([0.0, 0.04]),
-    st.sampled_from([2.0, 1.1]),
+    st.sampled_from([2.0, 1.3]),
 )
 @example([0, 3], 0, 0.04, 2.0)  # a sample without tokens
 @example([1], 1, 0.04, 2.0)  # T = 1
@@ -672,3 +673,61 @@ def test_other_bad_arguments_rejected():
     for tis in DECOUPLED:
         with pytest.raises(ValueError):
             grpo_loss(logp, old, adv, mask, tis=tis)  # decoupled TIS needs behavior_logp
+
+
+# ---------------------------------------------------------------- clip fraction, argument checks
+
+
+def test_clip_frac_counts_only_tokens_where_the_clip_binds():
+    # eps = 0.2. Tokens (r, A): (1.5, +1) binds high; (0.5, +1) is outside but the unclipped
+    # side is the minimum; (1.5, -1) likewise; (0.5, -1) binds low; (1.5, 0) has no advantage.
+    # One advantage per row: five rows of one token each.
+    r = torch.tensor([[1.5], [0.5], [1.5], [0.5], [1.5]])
+    adv = torch.tensor([1.0, 1.0, -1.0, -1.0, 0.0])
+    mask = torch.ones(5, 1, dtype=torch.bool)
+    out = grpo_loss(torch.log(r), torch.zeros(5, 1), adv, mask, tis=None, kl_beta=0.0)
+    assert scalar(out.clip_frac) == pytest.approx(2 / 5)
+    assert scalar(out.outside_clip_frac) == pytest.approx(1.0)
+
+
+@FAST
+@given(batches(), st.sampled_from(TIS_MODES), st.sampled_from([None, 0.28]))
+def test_clip_frac_is_verls_and_trls_active_clip_fraction(b, tis, eps_high):
+    # verl (verl/trainer/ppo/core_algos.py, compute_policy_loss):
+    #   pg_clipfrac = masked_mean(gt(-A * clip(r), -A * r));
+    # TRL (trl/trainer/grpo_trainer.py): is_low_clipped = (r < 1 - eps) & (A < 0),
+    #   is_high_clipped = (r > 1 + eps_high) & (A > 0), clip_ratio/region = low | high.
+    assume(boundaries_ok(b, tis=tis, clip_eps_high=eps_high))
+    beh = b["beh"] if tis in DECOUPLED else None
+    out = grpo_loss(b["logp"], b["old"], b["adv"], b["mask"], behavior_logp=beh, tis=tis, kl_beta=0.0,
+                    clip_eps_high=eps_high)
+    r = out.ratio.double()  # the ratio the surrogate used (after a ratio_cap)
+    a = b["adv"].double()[:, None].expand_as(r)
+    hi = 0.2 if eps_high is None else eps_high
+    m = b["mask"]
+    verl = torch.gt(-a * r.clamp(0.8, 1 + hi), -a * r)
+    trl = ((r < 0.8) & (a < 0)) | ((r > 1 + hi) & (a > 0))
+    count = max(int(m.sum()), 1)
+    assert scalar(out.clip_frac) == pytest.approx(float(verl[m].sum()) / count, abs=1e-6)
+    assert scalar(out.clip_frac) == pytest.approx(float(trl[m].sum()) / count, abs=1e-6)
+    outside = (r < 0.8) | (r > 1 + hi)
+    assert scalar(out.outside_clip_frac) == pytest.approx(float(outside[m].sum()) / count, abs=1e-6)
+    assert scalar(out.clip_frac) <= scalar(out.outside_clip_frac)
+
+
+def test_ratio_cap_below_the_upper_clip_is_refused():
+    logp, old, adv, mask = _ok()
+    with pytest.raises(ValueError, match=r"tis_cap.*1\.1.*1 \+ clip_eps_high.*1\.2"):
+        grpo_loss(logp, old, adv, mask, tis="ratio_cap", tis_cap=1.1)
+    with pytest.raises(ValueError, match="tis_cap"):
+        grpo_loss(logp, old, adv, mask, tis="ratio_cap", tis_cap=1.3, clip_eps_high=0.4)
+    # at or above the upper clip edge the cap is fine; the decoupled modes cap a different ratio
+    grpo_loss(logp, old, adv, mask, tis="ratio_cap", tis_cap=1.2)
+    grpo_loss(logp, old, adv, mask, tis="token_truncate", tis_cap=1.1, behavior_logp=old)
+
+
+@pytest.mark.parametrize("tis", ["ratio_cap", None])
+def test_behavior_logp_that_would_be_ignored_is_refused(tis):
+    logp, old, adv, mask = _ok()
+    with pytest.raises(ValueError, match="behavior_logp.*ignored"):
+        grpo_loss(logp, old, adv, mask, tis=tis, behavior_logp=old)

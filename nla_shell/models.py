@@ -144,11 +144,44 @@ class Injector:
 # --------------------------------------------------------------------------- actor
 
 
+def eos_token_ids(generation_config, tokenizer) -> tuple[int, ...]:
+    """Every token id that ends a rollout, as the reference's `generate` stops.
+
+    generation_config.eos_token_id may be an int or a list (Qwen3 lists <|im_end|> 151645 and
+    <|endoftext|> 151643); the tokenizer's eos_token_id is added when missing. Order: the
+    config's ids first, deduplicated.
+
+    Args: generation_config: a transformers GenerationConfig, or None; tokenizer: has eos_token_id.
+    """
+    listed = getattr(generation_config, "eos_token_id", None)
+    listed = [] if listed is None else [listed] if isinstance(listed, int) else list(listed)
+    if tokenizer.eos_token_id is not None:
+        listed.append(tokenizer.eos_token_id)
+    if not listed:
+        raise ValueError("neither the generation config nor the tokenizer names an eos token id; rollouts could never end")
+    return tuple(dict.fromkeys(int(t) for t in listed))
+
+
+def load_generation_config(model_dir: str | Path):
+    """The checkpoint's GenerationConfig: generation_config.json, else derived from config.json."""
+    from transformers import AutoConfig, GenerationConfig
+
+    model_dir = Path(model_dir)
+    if (model_dir / "generation_config.json").is_file():
+        return GenerationConfig.from_pretrained(model_dir)
+    return GenerationConfig.from_model_config(AutoConfig.from_pretrained(model_dir))
+
+
+def is_adapter_dir(path: str | Path) -> bool:
+    """True for a PEFT LoRA adapter dir (e.g. `nla sft --mode av` output), False for a full checkpoint."""
+    return (Path(path) / "adapter_config.json").exists()
+
+
 def base_model_dir(av_ckpt: str | Path) -> Path:
     """The full model under an AV checkpoint: itself, or the base of a LoRA adapter dir."""
     av_ckpt = Path(av_ckpt)
     config = av_ckpt / "adapter_config.json"
-    return Path(json.loads(config.read_text())["base_model_name_or_path"]) if config.exists() else av_ckpt
+    return Path(json.loads(config.read_text())["base_model_name_or_path"]) if is_adapter_dir(av_ckpt) else av_ckpt
 
 
 def lora_config(r: int, alpha: int, *, use_rslora: bool):
@@ -171,24 +204,29 @@ def load_actor(
     dtype: torch.dtype,
     device: torch.device,
     gradient_checkpointing: bool = False,
+    merge_sft_adapter: bool = False,
 ) -> nn.Module:
     """The trainable actor: a PEFT model whose "default" adapter is trained.
 
     av_ckpt is either a full HF checkpoint (a fresh rsLoRA is attached; the reference policy
-    is the adapter disabled) or a LoRA adapter dir from `nla sft --mode av` (that adapter is
+    is the adapter disabled) or a LoRA adapter dir from `nla sft --mode av`: that adapter is
     continued, and a frozen copy named "reference" is the KL reference, so the reference is
-    the SFT'd policy). resume_adapter, when given, replaces the trained adapter's weights.
+    the SFT'd policy; with merge_sft_adapter it is instead merged into the base weights and a
+    fresh LoRA trained on top (the reference policy: the merged SFT model, adapter disabled).
+    resume_adapter, when given, replaces the trained adapter's weights.
     """
     from peft import PeftModel, get_peft_model
     from transformers import AutoModelForCausalLM
 
     av_ckpt = Path(av_ckpt)
-    sft_adapter = (av_ckpt / "adapter_config.json").exists()
     base = AutoModelForCausalLM.from_pretrained(base_model_dir(av_ckpt), dtype=dtype).to(device)
+    if is_adapter_dir(av_ckpt) and merge_sft_adapter:
+        base = PeftModel.from_pretrained(base, av_ckpt).merge_and_unload()
+    continue_sft = is_adapter_dir(av_ckpt) and not merge_sft_adapter
     if gradient_checkpointing:
         # LoRA leaves the embeddings frozen; checkpointed blocks need an input that requires grad.
         base.enable_input_require_grads()
-    if sft_adapter:
+    if continue_sft:
         actor = PeftModel.from_pretrained(base, resume_adapter or av_ckpt, is_trainable=True)
         actor.load_adapter(str(av_ckpt), adapter_name=REFERENCE_ADAPTER, is_trainable=False)
         actor.set_adapter("default")

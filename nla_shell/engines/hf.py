@@ -11,7 +11,7 @@ from typing import Sequence
 import torch
 
 from nla_shell.engines.base import Rollout, RolloutRequest
-from nla_shell.models import Injector, inner_lm
+from nla_shell.models import Injector, eos_token_ids, inner_lm
 
 
 def left_pad(sequences: Sequence[Sequence[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -25,9 +25,9 @@ def left_pad(sequences: Sequence[Sequence[int]], pad_id: int, device: torch.devi
     return ids.to(device), mask.to(device)
 
 
-def trim_at_eos(generated: torch.Tensor, eos_id: int) -> int:
-    """Length of a generated row up to and including its first EOS (all of it when none)."""
-    hits = (generated == eos_id).nonzero()
+def trim_at_eos(generated: torch.Tensor, eos_ids: Sequence[int]) -> int:
+    """Length of a generated row up to and including its first EOS, any of eos_ids (all of it when none)."""
+    hits = torch.isin(generated, torch.as_tensor(list(eos_ids), device=generated.device)).nonzero()
     return int(hits[0, 0]) + 1 if hits.numel() else int(generated.shape[0])
 
 
@@ -35,7 +35,8 @@ class HFRolloutEngine:
     """Batched `generate` with the actor: left padding, injection in prefill, temperature 1.
 
     Sampling draws from torch's global RNG (HF `generate` takes no generator), so a seeded
-    run is reproducible and resume restores that RNG.
+    run is reproducible and resume restores that RNG. A row ends at any id of the actor's
+    generation_config eos list (plus the tokenizer's eos), as the reference's `generate` does.
     """
 
     shares_actor_weights = True
@@ -43,7 +44,8 @@ class HFRolloutEngine:
     def __init__(self, actor: torch.nn.Module, injector: Injector, tokenizer, *, max_batch: int = 256) -> None:
         self.actor, self.injector, self.tokenizer = actor, injector, tokenizer
         self.max_batch = max_batch
-        self.eos_id, self.pad_id = tokenizer.eos_token_id, tokenizer.pad_token_id
+        self.eos_ids = eos_token_ids(inner_lm(actor).generation_config, tokenizer)
+        self.pad_id = tokenizer.pad_token_id
         # Spelled out so the checkpoint's generation_config cannot slip in top-k/top-p/penalties:
         # the importance ratio assumes samples from the plain softmax.
         self.base_generation = dict(
@@ -54,7 +56,7 @@ class HFRolloutEngine:
             min_p=None,
             typical_p=1.0,
             repetition_penalty=1.0,
-            eos_token_id=self.eos_id,
+            eos_token_id=list(self.eos_ids),
             pad_token_id=self.pad_id,
             return_dict_in_generate=True,
             output_logits=True,
@@ -102,7 +104,7 @@ class HFRolloutEngine:
         logp = torch.log_softmax(step_logits, dim=-1).gather(-1, generated.unsqueeze(-1)).squeeze(-1)
         rollouts = []
         for row, (prompt_index, req) in enumerate(flat):
-            n = trim_at_eos(generated[row], self.eos_id)
+            n = trim_at_eos(generated[row], self.eos_ids)
             gen_ids = generated[row, :n].cpu()
             rollouts.append(
                 Rollout(

@@ -37,7 +37,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from nla_core.logprobs import SampledTokens
 from nla_shell.engines.base import Rollout, RolloutRequest
 from nla_shell.engines.hf import left_pad, trim_at_eos
-from nla_shell.models import Injector, inner_lm
+from nla_shell.models import Injector, eos_token_ids, inner_lm
 
 DECODE_ATTENTION = "nla_native_decode"
 """Attention implementation the engine switches the actor to for the rollout (restored after)."""
@@ -97,6 +97,11 @@ def sample_with_noise(logits: torch.Tensor, noise: torch.Tensor) -> SampledToken
     return SampledTokens(tokens, logp_all.gather(-1, tokens.unsqueeze(-1)).squeeze(-1))
 
 
+def _is_eos(tokens: torch.Tensor, eos: torch.Tensor) -> torch.Tensor:
+    """[N] bool: tokens [N] that are any of eos [E] (a broadcast compare: no host sync, graph-capturable)."""
+    return (tokens[:, None] == eos[None, :]).any(dim=-1)
+
+
 def _round_up(x: int, multiple: int) -> int:
     return -(-x // multiple) * multiple
 
@@ -113,6 +118,7 @@ class _DecodeState:
     positions: torch.Tensor  # [N, 1] int64: its position id
     first_key: torch.Tensor  # [N] int64: cache slot of each row's first real (unpadded) token
     finished: torch.Tensor  # [N] bool: EOS already sampled
+    eos: torch.Tensor  # [E] int64: the ids that end a row (on the device: graphs read no host data)
     column: torch.Tensor  # [1] int64: the out_* column the next step writes
     noise: torch.Tensor  # [N, V] float32: Exp(1) draws for the next step's sample
     out_tokens: torch.Tensor  # [N, T] int64
@@ -160,7 +166,9 @@ class NativeRolloutEngine:
         max_shapes: int = 2,
     ) -> None:
         self.actor, self.injector, self.tokenizer = actor, injector, tokenizer
-        self.eos_id, self.pad_id = tokenizer.eos_token_id, tokenizer.pad_token_id
+        self.pad_id = tokenizer.pad_token_id
+        self.eos_ids = eos_token_ids(inner_lm(actor).generation_config, tokenizer)
+        """A row ends at any of these (the generation_config's eos list plus the tokenizer's eos)."""
         self.max_batch, self.merge_lora, self.compile = max_batch, merge_lora, compile
         self.kv_bucket = None if compile else kv_bucket
         self.prompt_bucket, self.check_every, self.max_shapes = prompt_bucket, check_every, max_shapes
@@ -249,7 +257,7 @@ class NativeRolloutEngine:
         first = sample_with_noise(first_logits, state.noise)
         state.out_tokens[:, 0] = first.tokens
         state.out_logp[:, 0] = first.logp
-        state.finished.copy_(first.tokens == self.eos_id)
+        state.finished.copy_(_is_eos(first.tokens, state.eos))
         state.tokens[:, 0] = first.tokens
         t2 = self._clock()
         columns = self._decode(state, width, max_new_tokens, generator)
@@ -266,7 +274,7 @@ class NativeRolloutEngine:
         for row in range(n_rows):
             req_index = row // group_size
             req = requests[req_index]
-            n = trim_at_eos(tokens[row], self.eos_id)
+            n = trim_at_eos(tokens[row], self.eos_ids)
             gen_ids = tokens[row, :n]
             rollouts.append(
                 Rollout(
@@ -363,7 +371,7 @@ class NativeRolloutEngine:
         logp = sampled.logp.masked_fill(state.finished, 0.0)
         state.out_tokens.index_copy_(1, state.column, tokens[:, None])
         state.out_logp.index_copy_(1, state.column, logp[:, None])
-        state.finished.logical_or_(tokens == self.eos_id)
+        state.finished.logical_or_(_is_eos(tokens, state.eos))
         state.tokens.copy_(tokens[:, None])
         state.positions.add_(1)
         state.column.add_(1)
@@ -394,6 +402,7 @@ class NativeRolloutEngine:
             positions=torch.zeros((n_rows, 1), **long),
             first_key=torch.zeros(n_rows, **long),
             finished=torch.zeros(n_rows, dtype=torch.bool, device=device),
+            eos=torch.tensor(self.eos_ids, **long),
             column=torch.zeros(1, **long),
             noise=torch.ones((n_rows, lm.lm_head.out_features), dtype=torch.float32, device=device),
             out_tokens=torch.full((n_rows, max_new_tokens), self.pad_id, **long),

@@ -32,6 +32,7 @@ import nla_core
 from nla_shell.engines import vllm_steering
 from nla_shell.engines.base import Rollout, RolloutRequest
 from nla_shell.engines.weight_sync import iter_merged_weight_buckets
+from nla_shell.models import eos_token_ids, load_generation_config
 
 STEERING_BACKENDS = ("nla", "vllm_lens")
 
@@ -392,6 +393,7 @@ class VLLMRolloutEngine:
         seed_requests: bool = False,
         load_format: str = "auto",
         llm_kwargs: Mapping[str, Any] | None = None,
+        eos_ids: Sequence[int] | None = None,
     ) -> None:
         if steering not in STEERING_BACKENDS:
             raise ValueError(f"steering must be one of {STEERING_BACKENDS}, got {steering!r}")
@@ -403,7 +405,11 @@ class VLLMRolloutEngine:
         self.injection_layer = injection_layer
         self.steering = steering
         self.seed_requests = seed_requests
-        self.stop_token_ids = (int(tokenizer.eos_token_id),)
+        # Every eos of the checkpoint's generation_config stops a rollout (Qwen3: <|im_end|> and
+        # <|endoftext|>), as in the HF engines; llm_kwargs_for keeps vLLM from reading that file itself.
+        self.stop_token_ids = tuple(
+            int(t) for t in (eos_ids or eos_token_ids(load_generation_config(model_dir), tokenizer))
+        )
         self._in_process = tensor_parallel_size == 1
         self._prepare_process(steering)
         kwargs = llm_kwargs_for(

@@ -143,26 +143,32 @@ def test_the_injected_vector_steers_the_rollout(setup):
     assert abs(float(base.behavior_logp[0] - injected[first])) <= 1e-5
 
 
-def test_eos_ends_a_row_and_decoding_stops_once_all_rows_ended(setup):
+def _engine_stopping_at(actor, injector, tokenizer, *extra_eos: int) -> NativeRolloutEngine:
+    """A fresh engine on an actor whose generation_config lists extra_eos (the tokenizer's eos is always added)."""
+    inner_lm(actor).generation_config.eos_token_id = list(extra_eos)
+    return NativeRolloutEngine(actor, injector, tokenizer)
+
+
+def test_every_eos_of_the_generation_config_ends_a_row_and_decoding_stops_once_all_rows_ended(setup):
     actor, injector, tokenizer, requests = setup
-    engine = NativeRolloutEngine(actor, injector, tokenizer)
-    free = _generate(engine, requests, group_size=2, max_new_tokens=12)
+    free = _generate(_engine_stopping_at(actor, injector, tokenizer), requests, group_size=2, max_new_tokens=12)
     gen0 = free[0].full_ids[free[0].prompt_len :].tolist()
     k = next(i for i in range(2, len(gen0)) if gen0[i] not in gen0[:i])
-    engine.eos_id = gen0[k]  # a token row 0 samples first at step k: rerun with it as EOS
+    # A token row 0 samples first at step k joins the eos list (as Qwen3 lists <|endoftext|> beside <|im_end|>).
+    engine = _engine_stopping_at(actor, injector, tokenizer, gen0[k])
+    assert engine.eos_ids == (gen0[k], tokenizer.eos_token_id)
     ended = _generate(engine, requests, group_size=2, max_new_tokens=12)
     assert ended[0].full_ids[ended[0].prompt_len :].tolist() == gen0[: k + 1]
     assert torch.equal(ended[0].behavior_logp, free[0].behavior_logp[: k + 1])
     for before, after in zip(free, ended):
         gen = before.full_ids[before.prompt_len :].tolist()
-        cut = gen.index(engine.eos_id) + 1 if engine.eos_id in gen else len(gen)
+        cut = next((i + 1 for i, t in enumerate(gen) if t in engine.eos_ids), len(gen))
         assert after.full_ids[after.prompt_len :].tolist() == gen[:cut]
     # Once every row has ended, decoding stops: one sample, ended at its step j.
-    engine.eos_id = tokenizer.eos_token_id
-    (single,) = _generate(engine, requests[:1], group_size=1, max_new_tokens=12)
+    (single,) = _generate(_engine_stopping_at(actor, injector, tokenizer), requests[:1], group_size=1, max_new_tokens=12)
     gen = single.full_ids[single.prompt_len :].tolist()
     j = next(i for i in range(2, len(gen)) if gen[i] not in gen[:i])
-    engine.eos_id = gen[j]
+    engine = _engine_stopping_at(actor, injector, tokenizer, gen[j])
     (alone,) = _generate(engine, requests[:1], group_size=1, max_new_tokens=12)
     assert alone.full_ids[alone.prompt_len :].tolist() == gen[: j + 1] and engine.last_stats["decode_steps"] == j
 

@@ -62,6 +62,22 @@ def reward_from_mse(mse: torch.Tensor | float, *, kind: str = "neg_log") -> torc
     return -torch.log(mse.clamp_min(1e-8)) if kind == "neg_log" else -mse
 
 
+def hinged_length_penalty(lengths: torch.Tensor, *, threshold: int, coef: float) -> torch.Tensor:
+    """p_i = coef * max(0, L_i - threshold): free up to `threshold` tokens, linear past it.
+
+    EasyNLA's anti-runaway reward shaping (subtracted from the reward before the group
+    advantages), which pushes length back before rollouts reach the max_new_tokens cap.
+
+    Args: lengths: [N] integer response lengths. Returns: [N] float32.
+    """
+    require_ndim("lengths", lengths, 1, "[N]")
+    if lengths.is_floating_point() or lengths.dtype == torch.bool:
+        raise ValueError(f"lengths must be an integer tensor, got {lengths.dtype}")
+    if threshold < 0 or not coef >= 0:
+        raise ValueError(f"need threshold >= 0 and coef >= 0, got threshold={threshold!r}, coef={coef!r}")
+    return coef * (lengths - threshold).clamp_min(0).to(torch.float32)
+
+
 class Baselines(NamedTuple):
     meannorm: torch.Tensor
     """0-d: mean_i mean_d (u_i - normalize(mu))^2 — the older, looser baseline."""

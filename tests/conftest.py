@@ -57,3 +57,11 @@ def toy_sft(nla_cache_dir: Path, tiny_av_dir: Path, toy_datasets: Path) -> tuple
     import fixtures
 
     return fixtures.build_sft_checkpoints(nla_cache_dir / "toy_sft", tiny_av_dir, toy_datasets)
+
+
+@pytest.fixture(scope="session")
+def nla_run_inputs(nla_cache_dir: Path, tiny_tokenizer):
+    """(av_dir, ar_dir, parquet) for trainer runs: an AV that already writes <explanation> tags. Read-only."""
+    import fixtures
+
+    return fixtures.build_trainer_inputs(nla_cache_dir / "trainer_inputs", tiny_tokenizer)

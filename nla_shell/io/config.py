@@ -84,11 +84,18 @@ class TrainConfig:
     max_grad_norm: float = 1.0
     """Gradient-norm clip for the actor; a non-finite norm skips the optimizer step."""
     lora_r: int = 128
-    """LoRA rank on q, k, v, o projections."""
+    """LoRA rank on q, k, v, o projections (of a fresh LoRA: unused when an SFT adapter is continued)."""
     lora_alpha: int = 16
-    """LoRA alpha."""
+    """LoRA alpha (of a fresh LoRA)."""
     use_rslora: bool = True
-    """rsLoRA scaling alpha/sqrt(r) instead of alpha/r (at r=128 plain LoRA scales by 0.125)."""
+    """rsLoRA scaling alpha/sqrt(r) instead of alpha/r (at r=128 plain LoRA scales by 0.125; of a fresh LoRA)."""
+    sft_adapter: Literal["continue", "merge"] = "continue"
+    """When av_ckpt is an `nla sft` adapter dir: "continue" trains that adapter on (its own r and
+    alpha; lora_r/lora_alpha/use_rslora are then unused and not part of the run identity; the KL
+    reference is the SFT policy); "merge" merges it into the base and trains a fresh
+    lora_r/lora_alpha/use_rslora LoRA on top (the reference's path, which starts RL from a merged
+    SFT checkpoint; KL reference: the merged SFT model). nla's default deviates from the reference
+    on purpose: EasyNLA measured ~12 pp FVE lost by a fresh zero-init LoRA. Ignored for a full checkpoint."""
     gradient_checkpointing: bool = False
     """Recompute actor activations in backward (less memory, about 30% more compute)."""
     logp_micro_batch: int = 2
@@ -113,6 +120,9 @@ class TrainConfig:
     """Upper clip (DAPO clip-higher); None uses clip_eps. Not in the reference."""
     kl_beta: float = 0.04
     """Weight of the k3 KL penalty against the adapter-off reference policy."""
+    kl_metric: bool = True
+    """At kl_beta = 0, still run the reference forward (no grad) so kl_mean is measured; false skips
+    it (one forward per micro-batch saved) and logs kl_mean as NaN. Not in the reference (which logs 0)."""
     kl_clamp: float | None = None
     """Clamp on the per-token log-ratio inside the KL estimator; None leaves it unclamped. Not in the reference."""
     tis: Literal[
@@ -120,7 +130,7 @@ class TrainConfig:
     ] = "ratio_cap"
     """Truncated-importance-sampling mode of nla_core.grpo_loss ("ratio_cap" is the reference's)."""
     tis_cap: float = 2.0
-    """TIS cap C on the trainer/behaviour importance ratio."""
+    """TIS cap C on the trainer/behaviour importance ratio; with tis=ratio_cap at least 1 + clip_eps_high."""
     aggregation: Literal["sequence_mean", "token_mean"] = "sequence_mean"
     """Loss aggregation: mean over each sequence then over sequences (reference), or over all tokens."""
     advantage_scale: Literal["std", "none"] = "std"
@@ -131,6 +141,15 @@ class TrainConfig:
     """Explanations longer than this (critic tokens) get the failed-extraction reward."""
     mismatch_threshold: float | None = None
     """Mask rollouts whose mean |behaviour - trainer log-prob| exceeds this; None masks none."""
+    length_penalty: float = 0.0
+    """Hinged length penalty per response token past max_new_tokens - length_margin, subtracted from
+    the reward before the advantages; 0 disables. EasyNLA's anti-runaway measure (it uses 0.01,
+    with truncated_as_failed). Not in the reference."""
+    length_margin: int = 64
+    """Free tokens end at max(1, max_new_tokens - length_margin) (EasyNLA: 64)."""
+    truncated_as_failed: bool = False
+    """Score rollouts cut by max_new_tokens (no eos) as failed extractions (-2) and keep them in the
+    loss: their negative advantage is the gradient against runaway length (EasyNLA: on). Not in the reference."""
 
     # Held-out evaluation.
     eval_every: int = 10
@@ -153,8 +172,12 @@ class TrainConfig:
     """vLLM max_model_len (prompt + generation tokens)."""
     vllm_tp: int = 1
     """vLLM tensor_parallel_size."""
-    vllm_sync_every: int = 20
-    """Push the actor's merged weights to an engine with its own copy every N steps."""
+    vllm_sync_every: int = 1
+    """Push the actor's merged weights to an engine with its own copy every N steps; 0 never pushes
+    after the initial one. A deliberate deviation from the reference's 20: measured on an H200
+    (toy NLA, 60 RL steps, 16x8, three seeds; issue #13) vLLM reached held-out FVE 0.812 with 1 vs
+    0.779 with 20 (HF engine 0.804; SFT alone 0.762), stale weights drove logp_diff_max to 3-9, and a
+    push costs 0.06 s at the 8B shape. EasyNLA also pushes every step."""
 
     # Bookkeeping.
     save_every: int = 50
@@ -210,13 +233,13 @@ def _check_train_config(cfg: TrainConfig) -> None:
     for key in (
         "num_steps", "batch_prompts", "max_new_tokens", "lora_r", "lora_alpha",
         "logp_micro_batch", "critic_micro_batch", "max_explanation_tokens",
-        "vllm_max_len", "vllm_tp", "vllm_sync_every", "save_every",
+        "vllm_max_len", "vllm_tp", "save_every",
     ):
         _require(getattr(cfg, key) >= 1, key, getattr(cfg, key), "use an integer >= 1")
     for key in ("max_rows", "eval_max_new_tokens"):
         value = getattr(cfg, key)
         _require(value is None or value >= 1, key, value, "use an integer >= 1 or null")
-    for key in ("start_step", "eval_every", "eval_n_prompts", "eval_skip_rows"):
+    for key in ("start_step", "eval_every", "eval_n_prompts", "eval_skip_rows", "vllm_sync_every", "length_margin"):
         _require(getattr(cfg, key) >= 0, key, getattr(cfg, key), "use an integer >= 0")
     _require(
         cfg.group_size >= 2, "group_size", cfg.group_size,
@@ -230,6 +253,13 @@ def _check_train_config(cfg: TrainConfig) -> None:
         _require(value is None or value > 0, key, value, "use a number > 0 or null")
     _require(0 < cfg.clip_eps < 1, "clip_eps", cfg.clip_eps, "use 0 < clip_eps < 1")
     _require(cfg.kl_beta >= 0, "kl_beta", cfg.kl_beta, "use a number >= 0 (0 disables the KL term)")
+    _require(cfg.length_penalty >= 0, "length_penalty", cfg.length_penalty, "use a number >= 0 (0 disables it)")
+    upper_clip = 1.0 + (cfg.clip_eps if cfg.clip_eps_high is None else cfg.clip_eps_high)
+    _require(
+        cfg.tis != "ratio_cap" or cfg.tis_cap >= upper_clip, "tis_cap", cfg.tis_cap,
+        f"with tis=ratio_cap use tis_cap >= 1 + clip_eps_high = {upper_clip:g}: a lower cap binds before the "
+        "PPO clip on positive-advantage tokens",
+    )
     _require(0 < cfg.vllm_gpu_mem <= 1, "vllm_gpu_mem", cfg.vllm_gpu_mem, "use 0 < vllm_gpu_mem <= 1")
     _require(
         _DEVICE_RE.fullmatch(cfg.device) is not None, "device", cfg.device,

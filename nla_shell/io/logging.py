@@ -30,12 +30,16 @@ METRIC_KEYS: tuple[str, ...] = (
     "cjk_fraction",
     "response_len_mean",
     "kl_mean",
-    "clip_frac",
+    "clip_frac",  # tokens where the PPO clip is active (verl's pg_clipfrac, TRL's clip_ratio/region_mean)
+    "outside_clip_frac",  # tokens whose ratio lies outside the clip range, any advantage (the reference's clip_frac)
     "tis_frac",
     "logp_diff_mean", "logp_diff_max",  # |behaviour - trainer log-prob| over generated tokens
     "grad_norm",
     "skipped_steps",  # running count of optimizer steps skipped for a non-finite grad norm
     "critic_loss",
+    "critic_grad_norm",
+    "truncated_frac",  # rollouts cut by the max_new_tokens cap
+    "length_penalty_mean",  # hinged length penalty subtracted from the reward (0 when off)
     "time_rollout", "time_score", "time_update", "time_critic", "time_sync", "time_step",
     "tokens_per_s",
     "peak_mem_gb",

@@ -10,6 +10,7 @@ import torch
 
 import nla_core
 from nla_shell.training import distributed
+from nla_shell.engines.base import Rollout
 from nla_shell.models import ARModel, ar_predict, pad_right, trainable_parameters
 
 
@@ -66,6 +67,59 @@ def score_explanations(
     )
     ar_inputs = [ids if bool(valid[i]) else None for i, ids in enumerate(inputs)]
     return Scores(mse=mse, reward=reward.float(), valid=valid, ar_inputs=ar_inputs)
+
+
+@dataclass(frozen=True)
+class ShapedRewards:
+    """Scores after the optional anti-runaway shaping, and the reward the advantages see."""
+
+    scores: Scores
+    """The input scores; with truncated_as_failed, truncated rollouts marked failed (their AR inputs kept)."""
+    reward: torch.Tensor
+    """[N] float32: scores.reward - length_penalty."""
+    truncated: torch.Tensor
+    """[N] bool: the rollout ran to max_new_tokens without ending on an eos id."""
+    length_penalty: torch.Tensor
+    """[N] float32 hinged length penalty (0 when length_penalty is 0)."""
+
+
+def truncated_rollouts(rollouts: Sequence[Rollout], *, max_new_tokens: int, eos_ids: Sequence[int]) -> torch.Tensor:
+    """[N] bool: rollouts cut by the max_new_tokens cap (vLLM's finish_reason "length")."""
+    return torch.tensor([
+        r.full_ids.numel() - r.prompt_len >= max_new_tokens and int(r.full_ids[-1]) not in eos_ids for r in rollouts
+    ], dtype=torch.bool)
+
+
+def shape_rewards(
+    scores: Scores,
+    rollouts: Sequence[Rollout],
+    *,
+    max_new_tokens: int,
+    eos_ids: Sequence[int],
+    length_penalty: float,
+    length_margin: int,
+    truncated_as_failed: bool,
+) -> ShapedRewards:
+    """EasyNLA's anti-runaway measure (asherps/EasyNLA nla/train_rl_vllm.py, --length-penalty).
+
+    reward_i = r_i - length_penalty * max(0, L_i - max(1, max_new_tokens - length_margin)), and
+    with truncated_as_failed a cap-truncated rollout gets FAILED_EXTRACTION_REWARD (and counts
+    as failed in FVE and the extraction rate) but stays in the loss: its negative advantage is
+    the gradient against never-ending answers. The critic still trains on its text.
+    """
+    truncated = truncated_rollouts(rollouts, max_new_tokens=max_new_tokens, eos_ids=eos_ids)
+    if truncated_as_failed:
+        scores = Scores(
+            mse=torch.where(truncated, torch.tensor(math.nan), scores.mse),
+            reward=torch.where(truncated, torch.tensor(nla_core.FAILED_EXTRACTION_REWARD), scores.reward),
+            valid=scores.valid & ~truncated,
+            ar_inputs=scores.ar_inputs,
+        )
+    lengths = torch.tensor([r.full_ids.numel() - r.prompt_len for r in rollouts], dtype=torch.long)
+    penalty = nla_core.hinged_length_penalty(
+        lengths, threshold=max(1, max_new_tokens - length_margin), coef=length_penalty
+    )
+    return ShapedRewards(scores=scores, reward=scores.reward - penalty, truncated=truncated, length_penalty=penalty)
 
 
 def critic_step(

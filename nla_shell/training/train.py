@@ -27,15 +27,17 @@ import torch
 import nla_core
 from nla_shell.training import checkpoint as ckpt
 from nla_shell.training import distributed
-from nla_shell.io.config import ConfigError, TrainConfig, config_to_dict
+from nla_shell.io.config import RESUME_MUTABLE_KEYS, ConfigError, TrainConfig, config_to_dict
 from nla_shell.io.data import build_prompt_ids, check_tokenizer, load_eval_rows, load_rows
 from nla_shell.io.sidecars import MODEL_SIDECAR, injection_settings, load_sidecar, model_sidecar, write_sidecar
 from nla_shell.engines.base import RolloutEngine, RolloutRequest
 from nla_shell.training.distributed import RankInfo
 from nla_shell.io.logging import NullLogger, make_logger
 from nla_shell.metrics import cjk_fraction, finite_mean
-from nla_shell.models import ARModel, Injector, base_model_dir, load_actor, trainable_parameters
-from nla_shell.training.scoring import critic_step, score_explanations
+from nla_shell.models import (
+    ARModel, Injector, base_model_dir, eos_token_ids, inner_lm, is_adapter_dir, load_actor, trainable_parameters,
+)
+from nla_shell.training.scoring import critic_step, score_explanations, shape_rewards
 from nla_shell.training.update import LossOptions, policy_update
 
 
@@ -105,6 +107,7 @@ def make_engine(cfg: TrainConfig, actor, injector: Injector, tokenizer, *, layer
         gpu_memory_utilization=cfg.vllm_gpu_mem,
         max_model_len=cfg.vllm_max_len,
         tensor_parallel_size=cfg.vllm_tp,
+        eos_ids=eos_token_ids(inner_lm(actor).generation_config, tokenizer),
         # Under torchrun each rank's engine samples from a stream of its own.
         seed=distributed.rank_seed(cfg.seed, distributed.rank_info().rank) if distributed.active() else cfg.seed,
     )
@@ -208,9 +211,12 @@ def run_ranked(cfg: TrainConfig, rank: RankInfo, device: torch.device, dtype: to
 
     save_dir = Path(cfg.save_dir)
     config_dict = config_to_dict(cfg)
+    continues_sft = is_adapter_dir(cfg.av_ckpt) and cfg.sft_adapter == "continue"
+    # A continued SFT adapter keeps its own rank and alpha: the lora_* keys decide nothing then.
+    mutable_keys = RESUME_MUTABLE_KEYS | ({"lora_r", "lora_alpha", "use_rslora"} if continues_sft else set())
 
     def claim() -> Path | None:
-        ckpt.claim_save_dir(save_dir, config_dict, overwrite=cfg.overwrite, resume=cfg.resume)
+        ckpt.claim_save_dir(save_dir, config_dict, overwrite=cfg.overwrite, resume=cfg.resume, mutable_keys=mutable_keys)
         return ckpt.latest_checkpoint(save_dir) if cfg.resume == "auto" else None
 
     # Rank 0 claims the directory and picks the checkpoint; every rank resumes from that one.
@@ -227,7 +233,9 @@ def run_ranked(cfg: TrainConfig, rank: RankInfo, device: torch.device, dtype: to
         dtype=dtype,
         device=device,
         gradient_checkpointing=cfg.gradient_checkpointing,
+        merge_sft_adapter=cfg.sft_adapter == "merge",
     )
+    say_actor_start(cfg, actor, continues_sft=continues_sft)
     if nla.injection_token_id >= actor.get_base_model().config.vocab_size:
         raise ValueError(f"sidecar's injection_token_id {nla.injection_token_id} is outside the AV's vocabulary")
     injector = Injector(
@@ -285,6 +293,10 @@ def run_ranked(cfg: TrainConfig, rank: RankInfo, device: torch.device, dtype: to
     )
     if not engine.shares_actor_weights:
         say(f"[sync] initial weight push: {engine.sync_weights(actor):.2f}s")
+        if eval_on and cfg.vllm_sync_every != 1:
+            say(f"[eval] vllm_sync_every={cfg.vllm_sync_every}: at eval steps whose update was not pushed to "
+                f"{cfg.engine}, the held-out eval samples from the trainer's actor (HF generate) instead")
+    eval_engine = EvalEngine(engine, actor, injector, tokenizer)
 
     def sidecar_for(role: str) -> dict[str, Any]:
         return model_sidecar(nla, role=role, stage="rl", base_checkpoint=str(base_model_dir(cfg.av_ckpt)),
@@ -321,7 +333,9 @@ def run_ranked(cfg: TrainConfig, rank: RankInfo, device: torch.device, dtype: to
     loss_options = LossOptions(
         clip_eps=cfg.clip_eps, clip_eps_high=cfg.clip_eps_high, kl_beta=cfg.kl_beta, kl_clamp=cfg.kl_clamp,
         tis=None if cfg.tis == "none" else cfg.tis, tis_cap=cfg.tis_cap, aggregation=cfg.aggregation,
+        kl_metric=cfg.kl_metric,
     )
+    eos_ids = eos_token_ids(inner_lm(actor).generation_config, tokenizer)
     score_kwargs = dict(
         template=nla.critic_prompt_template, mse_scale=mse_scale, reward_kind=cfg.reward,
         max_tokens=cfg.max_explanation_tokens, micro_batch=cfg.critic_micro_batch,
@@ -350,8 +364,13 @@ def run_ranked(cfg: TrainConfig, rank: RankInfo, device: torch.device, dtype: to
         t0 = time.perf_counter()
         explanations = [nla_core.extract_explanation(r.text) for r in rollouts]
         scores = score_explanations(critic, tokenizer, explanations, golds, **score_kwargs)
+        shaped = shape_rewards(
+            scores, rollouts, max_new_tokens=cfg.max_new_tokens, eos_ids=eos_ids, length_penalty=cfg.length_penalty,
+            length_margin=cfg.length_margin, truncated_as_failed=cfg.truncated_as_failed,
+        )
+        scores = shaped.scores
         group_ids = torch.tensor([r.prompt_index for r in rollouts])
-        advantages = nla_core.group_advantages(scores.reward, group_ids, scale=cfg.advantage_scale)
+        advantages = nla_core.group_advantages(shaped.reward, group_ids, scale=cfg.advantage_scale)
         time_score = time.perf_counter() - t0
 
         # --- policy update (global denominator, gradients summed over ranks) ----------------
@@ -370,11 +389,11 @@ def run_ranked(cfg: TrainConfig, rank: RankInfo, device: torch.device, dtype: to
 
         # --- critic co-training: one regression step on this step's explanations -----------
         t0 = time.perf_counter()
-        critic_loss = math.nan
+        critic_loss = critic_grad_norm = math.nan
         if critic_optimizer is not None:
             # Every rank steps, even one with nothing kept: the step's collectives must all meet.
             kept = [i for i, ids in enumerate(scores.ar_inputs) if ids is not None]
-            critic_loss, _ = critic_step(
+            critic_loss, critic_grad_norm = critic_step(
                 critic, critic_optimizer, [scores.ar_inputs[i] for i in kept], golds[kept],
                 pad_id=tokenizer.pad_token_id, micro_batch=cfg.critic_micro_batch, max_grad_norm=cfg.max_grad_norm,
             )
@@ -384,6 +403,9 @@ def run_ranked(cfg: TrainConfig, rank: RankInfo, device: torch.device, dtype: to
         time_sync = 0.0
         if not engine.shares_actor_weights and cfg.vllm_sync_every > 0 and (step + 1) % cfg.vllm_sync_every == 0:
             time_sync = engine.sync_weights(actor)
+            eval_engine.synced()
+        else:
+            eval_engine.stepped()
 
         # --- metrics of the global batch: every rank's samples, in rank (= batch) order --------
         marker = nla.injection_token_id
@@ -395,6 +417,8 @@ def run_ranked(cfg: TrainConfig, rank: RankInfo, device: torch.device, dtype: to
             "cjk": torch.tensor([cjk_fraction(r.text) for r in rollouts], dtype=torch.float64),
             "length": torch.tensor([r.full_ids.numel() - r.prompt_len for r in rollouts]),
             "echo": torch.tensor([bool((r.full_ids[r.prompt_len :] == marker).any()) for r in rollouts]),
+            "truncated": shaped.truncated,
+            "length_penalty": shaped.length_penalty,
         })
         valid_mse = samples["mse"][samples["valid"]].tolist()
         reward_stats = _stats(samples["reward"][samples["valid"]].tolist())
@@ -420,12 +444,16 @@ def run_ranked(cfg: TrainConfig, rank: RankInfo, device: torch.device, dtype: to
             "response_len_mean": n_generated / len(samples["length"]),
             "kl_mean": update.kl_mean,
             "clip_frac": update.clip_frac,
+            "outside_clip_frac": update.outside_clip_frac,
             "tis_frac": update.tis_frac,
             "logp_diff_mean": update.logp_diff_mean,
             "logp_diff_max": update.logp_diff_max,
             "grad_norm": update.grad_norm,
             "skipped_steps": skipped_steps,
             "critic_loss": critic_loss,
+            "critic_grad_norm": critic_grad_norm,
+            "truncated_frac": float(samples["truncated"].float().mean()),
+            "length_penalty_mean": float(samples["length_penalty"].mean()),
             "time_rollout": time_rollout,
             "time_score": time_score,
             "time_update": time_update,
@@ -444,7 +472,7 @@ def run_ranked(cfg: TrainConfig, rank: RankInfo, device: torch.device, dtype: to
         if eval_on and step % cfg.eval_every == 0:
             if rank.is_main:
                 record.update(evaluate_rows(
-                    engine, critic, tokenizer, eval_rows, eval_prompt_ids, logger=logger, step=step,
+                    eval_engine.current(), critic, tokenizer, eval_rows, eval_prompt_ids, logger=logger, step=step,
                     max_new_tokens=cfg.eval_max_new_tokens or cfg.max_new_tokens,
                     rawvar=rawvar, meannorm=meannorm, score_kwargs=score_kwargs,
                 ))
@@ -461,6 +489,52 @@ def run_ranked(cfg: TrainConfig, rank: RankInfo, device: torch.device, dtype: to
     if rank.is_main:
         write_summary(save_dir, last_record, rawvar=rawvar, meannorm=meannorm)
     return save_dir
+
+
+def say_actor_start(cfg: TrainConfig, actor, *, continues_sft: bool) -> None:
+    """Say which LoRA RL trains, and what the lora_* keys mean for it."""
+    if not is_adapter_dir(cfg.av_ckpt):
+        return
+    adapter = actor.peft_config["default"]
+    if continues_sft:
+        say(f"[actor] continuing the SFT adapter {cfg.av_ckpt} (r={adapter.r}, alpha={adapter.lora_alpha}, "
+            f"rsLoRA={adapter.use_rslora}); lora_r/lora_alpha/use_rslora are unused and left out of the run identity. "
+            "sft_adapter=merge trains a fresh LoRA on the merged SFT model instead (the reference's path)")
+    else:
+        say(f"[actor] merged the SFT adapter {cfg.av_ckpt} into the base; training a fresh LoRA r={adapter.r}, "
+            f"alpha={adapter.lora_alpha}, rsLoRA={adapter.use_rslora}; the KL reference is the merged SFT model")
+
+
+class EvalEngine:
+    """Which engine the held-out eval samples from, so that it always scores the actor as it is now.
+
+    An engine that shares the actor's weights is always current; one with its own copy is
+    current only right after a push. Otherwise the eval samples from the trainer's actor with
+    HF generate rather than pushing outside the sync schedule: a push there would make the
+    next rollouts fresher than vllm_sync_every says, so eval_every would change training.
+    """
+
+    def __init__(self, engine: RolloutEngine, actor, injector: Injector, tokenizer) -> None:
+        self.engine, self.actor, self.injector, self.tokenizer = engine, actor, injector, tokenizer
+        self.engine_is_current = True  # the initial push (or shared weights)
+        self._hf: RolloutEngine | None = None
+
+    def synced(self) -> None:
+        """The engine just received the actor's weights."""
+        self.engine_is_current = True
+
+    def stepped(self) -> None:
+        """The actor moved without a push (a no-op for engines that share its weights)."""
+        self.engine_is_current = self.engine.shares_actor_weights
+
+    def current(self) -> RolloutEngine:
+        if self.engine_is_current:
+            return self.engine
+        if self._hf is None:
+            from nla_shell.engines.hf import HFRolloutEngine
+
+            self._hf = HFRolloutEngine(self.actor, self.injector, self.tokenizer)
+        return self._hf
 
 
 def restore_rank_rng(state: ckpt.TrainingState, rank: RankInfo, *, seed: int, step: int) -> None:

@@ -16,7 +16,7 @@ from nla_shell.models import Injector, pad_right, reference_policy, response_log
 
 @dataclass(frozen=True)
 class LossOptions:
-    """The `nla_core.grpo_loss` keywords, unpacked from the run config."""
+    """The `nla_core.grpo_loss` keywords, unpacked from the run config, and whether KL is measured."""
 
     clip_eps: float = 0.2
     clip_eps_high: float | None = None
@@ -25,6 +25,8 @@ class LossOptions:
     tis: str | None = "ratio_cap"
     tis_cap: float = 2.0
     aggregation: str = "sequence_mean"
+    kl_metric: bool = True
+    """Run the reference forward at kl_beta = 0 too, so kl_mean is measured (NaN when it is not run)."""
 
 
 @dataclass(frozen=True)
@@ -70,6 +72,9 @@ class UpdateStats:
     stepped: bool
     kl_mean: float
     clip_frac: float
+    """Share of response tokens where the PPO clip is active (verl / TRL meaning)."""
+    outside_clip_frac: float
+    """Share of response tokens whose ratio lies outside the clip range, any advantage."""
     tis_frac: float
     logp_diff_mean: float
     logp_diff_max: float
@@ -119,7 +124,9 @@ def policy_update(
     ))
     denominator = n if loss.aggregation == "sequence_mean" else max(1, n_tokens)
     optimizer.zero_grad(set_to_none=True)
-    sums = dict(loss=0.0, kl=0.0, clip=0.0, tis=0.0, diff=0.0, tokens=0.0, masked=0.0)
+    sums = dict(loss=0.0, kl=0.0, clip=0.0, outside=0.0, tis=0.0, diff=0.0, tokens=0.0, masked=0.0)
+    # The KL is worth watching at kl_beta = 0 as well: the reference forward is then for the metric only.
+    run_reference = loss.kl_beta != 0 or loss.kl_metric
     diff_max = 0.0
     for start in range(0, n_local, micro_batch):
         chunk = rollouts[start : start + micro_batch]
@@ -128,7 +135,7 @@ def policy_update(
         with injector.inject(batch.input_ids, vectors):
             logp = response_logprobs(actor, batch.input_ids, batch.attention_mask, batch.positions, batch.targets)
             ref_logp = None
-            if loss.kl_beta != 0:
+            if run_reference:
                 with torch.no_grad(), reference_policy(actor):
                     ref_logp = response_logprobs(actor, batch.input_ids, batch.attention_mask, batch.positions, batch.targets)
         mask = batch.mask
@@ -160,6 +167,7 @@ def policy_update(
         sums["loss"] += float(out.loss.detach())
         sums["kl"] += float(out.kl_mean) * tokens
         sums["clip"] += float(out.clip_frac) * tokens
+        sums["outside"] += float(out.outside_clip_frac) * tokens
         sums["tis"] += float(out.tis_frac) * tokens
         sums["diff"] += float(diff.sum())
         sums["tokens"] += tokens
@@ -180,8 +188,9 @@ def policy_update(
         loss=sums["loss"],
         grad_norm=grad_norm,
         stepped=stepped,
-        kl_mean=sums["kl"] / tokens,
+        kl_mean=sums["kl"] / tokens if run_reference else math.nan,
         clip_frac=sums["clip"] / tokens,
+        outside_clip_frac=sums["outside"] / tokens,
         tis_frac=sums["tis"] / tokens,
         logp_diff_mean=sums["diff"] / max(n_tokens, 1),
         logp_diff_max=diff_max,

@@ -14,6 +14,7 @@ from nla_core import (
     Baselines,
     extract_explanation,
     fve,
+    hinged_length_penalty,
     normalize_activation,
     predict_mean_baselines,
     reconstruction_mse,
@@ -279,3 +280,24 @@ def test_baselines_bad_shape():
     with pytest.raises(ValueError) as ei:
         predict_mean_baselines(torch.zeros(7), scale=1.0)
     assert "7" in str(ei.value)
+
+
+# ---------------------------------------------------------------- hinged length penalty
+
+
+@FAST
+@given(st.lists(st.integers(0, 300), min_size=1, max_size=16), st.integers(0, 256), st.floats(0.0, 1.0))
+def test_hinged_length_penalty_is_free_below_the_hinge_and_linear_past_it(lengths, threshold, coef):
+    out = hinged_length_penalty(torch.tensor(lengths), threshold=threshold, coef=coef)
+    assert out.dtype == torch.float32 and out.shape == (len(lengths),)
+    expected = [coef * max(0, n - threshold) for n in lengths]  # EasyNLA: coef * clamp_min(L - threshold, 0)
+    assert out.double().tolist() == pytest.approx(expected, rel=1e-6, abs=1e-6)
+
+
+def test_hinged_length_penalty_bad_input():
+    with pytest.raises(ValueError, match="integer"):
+        hinged_length_penalty(torch.tensor([1.0, 2.0]), threshold=1, coef=0.1)
+    with pytest.raises(ValueError, match="coef"):
+        hinged_length_penalty(torch.tensor([1, 2]), threshold=1, coef=-0.1)
+    with pytest.raises(ValueError, match=r"\[N\]"):
+        hinged_length_penalty(torch.tensor([[1, 2]]), threshold=1, coef=0.1)

@@ -14,7 +14,7 @@ import torch
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 import fixtures  # noqa: E402
-from nla_shell import toy  # noqa: E402
+from nla_shell.toy import builders as toy  # noqa: E402
 from nla_shell.io.data import build_prompt_ids, load_rows  # noqa: E402
 from nla_shell.io.sidecars import load_sidecar  # noqa: E402
 from nla_shell.engines.base import RolloutRequest  # noqa: E402

@@ -24,7 +24,7 @@ pytestmark = [
 ]
 
 import nla_core  # noqa: E402
-from nla_shell import toy  # noqa: E402
+from nla_shell.toy import builders as toy  # noqa: E402
 from nla_shell.engines.base import RolloutRequest  # noqa: E402
 from nla_shell.models import Injector  # noqa: E402
 

@@ -28,7 +28,7 @@ REFERENCE_DEFAULTS = {
     "temperature": 1.0, "lr": 5e-6, "max_grad_norm": 1.0, "lora_r": 128, "lora_alpha": 16,
     "use_rslora": True, "train_critic": False, "critic_lr": 1e-5,
     "gradient_checkpointing": False, "critic_micro_batch": 4, "logp_micro_batch": 2,
-    "vllm_gpu_mem": 0.35, "vllm_max_len": 1024, "vllm_tp": 1, "vllm_sync_every": 20,
+    "vllm_gpu_mem": 0.35, "vllm_max_len": 1024, "vllm_tp": 1,
     "tis_cap": 2.0, "save_every": 50, "resume_from_lora": None, "start_step": 0,
     "eval_every": 10, "eval_n_prompts": 20, "eval_skip_rows": 30000, "max_rows": None,
     "clip_eps": 0.2, "kl_beta": 0.04, "wandb_name": None, "seed": 0,
@@ -39,10 +39,17 @@ def make(*overrides: str) -> TrainConfig:
     return load_config(None, [*REQUIRED, *overrides])
 
 
+DELIBERATE_DEVIATIONS = {"vllm_sync_every": (20, 1)}
+"""Reference default -> nla default, each documented in the field's docstring with its reason."""
+
+
 def test_defaults_equal_the_reference():
     cfg = make()
     for key, value in REFERENCE_DEFAULTS.items():
         assert getattr(cfg, key) == value, key
+    docs = field_docs(TrainConfig)
+    for key, (reference, ours) in DELIBERATE_DEVIATIONS.items():
+        assert getattr(cfg, key) == ours and "deviation" in docs[key] and str(reference) in docs[key], key
     assert (cfg.engine, cfg.tis, cfg.reward, cfg.logger, cfg.resume, cfg.sidecar) == (
         "hf", "ratio_cap", "neg_log", ("console",), "auto", None
     )
@@ -131,12 +138,19 @@ def test_temperature_other_than_one_is_refused():
     "override",
     ["num_steps=0", "batch_prompts=-1", "group_size=1", "logp_micro_batch=0", "lr=0",
      "clip_eps=1.5", "vllm_gpu_mem=1.5", "device=tpu", "seed=-1", "eval_every=-1",
-     "max_rows=0"],
+     "max_rows=0", "vllm_sync_every=-1", "length_penalty=-0.01", "length_margin=-1", "tis_cap=1.1",
+     "tis_cap=1.25,clip_eps_high=0.28"],
 )
 def test_out_of_range_values_are_refused(override):
     key = override.partition("=")[0]
     with pytest.raises(ConfigError, match=f"'{key}'"):
-        make(override)
+        make(*override.split(","))
+
+
+def test_vllm_sync_every_zero_means_never_and_tis_cap_may_equal_the_upper_clip():
+    assert make("vllm_sync_every=0").vllm_sync_every == 0
+    assert make("tis_cap=1.2").tis_cap == 1.2  # 1 + clip_eps: the cap and the clip coincide
+    assert make("tis_cap=1.1", "tis=token_truncate").tis_cap == 1.1  # a decoupled cap weighs another ratio
 
 
 def test_eval_rows_must_not_overlap_the_training_window():

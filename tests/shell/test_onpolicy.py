@@ -1,0 +1,314 @@
+"""Issue #13: every engine learns like the trainer.
+
+Eval scores the current actor, rollouts stop on the whole eos list, an SFT adapter is
+continued openly (or merged under a fresh LoRA), KL and the critic's grad norm are logged,
+and EasyNLA's anti-runaway shaping is available.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+import fixtures
+import nla_core
+from nla_shell import cli
+from nla_shell.engines.base import Rollout, RolloutRequest
+from nla_shell.engines.hf import HFRolloutEngine
+from nla_shell.io.data import build_prompt_ids, load_rows, load_sidecar
+from nla_shell.models import (
+    Injector, eos_token_ids, inner_lm, load_actor, load_generation_config, response_logprobs,
+)
+from nla_shell.toy import builders as toy
+from nla_shell.training import train as train_module
+from nla_shell.training.scoring import Scores, shape_rewards
+from nla_shell.training.update import response_batch
+
+CPU = torch.device("cpu")
+
+
+def _train_args(inputs, save_dir: Path, **overrides) -> list[str]:
+    av, ar, parquet = inputs
+    settings = dict(
+        av_ckpt=av, ar_ckpt=ar, rl_parquet=parquet, save_dir=save_dir, num_steps=2, batch_prompts=2,
+        group_size=2, max_new_tokens=8, lora_r=4, lora_alpha=8, lr=1e-2, logp_micro_batch=4,
+        eval_every=1, eval_n_prompts=2, eval_skip_rows=32, max_rows=32, save_every=10, device="cpu",
+        logger="jsonl",
+    )
+    settings.update(overrides)
+    return ["train", *(f"{k}={v}" for k, v in settings.items())]
+
+
+def _metrics(save_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (save_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _actor_and_requests(av_dir: Path, parquet: Path, *, n: int = 3):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(av_dir)
+    cfg = load_sidecar(Path(str(parquet) + ".nla_meta.yaml"))
+    torch.manual_seed(0)
+    actor = load_actor(av_dir, lora_r=4, lora_alpha=8, use_rslora=True, resume_adapter=None,
+                       dtype=torch.float32, device=CPU)
+    injector = Injector(actor, marker_id=cfg.injection_token_id, left_id=cfg.injection_left_neighbor_id,
+                        right_id=cfg.injection_right_neighbor_id)
+    requests = [RolloutRequest(tuple(build_prompt_ids(r.prompt, cfg, tokenizer)), r.activation)
+                for r in load_rows(parquet, cfg, max_rows=n)]
+    return actor, injector, tokenizer, requests
+
+
+def _logprobs(actor, injector, tokenizer, rollouts, activations) -> tuple[torch.Tensor, torch.Tensor]:
+    """The trainer's log-probs of the rollouts' tokens under `actor`, and the response mask."""
+    batch = response_batch(rollouts, pad_id=tokenizer.pad_token_id, device=CPU)
+    with torch.no_grad(), injector.inject(batch.input_ids, activations):
+        logp = response_logprobs(actor, batch.input_ids, batch.attention_mask, batch.positions, batch.targets)
+    return logp, batch.mask
+
+
+# --------------------------------------------------------------------------- 2: the whole eos list
+
+
+def test_hf_engine_stops_on_every_eos_of_the_generation_config(nla_run_inputs):
+    av, _, parquet = nla_run_inputs
+    actor, injector, tokenizer, requests = _actor_and_requests(av, parquet)
+    eos = tokenizer.eos_token_id
+    torch.manual_seed(3)
+    free = HFRolloutEngine(actor, injector, tokenizer).generate(requests, group_size=3, max_new_tokens=10)
+    sampled = Counter(t for r in free for t in r.full_ids[r.prompt_len :].tolist() if t != eos)
+    extra = sampled.most_common(1)[0][0]
+    # As Qwen3's generation_config lists <|endoftext|> beside <|im_end|>.
+    inner_lm(actor).generation_config.eos_token_id = [eos, extra]
+    engine = HFRolloutEngine(actor, injector, tokenizer)
+    assert engine.eos_ids == (eos, extra)
+    torch.manual_seed(3)
+    ended = engine.generate(requests, group_size=3, max_new_tokens=10)
+    stops = {eos, extra}
+    for r in ended:
+        gen = r.full_ids[r.prompt_len :].tolist()
+        assert not stops & set(gen[:-1]), gen  # nothing is generated past a stop id
+        assert len(gen) == 10 or gen[-1] in stops
+        assert r.behavior_logp.numel() == len(gen)
+    assert any(r.full_ids[-1] == extra for r in ended)
+
+
+def test_eos_list_is_read_from_a_saved_checkpoint(tmp_path, tiny_tokenizer):
+    # The vLLM engine reads it this way from the base model dir (vLLM itself is told to ignore it).
+    model = toy.build_tiny_qwen3(tiny_tokenizer, hidden_size=16, num_layers=1, seed=0)
+    directory = toy.save_av_checkpoint(model, tiny_tokenizer, tmp_path / "m")
+    eos = tiny_tokenizer.eos_token_id
+    assert eos_token_ids(load_generation_config(directory), tiny_tokenizer) == (eos,)
+    model.generation_config.eos_token_id = [7, eos]
+    model.generation_config.save_pretrained(directory)
+    assert eos_token_ids(load_generation_config(directory), tiny_tokenizer) == (7, eos)
+    (directory / "generation_config.json").unlink()  # falls back to config.json's eos
+    assert eos_token_ids(load_generation_config(directory), tiny_tokenizer) == (eos,)
+
+
+# --------------------------------------------------------------------------- 1: eval scores the current actor
+
+
+class StaleCopyEngine:
+    """An engine with its own copy of the actor, updated only by sync_weights (as vLLM's is)."""
+
+    shares_actor_weights = False
+
+    def __init__(self, actor, injector, tokenizer) -> None:
+        self.copy = copy.deepcopy(actor)
+        self.copy_injector = Injector(self.copy, marker_id=injector.marker_id, left_id=injector.left_id,
+                                      right_id=injector.right_id, scale=injector.scale)
+        self.inner = HFRolloutEngine(self.copy, self.copy_injector, tokenizer)
+        self.syncs = 0
+
+    def generate(self, requests, *, group_size, max_new_tokens, generator=None):
+        return self.inner.generate(requests, group_size=group_size, max_new_tokens=max_new_tokens)
+
+    def sync_weights(self, actor) -> float:
+        self.copy.load_state_dict(actor.state_dict())
+        self.syncs += 1
+        return 0.0
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("sync_every", [0, 1])
+def test_eval_scores_the_current_actor_even_when_the_engine_copy_is_stale(nla_run_inputs, tmp_path, monkeypatch,
+                                                                           sync_every):
+    made, evaluated = {}, []
+
+    def make_engine(cfg, actor, injector, tokenizer, *, layer_index):
+        made.update(engine=StaleCopyEngine(actor, injector, tokenizer), actor=actor, injector=injector,
+                    tokenizer=tokenizer)
+        return made["engine"]
+
+    original_eval = train_module.evaluate_rows
+
+    def recording_eval(engine, critic, tokenizer, rows, prompt_ids, **kwargs):
+        requests = [RolloutRequest(tuple(ids), r.activation) for ids, r in zip(prompt_ids, rows)]
+        rollouts = []
+
+        class Recorder:
+            shares_actor_weights = engine.shares_actor_weights
+
+            def generate(self, *args, **kw):
+                rollouts.extend(engine.generate(*args, **kw))
+                return rollouts
+
+        result = original_eval(Recorder(), critic, tokenizer, rows, prompt_ids, **kwargs)
+        vectors = torch.stack([requests[r.prompt_index].activation for r in rollouts])
+        actor, injector = made["actor"], made["injector"]
+        was_training = actor.training
+        actor.eval()
+        current, mask = _logprobs(actor, injector, tokenizer, rollouts, vectors)
+        stale, _ = _logprobs(made["engine"].copy, made["engine"].copy_injector, tokenizer, rollouts, vectors)
+        actor.train(was_training)
+        behavior = response_batch(rollouts, pad_id=tokenizer.pad_token_id, device=CPU).behavior_logp
+        evaluated.append((engine is made["engine"], float((behavior - current)[mask].abs().max()),
+                          float((stale - current)[mask].abs().max())))
+        return result
+
+    monkeypatch.setattr(train_module, "make_engine", make_engine)
+    monkeypatch.setattr(train_module, "evaluate_rows", recording_eval)
+    assert cli.main(_train_args(nla_run_inputs, tmp_path / "run", vllm_sync_every=sync_every)) == 0
+    assert len(evaluated) == 2 and made["engine"].syncs == 1 + 2 * sync_every
+    for used_engine, current_gap, stale_gap in evaluated:
+        assert current_gap <= 1e-4  # the eval samples came from the actor after this step's update
+        # The engine's copy is only used when it holds those weights; otherwise it is visibly stale.
+        assert used_engine == (sync_every == 1)
+        assert (stale_gap <= 1e-4) == (sync_every == 1)
+
+
+# --------------------------------------------------------------------------- 3: SFT adapters
+
+
+def test_continued_sft_adapter_is_announced_and_its_lora_keys_leave_the_run_identity(toy_sft, toy_datasets, tmp_path,
+                                                                                  capsys):
+    av, ar = toy_sft
+    inputs = (av, ar, toy_datasets / "rl.parquet")
+    common = dict(eval_every=0, max_rows=None)
+    assert cli.main(_train_args(inputs, tmp_path / "run", num_steps=1, **common)) == 0
+    out = capsys.readouterr().out
+    assert "continuing the SFT adapter" in out and "lora_r/lora_alpha/use_rslora are unused" in out
+    # The adapter keeps its own rank: another lora_r is no different run, so it resumes.
+    assert cli.main(_train_args(inputs, tmp_path / "run", num_steps=2, lora_r=16, **common)) == 0
+    assert "[resume]" in capsys.readouterr().out
+    assert [line["step"] for line in _metrics(tmp_path / "run")] == [0, 1]
+
+
+def test_merged_sft_adapter_starts_from_the_sft_policy_with_a_fresh_lora(toy_sft, toy_datasets):
+    av, _ = toy_sft
+    sft_actor, injector, tokenizer, requests = _actor_and_requests(av, toy_datasets / "rl.parquet")
+    rollouts = HFRolloutEngine(sft_actor, injector, tokenizer).generate(requests, group_size=2, max_new_tokens=6)
+    vectors = torch.stack([requests[r.prompt_index].activation for r in rollouts])
+    sft_logp, mask = _logprobs(sft_actor, injector, tokenizer, rollouts, vectors)
+
+    merged = load_actor(av, lora_r=8, lora_alpha=16, use_rslora=True, resume_adapter=None, dtype=torch.float32,
+                        device=CPU, merge_sft_adapter=True)
+    assert list(merged.peft_config) == ["default"] and merged.peft_config["default"].r == 8
+    merged_injector = Injector(merged, marker_id=injector.marker_id, left_id=injector.left_id,
+                               right_id=injector.right_id)
+    merged_logp, _ = _logprobs(merged, merged_injector, tokenizer, rollouts, vectors)
+    assert float((merged_logp - sft_logp)[mask].abs().max()) <= 1e-4  # zero-init LoRA B: the SFT policy
+    with merged.disable_adapter():  # the KL reference is the merged SFT model too
+        reference_logp, _ = _logprobs(merged, merged_injector, tokenizer, rollouts, vectors)
+    assert float((reference_logp - sft_logp)[mask].abs().max()) <= 1e-4
+
+
+# --------------------------------------------------------------------------- 4: KL and the critic's grad norm
+
+
+def test_kl_is_measured_at_kl_beta_zero_and_the_critic_grad_norm_is_logged(nla_run_inputs, tmp_path):
+    run = tmp_path / "run"
+    assert cli.main(_train_args(nla_run_inputs, run, kl_beta=0, train_critic="true", critic_lr=1e-3,
+                                eval_every=0)) == 0
+    first, second = _metrics(run)
+    assert first["kl_mean"] == 0.0  # a fresh LoRA (B = 0) is the reference policy
+    assert second["kl_mean"] > 0.0  # after a step at lr 1e-2 the policies differ
+    assert all(math.isfinite(line["critic_grad_norm"]) and line["critic_grad_norm"] > 0 for line in (first, second))
+    for line in (first, second):
+        assert 0.0 <= line["clip_frac"] <= line["outside_clip_frac"] <= 1.0
+    skipped = tmp_path / "no_reference"
+    assert cli.main(_train_args(nla_run_inputs, skipped, kl_beta=0, kl_metric="false", num_steps=1,
+                                eval_every=0)) == 0
+    assert _metrics(skipped)[0]["kl_mean"] is None  # NaN in metrics.jsonl: not measured, not 0
+
+
+# --------------------------------------------------------------------------- anti-runaway shaping
+
+
+def _rollout(generated: list[int]) -> Rollout:
+    return Rollout(full_ids=torch.tensor([1, 2, *generated]), prompt_len=2, behavior_logp=torch.zeros(len(generated)),
+                   text="", prompt_index=0)
+
+
+def test_shaping_penalises_tokens_past_the_hinge_and_fails_truncated_rollouts():
+    eos = (9, 8)
+    rollouts = [_rollout([5] * 10), _rollout([5] * 9 + [8]), _rollout([5] * 7 + [9]), _rollout([5, 9])]
+    scores = Scores(mse=torch.tensor([0.5, 0.25, 0.5, math.nan]), reward=torch.tensor([0.7, 1.4, 0.7, -2.0]),
+                    valid=torch.tensor([True, True, True, False]), ar_inputs=[[3], [3], [3], None])
+    plain = shape_rewards(scores, rollouts, max_new_tokens=10, eos_ids=eos, length_penalty=0.0, length_margin=4,
+                          truncated_as_failed=False)
+    assert plain.truncated.tolist() == [True, False, False, False]  # 10 tokens ending on eos 8 is not cut
+    assert plain.scores is scores and torch.equal(plain.reward, scores.reward)
+    shaped = shape_rewards(scores, rollouts, max_new_tokens=10, eos_ids=eos, length_penalty=0.1, length_margin=4,
+                           truncated_as_failed=True)
+    # hinge at 10 - 4 = 6 tokens: lengths 10, 10, 8, 2 -> 0.4, 0.4, 0.2, 0
+    torch.testing.assert_close(shaped.length_penalty, torch.tensor([0.4, 0.4, 0.2, 0.0]))
+    torch.testing.assert_close(shaped.reward, torch.tensor([-2.4, 1.0, 0.5, -2.0]))
+    assert shaped.scores.valid.tolist() == [False, True, True, False] and math.isnan(shaped.scores.mse[0])
+    assert shaped.scores.ar_inputs == scores.ar_inputs  # the critic still learns from the cut text (as EasyNLA)
+
+
+def test_shaping_options_reach_the_logs(nla_run_inputs, tmp_path):
+    run = tmp_path / "run"
+    assert cli.main(_train_args(nla_run_inputs, run, num_steps=1, eval_every=0, max_new_tokens=4, length_penalty=0.5,
+                                length_margin=2, truncated_as_failed="true")) == 0
+    (line,) = _metrics(run)
+    assert line["truncated_frac"] > 0 and line["length_penalty_mean"] > 0
+    assert line["extraction_rate"] <= 1 - line["truncated_frac"]  # cut rollouts count as failed
+
+
+# --------------------------------------------------------------------------- the GPU parity test's logic, on CPU
+
+
+def test_parity_legs_run_on_cpu_and_their_step0_logprobs_match_the_trainer(toy_sft, toy_datasets, tmp_path):
+    import pyarrow.parquet as pq
+
+    import parity
+
+    av, ar = toy_sft
+    rl = toy_datasets / "rl.parquet"
+    inputs = parity.ParityInputs(av=av, ar=ar, rl_parquet=rl, eval_parquet=toy_datasets / "eval.parquet",
+                                 rl_rows=pq.ParquetFile(rl).metadata.num_rows)
+    runs = [parity.run_one(inputs, tmp_path, engine=engine, seed=1, steps=1, device="cpu", dtype="float32",
+                           batch_prompts=2, group_size=2, max_new_tokens=6, eval_rows=8)
+            for engine in ("hf", "native")]
+    for run in runs:
+        assert math.isfinite(run.fve) and 0 <= run.step0_logp_diff_mean <= run.step0_logp_diff_max <= 1e-3
+    table = parity.format_table(runs)
+    assert table.count("\n") == 3 and "| native |" in table and f"{runs[0].fve:.3f}" in table
+
+
+def test_parity_verdict_compares_each_engine_with_the_hf_seed_spread():
+    import parity
+
+    def run(engine, seed, fve, gap=1e-5):
+        return parity.ParityRun(engine=engine, seed=seed, fve=fve, step0_logp_diff_mean=gap, step0_logp_diff_max=gap)
+
+    tolerance = {"hf": 1e-3, "native": 1e-3, "vllm": 0.05}
+    hf = [run("hf", 1, 0.816), run("hf", 2, 0.809), run("hf", 3, 0.788)]
+    # The issue's measurement: vllm synced every step (mean 0.812) passes, every 20 steps (0.779) fails.
+    on_policy = [run("vllm", 2, 0.803, 0.02), run("vllm", 3, 0.819, 0.02), run("vllm", 1, 0.814, 0.02)]
+    assert parity.parity_failures(hf + on_policy, step0_tolerance=tolerance) == []
+    stale = [run("vllm", 2, 0.787), run("vllm", 3, 0.771)]
+    (failure,) = parity.parity_failures(hf + stale, step0_tolerance=tolerance)
+    assert "vllm" in failure and "0.779" in failure and "0.788" in failure
+    (gap,) = parity.parity_failures(hf + [run("native", 1, 0.81, gap=0.2)], step0_tolerance=tolerance)
+    assert "native seed 1" in gap

@@ -169,6 +169,26 @@ def build_trainer_inputs(directory: Path, tokenizer: PreTrainedTokenizerFast | N
     return av, ar, parquet
 
 
+def train_argv(inputs: tuple[Path, Path, Path], save_dir: Path, **overrides: Any) -> list[str]:
+    """`nla train` argv for a tiny CPU run on (av, ar, parquet): 3 steps of 2 prompts x 3, eval every 2."""
+    av, ar, parquet = inputs
+    settings = dict(
+        av_ckpt=av, ar_ckpt=ar, rl_parquet=parquet, save_dir=save_dir, num_steps=3, batch_prompts=2,
+        group_size=3, max_new_tokens=10, lora_r=4, lora_alpha=8, lr=1e-3, logp_micro_batch=2,
+        eval_every=2, eval_n_prompts=3, eval_skip_rows=32, max_rows=32, save_every=2, device="cpu",
+        logger="jsonl",
+    )
+    settings.update(overrides)
+    return ["train", *(f"{k}={v}" for k, v in settings.items())]
+
+
+def read_metrics(save_dir: Path) -> list[dict[str, Any]]:
+    """A run's metrics.jsonl, one dict per step (NaN was written as null)."""
+    import json
+
+    return [json.loads(line) for line in (Path(save_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
 # --------------------------------------------------------------------------- pipeline (datagen, sft)
 
 

@@ -34,19 +34,10 @@ CPU = torch.device("cpu")
 
 
 def _train_args(inputs, save_dir: Path, **overrides) -> list[str]:
-    av, ar, parquet = inputs
-    settings = dict(
-        av_ckpt=av, ar_ckpt=ar, rl_parquet=parquet, save_dir=save_dir, num_steps=2, batch_prompts=2,
-        group_size=2, max_new_tokens=8, lora_r=4, lora_alpha=8, lr=1e-2, logp_micro_batch=4,
-        eval_every=1, eval_n_prompts=2, eval_skip_rows=32, max_rows=32, save_every=10, device="cpu",
-        logger="jsonl",
-    )
-    settings.update(overrides)
-    return ["train", *(f"{k}={v}" for k, v in settings.items())]
-
-
-def _metrics(save_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (save_dir / "metrics.jsonl").read_text().splitlines()]
+    """Two steps of 2 prompts x 2 at a high lr (the policy visibly moves), eval every step."""
+    settings = dict(num_steps=2, group_size=2, max_new_tokens=8, lr=1e-2, logp_micro_batch=4, eval_every=1,
+                    eval_n_prompts=2, save_every=10)
+    return fixtures.train_argv(inputs, save_dir, **{**settings, **overrides})
 
 
 def _actor_and_requests(av_dir: Path, parquet: Path, *, n: int = 3):
@@ -199,7 +190,7 @@ def test_continued_sft_adapter_is_announced_and_its_lora_keys_leave_the_run_iden
     # The adapter keeps its own rank: another lora_r is no different run, so it resumes.
     assert cli.main(_train_args(inputs, tmp_path / "run", num_steps=2, lora_r=16, **common)) == 0
     assert "[resume]" in capsys.readouterr().out
-    assert [line["step"] for line in _metrics(tmp_path / "run")] == [0, 1]
+    assert [line["step"] for line in fixtures.read_metrics(tmp_path / "run")] == [0, 1]
 
 
 def test_merged_sft_adapter_starts_from_the_sft_policy_with_a_fresh_lora(toy_sft, toy_datasets):
@@ -228,7 +219,7 @@ def test_kl_is_measured_at_kl_beta_zero_and_the_critic_grad_norm_is_logged(nla_r
     run = tmp_path / "run"
     assert cli.main(_train_args(nla_run_inputs, run, kl_beta=0, train_critic="true", critic_lr=1e-3,
                                 eval_every=0)) == 0
-    first, second = _metrics(run)
+    first, second = fixtures.read_metrics(run)
     assert first["kl_mean"] == 0.0  # a fresh LoRA (B = 0) is the reference policy
     assert second["kl_mean"] > 0.0  # after a step at lr 1e-2 the policies differ
     assert all(math.isfinite(line["critic_grad_norm"]) and line["critic_grad_norm"] > 0 for line in (first, second))
@@ -237,7 +228,7 @@ def test_kl_is_measured_at_kl_beta_zero_and_the_critic_grad_norm_is_logged(nla_r
     skipped = tmp_path / "no_reference"
     assert cli.main(_train_args(nla_run_inputs, skipped, kl_beta=0, kl_metric="false", num_steps=1,
                                 eval_every=0)) == 0
-    assert _metrics(skipped)[0]["kl_mean"] is None  # NaN in metrics.jsonl: not measured, not 0
+    assert fixtures.read_metrics(skipped)[0]["kl_mean"] is None  # NaN in metrics.jsonl: not measured, not 0
 
 
 # --------------------------------------------------------------------------- anti-runaway shaping
@@ -270,7 +261,7 @@ def test_shaping_options_reach_the_logs(nla_run_inputs, tmp_path):
     run = tmp_path / "run"
     assert cli.main(_train_args(nla_run_inputs, run, num_steps=1, eval_every=0, max_new_tokens=4, length_penalty=0.5,
                                 length_margin=2, truncated_as_failed="true")) == 0
-    (line,) = _metrics(run)
+    (line,) = fixtures.read_metrics(run)
     assert line["truncated_frac"] > 0 and line["length_penalty_mean"] > 0
     assert line["extraction_rate"] <= 1 - line["truncated_frac"]  # cut rollouts count as failed
 
@@ -291,7 +282,10 @@ def test_parity_legs_run_on_cpu_and_their_step0_logprobs_match_the_trainer(toy_s
                            batch_prompts=2, group_size=2, max_new_tokens=6, eval_rows=8)
             for engine in ("hf", "native")]
     for run in runs:
-        assert math.isfinite(run.fve) and 0 <= run.step0_logp_diff_mean <= run.step0_logp_diff_max <= 1e-3
+        assert 0 <= run.step0_logp_diff_mean <= run.step0_logp_diff_max <= 1e-3
+        # Scored by `nla eval` (NaN here: two SFT steps do not teach the toy AV to close its tags).
+        summary = json.loads((tmp_path / f"{run.engine}_seed1" / "eval" / "eval_summary.json").read_text())
+        assert summary["n_rows"] == 8 and (summary["av/fve"] is None) == math.isnan(run.fve)
     table = parity.format_table(runs)
     assert table.count("\n") == 3 and "| native |" in table and f"{runs[0].fve:.3f}" in table
 

@@ -27,32 +27,10 @@ TIMING_KEYS = {"time_rollout", "time_score", "time_update", "time_critic", "time
                "tokens_per_s", "peak_mem_gb"}
 
 
-@pytest.fixture(scope="session")
-def nla_run_inputs(nla_cache_dir: Path, tiny_tokenizer):
-    """(av_dir, ar_dir, parquet) with an AV that already writes <explanation> tags."""
-    return fixtures.build_trainer_inputs(nla_cache_dir / "trainer_inputs", tiny_tokenizer)
-
-
-def _train_args(inputs, save_dir: Path, **overrides) -> list[str]:
-    av, ar, parquet = inputs
-    settings = dict(
-        av_ckpt=av, ar_ckpt=ar, rl_parquet=parquet, save_dir=save_dir, num_steps=3, batch_prompts=2,
-        group_size=3, max_new_tokens=10, lora_r=4, lora_alpha=8, lr=1e-3, logp_micro_batch=2,
-        eval_every=2, eval_n_prompts=3, eval_skip_rows=32, max_rows=32, save_every=2, device="cpu",
-        logger="jsonl",
-    )
-    settings.update(overrides)
-    return ["train", *(f"{k}={v}" for k, v in settings.items())]
-
-
-def _metrics(save_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (save_dir / "metrics.jsonl").read_text().splitlines()]
-
-
 def test_three_step_run_writes_metrics_checkpoint_and_summary(nla_run_inputs, tmp_path):
     save_dir = tmp_path / "run"
-    assert cli.main(_train_args(nla_run_inputs, save_dir)) == 0
-    lines = _metrics(save_dir)
+    assert cli.main(fixtures.train_argv(nla_run_inputs, save_dir)) == 0
+    lines = fixtures.read_metrics(save_dir)
     assert [line["step"] for line in lines] == [0, 1, 2]
     for line in lines:
         assert set(METRIC_KEYS) <= set(line)
@@ -69,11 +47,11 @@ def test_three_step_run_writes_metrics_checkpoint_and_summary(nla_run_inputs, tm
 def test_interrupted_then_resumed_run_logs_the_same_metrics(nla_run_inputs, tmp_path):
     whole, split = tmp_path / "whole", tmp_path / "split"
     common = dict(num_steps=4, train_critic="true", critic_lr=1e-3)
-    assert cli.main(_train_args(nla_run_inputs, whole, **common)) == 0
-    assert cli.main(_train_args(nla_run_inputs, split, **{**common, "num_steps": 2})) == 0
-    assert cli.main(_train_args(nla_run_inputs, split, **common)) == 0
+    assert cli.main(fixtures.train_argv(nla_run_inputs, whole, **common)) == 0
+    assert cli.main(fixtures.train_argv(nla_run_inputs, split, **{**common, "num_steps": 2})) == 0
+    assert cli.main(fixtures.train_argv(nla_run_inputs, split, **common)) == 0
     strip = lambda lines: [{k: v for k, v in line.items() if k not in TIMING_KEYS} for line in lines]  # noqa: E731
-    a, b = strip(_metrics(whole)), strip(_metrics(split))
+    a, b = strip(fixtures.read_metrics(whole)), strip(fixtures.read_metrics(split))
     assert [line["step"] for line in b] == [0, 1, 2, 3]
     assert a == b
     assert any(not math.isnan(line["critic_loss"] or math.nan) for line in a)
@@ -186,34 +164,34 @@ def _fails_cleanly(capsys, argv, *needles) -> str:
 
 def test_unknown_config_key_is_named_with_the_closest_valid_key(nla_run_inputs, tmp_path, capsys):
     save_dir = tmp_path / "run"
-    _fails_cleanly(capsys, _train_args(nla_run_inputs, save_dir, num_step=3), "num_step", "num_steps")
+    _fails_cleanly(capsys, fixtures.train_argv(nla_run_inputs, save_dir, num_step=3), "num_step", "num_steps")
     assert not save_dir.exists()
 
 
 def test_temperature_other_than_one_is_refused(nla_run_inputs, tmp_path, capsys):
     save_dir = tmp_path / "run"
-    _fails_cleanly(capsys, _train_args(nla_run_inputs, save_dir, temperature=0.7), "temperature")
+    _fails_cleanly(capsys, fixtures.train_argv(nla_run_inputs, save_dir, temperature=0.7), "temperature")
     assert not save_dir.exists()
 
 
 def test_ar_dir_without_value_head_is_refused_before_writing(nla_run_inputs, tmp_path, capsys):
     av, _, parquet = nla_run_inputs
     save_dir = tmp_path / "run"
-    _fails_cleanly(capsys, _train_args((av, av, parquet), save_dir), VALUE_HEAD_FILE, "nla sft --mode ar")
+    _fails_cleanly(capsys, fixtures.train_argv((av, av, parquet), save_dir), VALUE_HEAD_FILE, "nla sft --mode ar")
     assert not save_dir.exists()
 
 
 def test_eval_rows_overlapping_training_rows_are_refused(nla_run_inputs, tmp_path, capsys):
     save_dir = tmp_path / "run"
-    _fails_cleanly(capsys, _train_args(nla_run_inputs, save_dir, max_rows=40, eval_skip_rows=32), "max_rows")
+    _fails_cleanly(capsys, fixtures.train_argv(nla_run_inputs, save_dir, max_rows=40, eval_skip_rows=32), "max_rows")
     assert not save_dir.exists()
 
 
 def test_save_dir_of_another_run_is_refused_and_left_alone(nla_run_inputs, tmp_path, capsys):
     save_dir = tmp_path / "run"
-    assert cli.main(_train_args(nla_run_inputs, save_dir, num_steps=1)) == 0
+    assert cli.main(fixtures.train_argv(nla_run_inputs, save_dir, num_steps=1)) == 0
     before = {p: p.stat().st_mtime_ns for p in save_dir.rglob("*")}
-    _fails_cleanly(capsys, _train_args(nla_run_inputs, save_dir, num_steps=1, lr=5e-4), "lr", "overwrite")
+    _fails_cleanly(capsys, fixtures.train_argv(nla_run_inputs, save_dir, num_steps=1, lr=5e-4), "lr", "overwrite")
     assert {p: p.stat().st_mtime_ns for p in save_dir.rglob("*")} == before
 
 
@@ -225,7 +203,7 @@ def test_rollout_requests_from_bad_prompts_fail_with_the_row(nla_run_inputs, tmp
     parquet = toy.write_rl_parquet(tmp_path / "bad" / "rl.parquet", rows)
     shutil.copy(str(good) + ".nla_meta.yaml", str(parquet) + ".nla_meta.yaml")
     save_dir = tmp_path / "run"
-    _fails_cleanly(capsys, _train_args((av, ar, parquet), save_dir), "row 3", "<INJECT>")
+    _fails_cleanly(capsys, fixtures.train_argv((av, ar, parquet), save_dir), "row 3", "<INJECT>")
     assert not save_dir.exists()
 
 
@@ -234,5 +212,5 @@ def test_vllm_engine_without_vllm_says_how_to_install_it(nla_run_inputs, tmp_pat
     if __import__("importlib").util.find_spec("vllm") is not None:
         pytest.skip("vLLM is installed here")
     save_dir = tmp_path / "run"
-    _fails_cleanly(capsys, _train_args(nla_run_inputs, save_dir, engine="vllm"), "pip install 'nla[vllm]'")
+    _fails_cleanly(capsys, fixtures.train_argv(nla_run_inputs, save_dir, engine="vllm"), "pip install 'nla[vllm]'")
     assert not save_dir.exists()

@@ -129,7 +129,7 @@ class StaleCopyEngine:
         pass
 
 
-@pytest.mark.parametrize("sync_every", [0, 1])
+@pytest.mark.parametrize("sync_every", [0, 1, 3])
 def test_eval_scores_the_current_actor_even_when_the_engine_copy_is_stale(nla_run_inputs, tmp_path, monkeypatch,
                                                                            sync_every):
     made, evaluated = {}, []
@@ -168,7 +168,8 @@ def test_eval_scores_the_current_actor_even_when_the_engine_copy_is_stale(nla_ru
     monkeypatch.setattr(train_module, "make_engine", make_engine)
     monkeypatch.setattr(train_module, "evaluate_rows", recording_eval)
     assert cli.main(_train_args(nla_run_inputs, tmp_path / "run", vllm_sync_every=sync_every)) == 0
-    assert len(evaluated) == 2 and made["engine"].syncs == 1 + 2 * sync_every
+    # Two steps: the initial push, then one after each step whose number is a multiple of sync_every (0: never).
+    assert len(evaluated) == 2 and made["engine"].syncs == 1 + (2 // sync_every if sync_every else 0)
     for used_engine, current_gap, stale_gap in evaluated:
         assert current_gap <= 1e-4  # the eval samples came from the actor after this step's update
         # The engine's copy is only used when it holds those weights; otherwise it is visibly stale.

@@ -21,7 +21,8 @@ import nla_core
 from nla_shell import cli
 from nla_shell.engines.base import Rollout, RolloutRequest
 from nla_shell.engines.hf import HFRolloutEngine
-from nla_shell.io.data import build_prompt_ids, load_rows, load_sidecar
+from nla_shell.io.data import build_prompt_ids, load_rows
+from nla_shell.io.sidecars import load_sidecar
 from nla_shell.models import (
     Injector, eos_token_ids, inner_lm, load_actor, load_generation_config, response_logprobs,
 )
@@ -113,7 +114,8 @@ class StaleCopyEngine:
     def __init__(self, actor, injector, tokenizer) -> None:
         self.copy = copy.deepcopy(actor)
         self.copy_injector = Injector(self.copy, marker_id=injector.marker_id, left_id=injector.left_id,
-                                      right_id=injector.right_id, scale=injector.scale)
+                                      right_id=injector.right_id, style=injector.style,
+                                      injection_norm=injector.injection_norm)
         self.inner = HFRolloutEngine(self.copy, self.copy_injector, tokenizer)
         self.syncs = 0
 

@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import synthetic  # noqa: E402
 
-from nla_shell import toy  # noqa: E402
+from nla_shell.toy import builders as toy  # noqa: E402
 from nla_shell.models import ARModel  # noqa: E402
 
 def main(out: Path, *, tiny: bool) -> None:

@@ -69,9 +69,10 @@ def attach_lora(model: torch.nn.Module, *, r: int, alpha: int, use_rslora: bool 
     so the adapted policy differs from the base (PEFT starts B at zero)."""
     from peft import get_peft_model
 
+    from nla_shell.families import lora_targets
     from nla_shell.models import lora_config
 
-    actor = get_peft_model(model, lora_config(r, alpha, use_rslora=use_rslora))
+    actor = get_peft_model(model, lora_config(r, alpha, use_rslora=use_rslora, targets=lora_targets(model)))
     generator = torch.Generator(next(model.parameters()).device).manual_seed(seed)
     with torch.no_grad():
         for name, param in actor.named_parameters():

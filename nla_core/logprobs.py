@@ -87,19 +87,25 @@ def token_logprobs(
     return out.reshape(targets.shape)
 
 
+def _capped_logits(hidden: torch.Tensor, weight: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """float32(hidden @ weight.T), soft-capped to c * tanh(z / c) when softcap = c is given."""
+    logits = float32_or_wider(torch.nn.functional.linear(hidden, weight))
+    return logits if softcap is None else softcap * torch.tanh(logits / softcap)
+
+
 class _HiddenTokenLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, rows_per_chunk):  # hidden [R, D], weight [V, D]
+    def forward(ctx, hidden, weight, targets, rows_per_chunk, softcap):  # hidden [R, D], weight [V, D]
         acc = torch.promote_types(hidden.dtype, torch.float32)
         out = torch.empty(hidden.shape[0], dtype=acc, device=hidden.device)
         lse = torch.empty_like(out)
         for start in range(0, hidden.shape[0], rows_per_chunk):
             sl = slice(start, start + rows_per_chunk)
-            logits = float32_or_wider(torch.nn.functional.linear(hidden[sl], weight))
+            logits = _capped_logits(hidden[sl], weight, softcap)
             lse[sl] = torch.logsumexp(logits, dim=-1)
             out[sl] = logits.gather(-1, targets[sl].unsqueeze(-1)).squeeze(-1) - lse[sl]
         ctx.save_for_backward(hidden, weight, targets, lse)
-        ctx.rows_per_chunk = rows_per_chunk
+        ctx.rows_per_chunk, ctx.softcap = rows_per_chunk, softcap
         return out
 
     @staticmethod
@@ -108,19 +114,21 @@ class _HiddenTokenLogprobs(torch.autograd.Function):
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_h = torch.empty_like(hidden) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=lse.dtype, device=weight.device) if need_w else None
-        step = ctx.rows_per_chunk
+        step, softcap = ctx.rows_per_chunk, ctx.softcap
         for start in range(0, hidden.shape[0], step):
             sl = slice(start, start + step)
-            logits = float32_or_wider(torch.nn.functional.linear(hidden[sl], weight))
+            logits = _capped_logits(hidden[sl], weight, softcap)
             g = grad_out[sl].to(lse.dtype).unsqueeze(-1)
             d_logits = -g * torch.exp(logits - lse[sl, None])
             d_logits.scatter_add_(-1, targets[sl].unsqueeze(-1), g)
+            if softcap is not None:  # d(c tanh(z / c))/dz = 1 - tanh^2 = 1 - (capped / c)^2
+                d_logits *= 1 - (logits / softcap) ** 2
             d_logits = d_logits.to(hidden.dtype)
             if need_h:
                 grad_h[sl] = d_logits @ weight
             if need_w:
                 grad_w += d_logits.to(lse.dtype).T @ hidden[sl].to(lse.dtype)
-        return grad_h, (grad_w.to(weight.dtype) if need_w else None), None, None
+        return grad_h, (grad_w.to(weight.dtype) if need_w else None), None, None, None
 
 
 def token_logprobs_from_hidden(
@@ -128,18 +136,21 @@ def token_logprobs_from_hidden(
     weight: torch.Tensor,
     targets: torch.Tensor,
     *,
+    softcap: float | None = None,
     chunk_size: int | None = None,
 ) -> torch.Tensor:
-    """logp[..., t] = log_softmax(float32(hidden[..., t, :] @ weight.T))[targets[..., t]].
+    """logp[..., t] = log_softmax(z[..., t, :])[targets[..., t]], z = float32(hidden[..., t, :] @ weight.T),
+    or z = c * tanh(z / c) with softcap = c (Gemma 2/3's final-logit soft-capping).
 
     The fused lm_head + log-prob: the [..., T, V] logits never exist at once, in the forward
     or the backward. The matmul runs in the inputs' dtype (as the model's lm_head would),
-    the softmax in float32.
+    the cap and the softmax in float32.
 
     Args:
       hidden: [..., T, D] final hidden states (after the model's last norm).
       weight: [V, D] lm_head weight (same dtype as hidden).
       targets: [..., T] integer token ids.
+      softcap: c > 0 of the final-logit soft-capping, or None for plain logits.
       chunk_size: tokens per chunk; default keeps a chunk's logits near 4M elements.
     Returns:
       [..., T] float32 (float64 for float64 inputs), differentiable w.r.t. hidden (and
@@ -156,9 +167,11 @@ def token_logprobs_from_hidden(
         )
     if hidden.dtype != weight.dtype:
         raise ValueError(f"hidden has dtype {hidden.dtype} but weight has {weight.dtype}; cast one")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be a positive number or None, got {softcap}")
     flat = hidden.reshape(-1, hidden.shape[-1])
     out = _HiddenTokenLogprobs.apply(
-        flat, weight, targets.reshape(-1).long(), _rows_per_chunk(chunk_size, weight.shape[0])
+        flat, weight, targets.reshape(-1).long(), _rows_per_chunk(chunk_size, weight.shape[0]), softcap
     )
     return out.reshape(targets.shape)
 

@@ -1,6 +1,7 @@
 """The two networks of an NLA: the actor (AV + LoRA + injection hook) and the critic (AR).
 
-The actor is the AV checkpoint with a PEFT LoRA on q, k, v, o. An `Injector` puts the
+The actor is the AV checkpoint with a PEFT LoRA on its family's attention projections
+(`families.lora_targets`: q, k, v, o; GPT-2's c_attn, c_proj). An `Injector` puts the
 activation at the marker in every forward that sees the whole prompt (training, reference
 and generation-prefill forwards), in one of the two upstream styles: the norm-matched add
 at the output of decoder block 1, or kitft's embedding replacement; decode steps (one new
@@ -24,19 +25,15 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 import nla_core
+from nla_shell import families
 
 VALUE_HEAD_FILE = "value_head.safetensors"
 REFERENCE_ADAPTER = "reference"
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
 def inner_lm(model: nn.Module) -> nn.Module:
     """The HF *ForCausalLM under any PEFT wrapping."""
     return model.get_base_model() if hasattr(model, "get_base_model") else model
-
-
-def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    return inner_lm(model).model.layers
 
 
 # --------------------------------------------------------------------------- injection
@@ -86,7 +83,7 @@ class Injector:
             module = inner_lm(model).get_input_embeddings()
             self._apply = functools.partial(nla_core.replace_at_sites, norm=injection_norm)
         else:
-            module = decoder_layers(model)[layer_index]
+            module = families.decoder_blocks(model)[layer_index]
             self._apply = nla_core.inject_norm_matched
         self._handle = module.register_forward_hook(self._hook)
 
@@ -184,12 +181,13 @@ def base_model_dir(av_ckpt: str | Path) -> Path:
     return Path(json.loads(config.read_text())["base_model_name_or_path"]) if is_adapter_dir(av_ckpt) else av_ckpt
 
 
-def lora_config(r: int, alpha: int, *, use_rslora: bool):
-    """The actor's adapter: LoRA on q, k, v, o, no dropout (rsLoRA scaling alpha/sqrt(r) by default)."""
+def lora_config(r: int, alpha: int, *, use_rslora: bool, targets: Sequence[str]):
+    """The actor's adapter: LoRA on `targets` (families.lora_targets), no dropout (rsLoRA scaling
+    alpha/sqrt(r) by default)."""
     from peft import LoraConfig
 
     return LoraConfig(
-        r=r, lora_alpha=alpha, target_modules=list(LORA_TARGETS), lora_dropout=0.0, bias="none",
+        r=r, lora_alpha=alpha, target_modules=list(targets), lora_dropout=0.0, bias="none",
         task_type="CAUSAL_LM", use_rslora=use_rslora,
     )
 
@@ -220,6 +218,7 @@ def load_actor(
 
     av_ckpt = Path(av_ckpt)
     base = AutoModelForCausalLM.from_pretrained(base_model_dir(av_ckpt), dtype=dtype).to(device)
+    families.family_of(base)  # an unsupported architecture stops here, with the supported list
     if is_adapter_dir(av_ckpt) and merge_sft_adapter:
         base = PeftModel.from_pretrained(base, av_ckpt).merge_and_unload()
     continue_sft = is_adapter_dir(av_ckpt) and not merge_sft_adapter
@@ -233,7 +232,9 @@ def load_actor(
     elif resume_adapter is not None:
         actor = PeftModel.from_pretrained(base, resume_adapter, is_trainable=True)
     else:
-        actor = get_peft_model(base, lora_config(lora_r, lora_alpha, use_rslora=use_rslora))
+        actor = get_peft_model(
+            base, lora_config(lora_r, lora_alpha, use_rslora=use_rslora, targets=families.lora_targets(base))
+        )
     if gradient_checkpointing:
         inner_lm(actor).gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return actor
@@ -267,15 +268,18 @@ def response_logprobs(
     """log pi(targets[i, t] | input_ids[i, :positions[i, t] + 1]) without full-vocab logits.
 
     Runs the decoder to its last hidden states and applies the fused lm_head + log-prob
-    (`nla_core.token_logprobs_from_hidden`) at the requested positions only.
+    (`nla_core.token_logprobs_from_hidden`) at the requested positions only, with the
+    family's final-logit soft-capping (Gemma 2/3), as the model's own forward applies it.
 
     Args: input_ids, attention_mask: [n, S]; positions, targets: [n, T] (positions index S).
     Returns: [n, T] float32.
     """
     lm = inner_lm(actor)
-    hidden = lm.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    hidden = families.backbone(lm)(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
     picked = hidden.gather(1, positions.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
-    return nla_core.token_logprobs_from_hidden(picked, lm.lm_head.weight, targets)
+    return nla_core.token_logprobs_from_hidden(
+        picked, lm.get_output_embeddings().weight, targets, softcap=families.final_logit_softcap(lm)
+    )
 
 
 # --------------------------------------------------------------------------- critic
@@ -294,8 +298,8 @@ class ARModel(nn.Module):
         self.lm = lm
         self.value_head = value_head
         self.mse_scale = mse_scale
-        self._final_norm = lm.model.norm
-        lm.model.norm = nn.Identity()
+        self._final_norm = families.final_norm(lm)
+        families.set_final_norm(lm, nn.Identity())
 
     @property
     def num_layers(self) -> int:
@@ -327,6 +331,7 @@ class ARModel(nn.Module):
                 "`nla sft --mode ar`, or pass create_head=True to start from an identity head."
             )
         lm = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        families.family_of(lm)  # an unsupported architecture stops here, with the supported list
         if extraction_layer_index is not None:
             keep = extraction_layer_index + 1
             if keep > lm.config.num_hidden_layers:
@@ -334,10 +339,7 @@ class ARModel(nn.Module):
                     f"extraction_layer_index={extraction_layer_index} but {path} has only "
                     f"{lm.config.num_hidden_layers} layers"
                 )
-            lm.model.layers = lm.model.layers[:keep]
-            lm.config.num_hidden_layers = keep
-            if hasattr(lm.config, "layer_types") and lm.config.layer_types is not None:
-                lm.config.layer_types = lm.config.layer_types[:keep]
+            families.truncate_blocks(lm, keep)
         d = lm.config.hidden_size
         head = nn.Linear(d, d, bias=False, dtype=torch.float32)
         if head_file.exists():
@@ -353,17 +355,17 @@ class ARModel(nn.Module):
         """A plain HF causal-LM checkpoint of the truncated backbone + value_head.safetensors."""
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
-        identity = self.lm.model.norm
-        self.lm.model.norm = self._final_norm
+        identity = families.final_norm(self.lm)
+        families.set_final_norm(self.lm, self._final_norm)
         try:
             self.lm.save_pretrained(path)
         finally:
-            self.lm.model.norm = identity
+            families.set_final_norm(self.lm, identity)
         save_file({"weight": self.value_head.weight.detach().float().cpu().contiguous()}, str(path / VALUE_HEAD_FILE))
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """Args: input_ids, attention_mask: [B, S] (any padding side). Returns: [B, D] float32."""
-        hidden = self.lm.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        hidden = families.backbone(self.lm)(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
         positions = torch.arange(input_ids.shape[1], device=input_ids.device)
         last = torch.where(attention_mask.bool(), positions, -1).amax(dim=1)
         h_last = hidden[torch.arange(hidden.shape[0], device=hidden.device), last].float()

@@ -43,9 +43,10 @@ from nla_core import actor_content, parse_sidecar, resolve_target_scale
 from nla_shell.explainers import Site, make_explainer
 from nla_shell.explainers.jsonl import jsonl_objects, write_sites
 from nla_shell.io.config import ConfigError, normalize_fields
+from nla_shell import families
 from nla_shell.io.data import DataError, av_prompt_messages, check_tokenizer
 from nla_shell.io.sidecars import DEFAULT_AR_TEMPLATE, DEFAULT_AV_TEMPLATE, dataset_sidecar, write_sidecar
-from nla_shell.models import decoder_layers, pad_right
+from nla_shell.models import pad_right
 from nla_shell.training.train import resolve_device
 
 SPLITS = ("rl", "av_sft", "ar_sft", "eval")
@@ -263,7 +264,7 @@ def capture_activations(model: torch.nn.Module, input_ids: torch.Tensor, attenti
 
     Args: input_ids, attention_mask: [B, S], right-padded. Returns: [B, S, D] float32.
     """
-    layers = decoder_layers(model)
+    layers = families.decoder_blocks(model)
     if not 0 <= layer < len(layers):
         raise ValueError(f"layer={layer} but the model has {len(layers)} blocks (0..{len(layers) - 1}); choose a smaller layer")
     out: list[torch.Tensor] = []

@@ -5,12 +5,17 @@ Why it is fast where HF `generate` is not:
 - Each prompt is prefilled once (with the injection, which only touches prompt positions)
   and its KV is copied into the rows of its G samples; the marker lives in the prompt, so
   decoding is a plain decoder and the injection hook stays out of it.
-- Decoding uses a static KV cache (transformers' `StaticCache`) and fixed-shape buffers,
+- Decoding uses a static KV cache (transformers' `StaticLayer`s) and fixed-shape buffers,
   so on CUDA each decode step is one CUDA-graph replay instead of thousands of kernel
   launches issued from Python.
 - Decode attention is grouped: the G query heads that share a KV head read it as one
   batched matmul. SDPA with a padding mask would repeat the KV heads first (a full copy of
   the cache every layer and step).
+- Every family quirk comes from `nla_shell.families`: the backbone, per-layer sliding
+  windows (one mask per window, handed over as the {layer type: mask} mapping the Qwen and
+  Gemma classes read, or as the single 4-D mask the Llama and Mistral classes pass through),
+  attention-logit soft-capping (Gemma 2) and final-logit soft-capping (Gemma 2/3). The
+  KV caches keep every position of every layer; the masks, not the caches, apply windows.
 - Sampling stays on the device: the Exp(1) noise of the next step is drawn outside the graph
   (so the caller's generator drives it) and the graph samples with it, exactly as
   `torch.multinomial` does on one draw (`argmax(p / q)`, q ~ Exp(1)), so a CPU run draws
@@ -31,10 +36,12 @@ from typing import Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
-from transformers import AttentionInterface, DynamicCache, StaticCache
+from transformers import AttentionInterface, DynamicCache
+from transformers.cache_utils import Cache, StaticLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from nla_core.logprobs import SampledTokens
+from nla_shell import families
 from nla_shell.engines.base import Rollout, RolloutRequest
 from nla_shell.engines.hf import left_pad, trim_at_eos
 from nla_shell.models import Injector, eos_token_ids, inner_lm
@@ -52,34 +59,68 @@ def grouped_decode_attention(
     *,
     scaling: float | None = None,
     dropout: float = 0.0,
+    softcap: float | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """HF attention-interface function: grouped-query attention for one query token.
+    """HF attention-interface function: grouped-query attention, without repeating KV heads.
 
-    Prompts (query length > 1) go to transformers' SDPA function unchanged. For a decode
-    step the arithmetic is the eager attention's (scores in the model dtype, softmax in
-    float32), without repeating the KV heads.
+    Prompts (query length Q > 1) go to transformers' SDPA function unchanged, unless the
+    layer soft-caps its attention logits (Gemma 2), which SDPA cannot. Otherwise the
+    arithmetic is the eager attention's: s = q.k * scaling in float32, s = c * tanh(s / c)
+    with softcap = c, softmax over the keys the mask allows.
 
     Args:
-      query: [N, H, 1, Dh]; key, value: [N, Hkv, L, Dh] (the whole static cache).
-      attention_mask: [N, 1, 1, W] bool, True on keys to attend; only the first W <= L
+      query: [N, H, Q, Dh]; key, value: [N, Hkv, L, Dh] (for decode, the whole static cache).
+      attention_mask: [N, 1, Q, W] bool, True on keys to attend; only the first W <= L
         cache slots are read.
-    Returns: ([N, 1, H, Dh], None).
+    Returns: ([N, Q, H, Dh], None).
     """
-    if query.shape[2] != 1:
+    if query.shape[2] != 1 and softcap is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-    n, heads, _, head_dim = query.shape
+    n, heads, q_len, head_dim = query.shape
     kv_heads, window = key.shape[1], attention_mask.shape[-1]
     scale = head_dim**-0.5 if scaling is None else scaling
-    grouped = query.view(n, kv_heads, heads // kv_heads, head_dim)
-    scores = torch.matmul(grouped, key[:, :, :window].transpose(-1, -2)).float() * scale  # [N, Hkv, g, W]
-    scores = scores.masked_fill(~attention_mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(value.dtype)
-    out = torch.matmul(probs, value[:, :, :window])  # [N, Hkv, g, Dh]
-    return out.reshape(n, 1, heads, head_dim), None
+    grouped = query.view(n, kv_heads, heads // kv_heads * q_len, head_dim)  # the g heads' queries stacked
+    scores = torch.matmul(grouped, key[:, :, :window].transpose(-1, -2)).float() * scale  # [N, Hkv, g * Q, W]
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    scores = scores.view(n, kv_heads, heads // kv_heads, q_len, window)
+    scores = scores.masked_fill(~attention_mask[:, :, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(value.dtype).view(n, kv_heads, -1, window)
+    out = torch.matmul(probs, value[:, :, :window])  # [N, Hkv, g * Q, Dh]
+    return out.view(n, heads, q_len, head_dim).transpose(1, 2), None
 
 
 AttentionInterface.register(DECODE_ATTENTION, grouped_decode_attention)
+
+
+def final_logits(lm: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """The model's next-token logits from final hidden states [N, D] -> [N, V], soft-capped as
+    the family's own forward does it (Gemma 2/3: c * tanh(z / c), in the model dtype)."""
+    logits = lm.get_output_embeddings()(hidden)
+    cap = families.final_logit_softcap(lm)
+    return logits if cap is None else torch.tanh(logits / cap) * cap
+
+
+def layer_masks(lm: torch.nn.Module, allowed: torch.Tensor, query_slots: torch.Tensor, key_slots: torch.Tensor):
+    """The attention masks to hand the backbone: `allowed` narrowed to each sliding window.
+
+    A key at slot k is inside a query at slot q's window W iff k > q - W (slot differences
+    equal position differences: a row's padding only shifts both).
+
+    Args: allowed: [N, Q, K] bool (causal and padding); query_slots: [N, Q] or [Q]; key_slots: [K].
+    Returns: {layer type: [N, 1, Q, K]} when the config names layer types, else the one [N, 1, Q, K].
+    """
+    def windowed(window: int | None) -> torch.Tensor:
+        if window is None:
+            return allowed[:, None]
+        return (allowed & (key_slots > query_slots[..., None] - window))[:, None]
+
+    windows = families.layer_windows(lm)
+    layer_types = getattr(lm.config, "layer_types", None)
+    if layer_types is None:
+        return windowed(windows[0])  # Llama / Mistral: one kind of layer, a plain 4-D mask
+    return {kind: windowed(window) for kind, window in dict(zip(layer_types, windows)).items()}
 
 
 def sample_with_noise(logits: torch.Tensor, noise: torch.Tensor) -> SampledTokens:
@@ -113,7 +154,7 @@ class _DecodeState:
     CUDA graphs read and write these in place, so they live as long as the graphs.
     """
 
-    cache: StaticCache  # per layer [N, Hkv, W + T, Dh]; cumulative_length = next slot
+    cache: Cache  # of StaticLayers, per layer [N, Hkv, W + T, Dh]; cumulative_length = next slot
     tokens: torch.Tensor  # [N, 1] int64: input token of the next step
     positions: torch.Tensor  # [N, 1] int64: its position id
     first_key: torch.Tensor  # [N] int64: cache slot of each row's first real (unpadded) token
@@ -172,10 +213,7 @@ class NativeRolloutEngine:
         self.max_batch, self.merge_lora, self.compile = max_batch, merge_lora, compile
         self.kv_bucket = None if compile else kv_bucket
         self.prompt_bucket, self.check_every, self.max_shapes = prompt_bucket, check_every, max_shapes
-        lm = inner_lm(actor)
-        layer_types = set(getattr(lm.config, "layer_types", None) or ["full_attention"])
-        if layer_types != {"full_attention"}:
-            raise ValueError(f"the native engine supports full-attention layers only; the actor has {sorted(layer_types)}")
+        families.require_engine(actor, "native")
         self.cuda_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
         if self.cuda_graphs and self.device.type != "cuda":
             raise ValueError("cuda_graphs=True needs the actor on a CUDA device")
@@ -309,16 +347,16 @@ class NativeRolloutEngine:
         # Padding queries attend to themselves only, so no softmax row is empty (NaN-free cache).
         mask = (causal[None] & real_key[:, None, :]) | torch.eye(width, dtype=torch.bool, device=ids.device)[None]
         positions = (slots[None, :] - first_key[:, None]).clamp_min(0)  # real tokens at 0, 1, ...
-        prompt_cache = DynamicCache(config=lm.config)
+        prompt_cache = DynamicCache()  # no config: every layer keeps every position (no window eviction)
         with self.injector.inject(ids, vectors):
-            hidden = lm.model(
+            hidden = families.backbone(lm)(
                 input_ids=ids,
-                attention_mask={"full_attention": mask[:, None]},
+                attention_mask=layer_masks(lm, mask, slots, slots),
                 position_ids=positions,
                 past_key_values=prompt_cache,
                 use_cache=True,
             ).last_hidden_state
-        logits = lm.lm_head(hidden[:, -1])  # [B, V]
+        logits = final_logits(lm, hidden[:, -1])  # [B, V]
 
         # Each prompt's KV is copied into the rows of its G samples (prompt-major rows). Slots
         # past the prompt are zeroed: a masked slot still enters probs @ V (as 0 * value), so
@@ -359,14 +397,14 @@ class NativeRolloutEngine:
         newest = state.cache.layers[0].cumulative_length  # slot this step's KV is written to
         slots = torch.arange(window, device=state.tokens.device)
         keep = (slots[None, :] >= state.first_key[:, None]) & (slots[None, :] <= newest)  # [N, window]
-        hidden = lm.model(
+        hidden = families.backbone(lm)(
             input_ids=state.tokens,
             position_ids=state.positions,
-            attention_mask={"full_attention": keep[:, None, None, :]},
+            attention_mask=layer_masks(lm, keep[:, None, :], newest.reshape(1), slots),
             past_key_values=state.cache,
             use_cache=True,
         ).last_hidden_state
-        sampled = sample_with_noise(lm.lm_head(hidden[:, -1]), state.noise)
+        sampled = sample_with_noise(final_logits(lm, hidden[:, -1]), state.noise)
         tokens = sampled.tokens.masked_fill(state.finished, self.pad_id)
         logp = sampled.logp.masked_fill(state.finished, 0.0)
         state.out_tokens.index_copy_(1, state.column, tokens[:, None])
@@ -390,7 +428,8 @@ class NativeRolloutEngine:
         while len(self._states) >= self.max_shapes:
             self._states.pop(next(iter(self._states)))
         config, device = lm.config, self.device
-        cache = StaticCache(config=config, max_cache_len=width + max_new_tokens)
+        # Full-length layers for sliding-window blocks too: slots stay positions, masks apply windows.
+        cache = Cache(layers=[StaticLayer(max_cache_len=width + max_new_tokens) for _ in families.decoder_blocks(lm)])
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         cache.early_initialization(
             batch_size=n_rows, num_heads=config.num_key_value_heads, head_dim=head_dim, dtype=lm.dtype, device=device
@@ -404,7 +443,7 @@ class NativeRolloutEngine:
             finished=torch.zeros(n_rows, dtype=torch.bool, device=device),
             eos=torch.tensor(self.eos_ids, **long),
             column=torch.zeros(1, **long),
-            noise=torch.ones((n_rows, lm.lm_head.out_features), dtype=torch.float32, device=device),
+            noise=torch.ones((n_rows, lm.get_output_embeddings().out_features), dtype=torch.float32, device=device),
             out_tokens=torch.full((n_rows, max_new_tokens), self.pad_id, **long),
             out_logp=torch.zeros((n_rows, max_new_tokens), dtype=torch.float32, device=device),
         )

@@ -29,7 +29,6 @@ import hashlib
 import json
 import os
 import shutil
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Literal, Mapping
@@ -39,12 +38,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from nla_core import actor_content, parse_sidecar, resolve_target_scale
+from nla_core import actor_content, canonical_neighbors, parse_sidecar, resolve_target_scale
 from nla_shell.explainers import Site, make_explainer
 from nla_shell.explainers.jsonl import jsonl_objects, write_sites
 from nla_shell.io.config import ConfigError, normalize_fields
 from nla_shell import families
-from nla_shell.io.data import DataError, av_prompt_messages, check_tokenizer
+from nla_shell.io.data import DataError, av_prompt_messages, chat_prompt_ids, check_tokenizer
 from nla_shell.io.sidecars import DEFAULT_AR_TEMPLATE, DEFAULT_AV_TEMPLATE, dataset_sidecar, write_sidecar
 from nla_shell.models import pad_right
 from nla_shell.training.train import resolve_device
@@ -59,8 +58,10 @@ EXTRA_COLUMNS: Mapping[str, tuple[str, ...]] = {
 }
 """String columns each split adds to the columns every split has."""
 
-INJECTION_CHAR_CANDIDATES = "§¶※†‡¤¦¬µ°±×÷©®~^|@"
-"""Tried in order when the injection char is chosen automatically (or the asked one is unusable)."""
+INJECTION_CHAR_CANDIDATES = "§¶※†‡¤¦¬µ°±×÷©®~^|@㊗㊙㊚㊛㊜"
+"""Tried in order when the injection char is chosen automatically."""
+QWEN_INJECTION_CHAR = "㈎"
+"""Qwen2/3's injection character upstream (token 149705), tried first for the Qwen family."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -132,7 +133,8 @@ class DatagenConfig:
     mse_scale: str = "sqrt_d_model"
     """Sidecar extraction.mse_scale: "sqrt_d_model", "none", or a number."""
     injection_char: str | None = None
-    """Preferred injection char; None, or one that is not a single token or occurs in the corpus, picks one."""
+    """The injection char (used as given, or a DataError says why it cannot be); None lets datagen choose
+    (`㈎` first for Qwen, see INJECTION_CHAR_CANDIDATES)."""
     batch_size: int = 16
     """Documents per forward pass."""
     row_group_size: int = 1024
@@ -314,40 +316,66 @@ def assign_split(doc_id: str, seed: int, fractions: Mapping[str, float]) -> str:
 # --------------------------------------------------------------------------- injection char
 
 
-def injection_char_id(tokenizer: Any, char: str) -> int | None:
-    """The token id of `char` when it is one token alone and stays one token next to text; else None."""
+def injection_char_problem(tokenizer: Any, char: str, av_content: str) -> str | None:
+    """Why `char` cannot mark the injection site with this tokenizer, or None when it can.
+
+    It must be one token on its own (the sidecar's injection_token_id), and that same token
+    exactly once in the chat-templated AV prompt: byte-level BPEs such as Qwen's merge most
+    symbols with the space before them, so the bare check alone is not enough. `av_content`
+    is the AV user message with <INJECT> at the marker (nla_core.actor_content).
+    """
     if len(char) != 1 or char.isspace():
-        return None
+        return "is not one non-space character"
     ids = tokenizer.encode(char, add_special_tokens=False)
     if len(ids) != 1 or tokenizer.decode(ids) != char:
-        return None
-    for context in (f"a{char}b", f"at {char}.", f"{char}{char}", f"\n{char} "):
-        if tokenizer.encode(context, add_special_tokens=False).count(ids[0]) != context.count(char):
-            return None
-    return ids[0]
+        return f"is {len(ids)} tokens on its own"
+    prompt_ids = chat_prompt_ids(av_prompt_messages(av_content), char, tokenizer)
+    if prompt_ids.count(ids[0]) != 1:
+        return f"merges with its neighbours in the chat-templated AV prompt (token {ids[0]} occurs {prompt_ids.count(ids[0])} times)"
+    try:
+        canonical_neighbors(prompt_ids, ids[0])
+    except ValueError as err:
+        return f"does not sit inside the chat-templated AV prompt ({err})"
+    return None
 
 
-def choose_injection_char(tokenizer: Any, forbidden: set[str], preferred: str | None = None) -> str:
-    """`preferred` if usable, else the first usable INJECTION_CHAR_CANDIDATES char.
+def injection_char_candidates(model_config: Any) -> str:
+    """Characters tried in order: `㈎` first for the Qwen family (upstream's choice), then the rest."""
+    if families.family_of(model_config).name.startswith("Qwen"):
+        return QWEN_INJECTION_CHAR + INJECTION_CHAR_CANDIDATES
+    return INJECTION_CHAR_CANDIDATES + QWEN_INJECTION_CHAR
 
-    Usable: a single token everywhere (injection_char_id) and not in `forbidden` (the
-    corpus and the templates). Says on stderr why a preferred char was passed over.
+
+def choose_injection_char(
+    tokenizer: Any, forbidden: set[str], *, av_content: str, candidates: str, requested: str | None = None
+) -> str:
+    """`requested` when given (DataError naming why it cannot serve), else the first usable candidate.
+
+    Usable: no injection_char_problem, and not in `forbidden` (the corpus and the templates,
+    where the marker token would also appear). When none fits, the DataError names each
+    candidate's cause.
     """
-    if preferred is not None:
-        if injection_char_id(tokenizer, preferred) is None:
-            print(f"[datagen] injection char {preferred!r} is not a single token with this tokenizer; choosing another",
-                  file=sys.stderr, flush=True)
-        elif preferred in forbidden:
-            print(f"[datagen] injection char {preferred!r} occurs in the corpus or templates; choosing another",
-                  file=sys.stderr, flush=True)
-        else:
-            return preferred
-    for char in INJECTION_CHAR_CANDIDATES:
-        if char not in forbidden and injection_char_id(tokenizer, char) is not None:
+    def problem(char: str) -> str | None:
+        return "occurs in the corpus or the templates" if char in forbidden else injection_char_problem(
+            tokenizer, char, av_content
+        )
+
+    if requested is not None:
+        why = problem(requested)
+        if why is not None:
+            raise DataError(f"injection_char: {requested!r} {why}; choose another character, or leave injection_char "
+                            "unset to let datagen choose")
+        return requested
+    causes = {}
+    for char in candidates:
+        why = problem(char)
+        if why is None:
             return char
+        causes.setdefault(why.split(" (")[0], []).append(char)
+    summary = "; ".join(f"{''.join(chars)!r} {why}" for why, chars in causes.items())
     raise DataError(
-        f"injection_char: none of {INJECTION_CHAR_CANDIDATES!r} is a single token absent from the corpus; "
-        "pass injection_char= a character that is"
+        f"injection_char: no candidate marks the injection site with this tokenizer ({summary}); "
+        "pass injection_char= a character that is one token on its own and in the templated AV prompt"
     )
 
 
@@ -477,10 +505,10 @@ def datagen_sites(cfg: DatagenConfig, tokenizer: Any) -> Path:
 def datagen(cfg: DatagenConfig) -> DatagenResult | Path:
     """Write the NLA datasets configured by cfg (or, with write_sites, the sites to label); see the module docstring."""
     from tqdm.auto import tqdm
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     # --- validate before anything is written ---------------------------------------------
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model)
+    tokenizer = families.load_tokenizer(cfg.model)
     if cfg.write_sites is not None:
         return datagen_sites(cfg, tokenizer)
     device, dtype = resolve_device(cfg.device, cfg.dtype)
@@ -492,6 +520,12 @@ def datagen(cfg: DatagenConfig) -> DatagenResult | Path:
             f"0..{n_layers - 1}"
         )
     d_model = model.config.hidden_size
+    av_content = actor_content(cfg.av_template)
+    template_chars = set(cfg.av_template) | set(cfg.ar_template)
+    candidates = injection_char_candidates(model.config)
+    if cfg.injection_char is not None:  # a requested char that cannot work fails before the forward passes
+        choose_injection_char(tokenizer, template_chars, av_content=av_content, candidates=candidates,
+                              requested=cfg.injection_char)
     explainer = make_explainer(cfg, tokenizer)
     fractions = split_fractions(cfg)
     active = [s for s in SPLITS if fractions[s] > 0]
@@ -510,7 +544,6 @@ def datagen(cfg: DatagenConfig) -> DatagenResult | Path:
     writers = {s: _SplitWriter(tmp_dir / f"{s}.parquet", s, d_model, cfg.row_group_size) for s in active}
 
     # --- stream documents in batches; rows that need an explanation wait for a full explainer batch ---
-    av_content = actor_content(cfg.av_template)
     prompt = av_prompt_messages(av_content)
     corpus_chars: set[str] = set()
     n_docs = skipped = 0
@@ -589,8 +622,8 @@ def datagen(cfg: DatagenConfig) -> DatagenResult | Path:
             f"split(s) {empty} received no rows ({n_docs} documents read, {skipped} too short); "
             "add documents, or set their fraction to 0"
         )
-    forbidden = corpus_chars | set(cfg.av_template) | set(cfg.ar_template)
-    char = choose_injection_char(tokenizer, forbidden, cfg.injection_char)
+    char = choose_injection_char(tokenizer, corpus_chars | template_chars, av_content=av_content,
+                                 candidates=candidates, requested=cfg.injection_char)
     for split in active:
         mapping = dataset_sidecar(
             tokenizer, stage="av_sft" if split == "eval" else split, row_count=writers[split].rows,

@@ -21,6 +21,7 @@ import pyarrow.parquet as pq
 import torch
 
 import nla_core
+from nla_shell import families
 from nla_shell.io.config import ConfigError, normalize_fields
 from nla_shell.io.data import DataError, RLRow, build_prompt_ids, check_tokenizer, stream_rows
 from nla_shell.io.sidecars import injection_settings, load_sidecar
@@ -124,11 +125,9 @@ class _TableCollector:
 
 def evaluate(cfg: EvalConfig) -> EvalResult:
     """Score the AV+AR (and the AR on gold explanations) on held-out rows; write the reports."""
-    from transformers import AutoTokenizer
-
     # --- inputs ----------------------------------------------------------------------------
     device, dtype = resolve_device(cfg.device, cfg.dtype)
-    tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer or tokenizer_dir(cfg.av, cfg.ar))
+    tokenizer = families.load_tokenizer(cfg.tokenizer or tokenizer_dir(cfg.av, cfg.ar))
     nla = load_sidecar(cfg.sidecar or cfg.parquet)
     check_tokenizer(nla, tokenizer)
     mse_scale = nla_core.resolve_target_scale(nla.mse_scale, nla.d_model)

@@ -16,6 +16,7 @@ from typing import Any, Literal
 import torch
 
 import nla_core
+from nla_shell import families
 from nla_shell.io.config import ConfigError, normalize_fields
 from nla_shell.io.data import DataError, av_prompt_messages, build_prompt_ids, check_tokenizer
 from nla_shell.io.sidecars import MODEL_SIDECAR, injection_settings, load_sidecar, read_sidecar
@@ -72,14 +73,14 @@ def _model_sidecar_path(cfg: ExplainConfig) -> Path:
 
 def explain(cfg: ExplainConfig) -> list[dict[str, Any]]:
     """Explain the asked positions of cfg.text; prints one block per position and returns them as dicts."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     device, dtype = resolve_device(cfg.device, cfg.dtype)
     sidecar_path = _model_sidecar_path(cfg)
     nla = load_sidecar(sidecar_path)
     rawvar = (read_sidecar(sidecar_path)[1].get("baselines") or {}).get("rawvar")
-    target_tokenizer = AutoTokenizer.from_pretrained(cfg.model)
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir(cfg.av, cfg.ar))
+    target_tokenizer = families.load_tokenizer(cfg.model)
+    tokenizer = families.load_tokenizer(tokenizer_dir(cfg.av, cfg.ar))
     check_tokenizer(nla, tokenizer)
     ids = target_tokenizer.encode(cfg.text, add_special_tokens=False)
     if not ids:

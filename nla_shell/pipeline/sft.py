@@ -25,6 +25,7 @@ from typing import Any, Literal, Sequence
 import torch
 
 import nla_core
+from nla_shell import families
 from nla_shell.training import checkpoint as ckpt
 from nla_shell.io.config import ConfigError, config_to_dict, normalize_fields
 from nla_shell.io.data import DataError, build_prompt_ids, check_tokenizer, stream_rows
@@ -169,8 +170,6 @@ def av_response_nll(
 
 def sft(cfg: SFTConfig) -> Path:
     """Run (or resume) AV or AR warm-start training; returns the final checkpoint dir."""
-    from transformers import AutoTokenizer
-
     # --- validate every input before anything is written ---------------------------------
     device, dtype = resolve_device(cfg.device, cfg.dtype)
     model_dir = Path(cfg.model).resolve()
@@ -179,7 +178,7 @@ def sft(cfg: SFTConfig) -> Path:
             f"config key 'model' = {cfg.model!r} is a LoRA adapter dir; give the full target LM it was trained on "
             "(SFT starts the adapter itself; to continue a run, rerun it with the same save_dir)"
         )
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer = families.load_tokenizer(model_dir)
     nla = load_sidecar(cfg.sidecar or cfg.parquet)
     check_tokenizer(nla, tokenizer)
     mse_scale = nla_core.resolve_target_scale(nla.mse_scale, nla.d_model)

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 import nla_core
+from nla_shell import families
 from nla_shell.training import checkpoint as ckpt
 from nla_shell.training import distributed
 from nla_shell.io.config import RESUME_MUTABLE_KEYS, ConfigError, TrainConfig, config_to_dict
@@ -188,10 +189,8 @@ def train(cfg: TrainConfig) -> Path:
 
 def run_ranked(cfg: TrainConfig, rank: RankInfo, device: torch.device, dtype: torch.dtype) -> Path:
     """The training run as seen by one rank (the only one, outside torchrun)."""
-    from transformers import AutoTokenizer
-
     # --- validate every input before anything is written ------------------------------
-    tokenizer = AutoTokenizer.from_pretrained(cfg.av_ckpt)
+    tokenizer = families.load_tokenizer(cfg.av_ckpt)
     nla = load_sidecar(cfg.sidecar or cfg.rl_parquet)
     style, injection_norm = injection_settings(nla, style=cfg.injection_style, scale=cfg.injection_scale, av_dir=cfg.av_ckpt)
     check_tokenizer(nla, tokenizer)

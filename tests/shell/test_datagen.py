@@ -24,11 +24,12 @@ from nla_shell.pipeline.datagen import (
     capture_activations,
     choose_injection_char,
     datagen,
-    injection_char_id,
+    injection_char_problem,
     read_documents,
 )
 from nla_shell.explainers import Site
 from nla_shell.explainers.rule import RuleExplainer
+from nla_shell.io.sidecars import DEFAULT_AV_TEMPLATE
 from nla_shell.toy.corpus import generate_documents
 
 SPLITS = ("rl", "av_sft", "ar_sft", "eval")
@@ -164,20 +165,26 @@ def test_layer_beyond_the_model_is_refused_before_writing(tmp_path, tiny_av_dir,
     assert not (tmp_path / "out").exists()
 
 
-def test_injection_char_that_is_not_one_token_or_in_the_corpus_is_replaced(tiny_tokenizer, capsys):
-    marker = injection_char_id(tiny_tokenizer, "§")
-    assert marker is not None and injection_char_id(tiny_tokenizer, "ab") is None
-    assert injection_char_id(tiny_tokenizer, "é") is None  # two byte tokens in this BPE
-    assert choose_injection_char(tiny_tokenizer, set(), "§") == "§"
-    for preferred, forbidden, why in (("é", set(), "not a single token"), ("§", {"§"}, "occurs in the corpus")):
-        char = choose_injection_char(tiny_tokenizer, forbidden, preferred)
-        assert char != preferred and char not in forbidden and injection_char_id(tiny_tokenizer, char) is not None
-        assert why in capsys.readouterr().err
+def test_requested_injection_char_is_used_or_refused_with_its_cause(tiny_tokenizer):
+    template = DEFAULT_AV_TEMPLATE
+    assert injection_char_problem(tiny_tokenizer, "§", template) is None
+    assert "not one non-space character" in injection_char_problem(tiny_tokenizer, "ab", template)
+    assert "2 tokens on its own" in injection_char_problem(tiny_tokenizer, "é", template)  # two byte tokens here
+    assert choose_injection_char(tiny_tokenizer, set(), av_content=template, candidates="¶", requested="§") == "§"
+    for requested, forbidden, why in (("é", set(), "is 2 tokens on its own"), ("§", {"§"}, "occurs in the corpus")):
+        with pytest.raises(DataError, match=f"injection_char: {requested!r} {why}"):
+            choose_injection_char(tiny_tokenizer, forbidden, av_content=template, candidates="§", requested=requested)
+
+
+def test_no_usable_candidate_names_each_cause(tiny_tokenizer):
+    with pytest.raises(DataError) as err:
+        choose_injection_char(tiny_tokenizer, {"§"}, av_content=DEFAULT_AV_TEMPLATE, candidates="§é")
+    assert "'§' occurs in the corpus" in str(err.value) and "'é' is 2 tokens on its own" in str(err.value)
 
 
 def test_corpus_holding_the_injection_char_gets_another(tmp_path, tiny_av_dir):
     corpus = fixtures.write_toy_corpus(tmp_path / "c.jsonl", n_docs=10, extra=["the cat § sees the dog ."])
-    result = datagen(fixtures.datagen_config(tiny_av_dir, corpus, tmp_path / "out", injection_char="§"))
+    result = datagen(fixtures.datagen_config(tiny_av_dir, corpus, tmp_path / "out"))
     assert result.injection_char != "§"
     cfg = load_sidecar(tmp_path / "out" / "rl.parquet.nla_meta.yaml")
     assert cfg.injection_char == result.injection_char

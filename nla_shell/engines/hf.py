@@ -10,6 +10,7 @@ from typing import Sequence
 
 import torch
 
+from nla_shell import families
 from nla_shell.engines.base import Rollout, RolloutRequest
 from nla_shell.models import Injector, eos_token_ids, inner_lm
 
@@ -42,6 +43,7 @@ class HFRolloutEngine:
     shares_actor_weights = True
 
     def __init__(self, actor: torch.nn.Module, injector: Injector, tokenizer, *, max_batch: int = 256) -> None:
+        families.require_engine(actor, "hf")
         self.actor, self.injector, self.tokenizer = actor, injector, tokenizer
         self.max_batch = max_batch
         self.eos_ids = eos_token_ids(inner_lm(actor).generation_config, tokenizer)

@@ -1,0 +1,86 @@
+"""Tiny random models of every supported family, sized to a given tokenizer.
+
+Small enough that a whole datagen -> sft -> train -> eval chain runs in seconds, yet with the
+quirks that matter switched on: sliding windows shorter than a prompt (Mistral, Gemma 2/3,
+so the window masks decide what is attended), Gemma 2's attention and final-logit
+soft-capping at caps the random logits exceed (lm_head scaled up to trained-scale logits),
+GPT-2's fused c_attn / Conv1D layout.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+HIDDEN, LAYERS, HEADS, KV_HEADS, HEAD_DIM, FFN = 32, 3, 4, 2, 8, 64
+WINDOW = 4
+"""Sliding window of the windowed families: far shorter than the AV prompt (~15 tokens)."""
+FAMILY_NAMES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "gpt2")
+
+
+def tiny_config(model_type: str, tokenizer):
+    """A tiny config of `model_type` (an HF model_type) for `tokenizer`'s vocabulary."""
+    import transformers as tf
+
+    ids = dict(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
+    shape = dict(vocab_size=len(tokenizer), hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                 num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, intermediate_size=FFN, max_position_embeddings=256,
+                 tie_word_embeddings=False, **ids)
+    if model_type == "llama":
+        return tf.LlamaConfig(**shape)
+    if model_type == "mistral":
+        return tf.MistralConfig(**shape, sliding_window=WINDOW)
+    if model_type == "qwen2":
+        return tf.Qwen2Config(**shape)
+    if model_type == "qwen3":
+        return tf.Qwen3Config(**shape)
+    if model_type == "gemma2":
+        return tf.Gemma2Config(**shape, sliding_window=WINDOW, final_logit_softcapping=2.0, attn_logit_softcapping=1.0,
+                               query_pre_attn_scalar=HEAD_DIM)
+    if model_type == "gemma3_text":
+        return tf.Gemma3TextConfig(**shape, sliding_window=WINDOW, query_pre_attn_scalar=HEAD_DIM,
+                                   layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+    if model_type == "gpt2":
+        return tf.GPT2Config(vocab_size=len(tokenizer), n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS, n_positions=256,
+                             tie_word_embeddings=False, **ids)
+    raise ValueError(f"no tiny config for {model_type!r}")
+
+
+def build_tiny_model(model_type: str, tokenizer, *, seed: int = 0):
+    """A random float32 causal LM of the family, with full-distribution sampling defaults.
+
+    Gemma 2's lm_head is scaled so its logits reach the soft-cap's non-linear range, as a
+    trained model's do (random init gives logits near 0, where the cap is the identity).
+    """
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(model_type, tokenizer), dtype=torch.float32)
+    if model_type == "gemma2":
+        with torch.no_grad():
+            model.lm_head.weight.mul_(40.0)
+    model.generation_config = GenerationConfig(
+        do_sample=True, top_k=0, top_p=1.0, temperature=1.0, repetition_penalty=1.0, bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    )
+    return model
+
+
+def save_tiny_model(directory: Path, model_type: str, tokenizer) -> Path:
+    """Save the tiny model and tokenizer side by side (once; reused when present)."""
+    directory = Path(directory)
+    if not (directory / "config.json").is_file():
+        build_tiny_model(model_type, tokenizer).save_pretrained(directory)
+        tokenizer.save_pretrained(directory)
+    return directory
+
+
+def without_pad_token(tokenizer):
+    """A copy of `tokenizer` with no pad token, as Llama-3's tokenizers ship."""
+    import copy
+
+    bare = copy.deepcopy(tokenizer)
+    bare.pad_token = None
+    assert bare.pad_token_id is None
+    return bare

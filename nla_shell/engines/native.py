@@ -80,7 +80,7 @@ def grouped_decode_attention(
     n, heads, q_len, head_dim = query.shape
     kv_heads, window = key.shape[1], attention_mask.shape[-1]
     scale = head_dim**-0.5 if scaling is None else scaling
-    grouped = query.view(n, kv_heads, heads // kv_heads * q_len, head_dim)  # the g heads' queries stacked
+    grouped = query.reshape(n, kv_heads, heads // kv_heads * q_len, head_dim)  # the g heads' queries stacked
     scores = torch.matmul(grouped, key[:, :, :window].transpose(-1, -2)).float() * scale  # [N, Hkv, g * Q, W]
     if softcap is not None:
         scores = softcap * torch.tanh(scores / softcap)

@@ -171,8 +171,11 @@ def train(cfg: TrainConfig) -> Path:
     environment): then the ranks join a process group (NCCL on CUDA, gloo on CPU) for the
     run, and the batch must split into equal shares of whole prompts.
     """
+    from transformers import AutoConfig
+
     rank = distributed.rank_info()
     device, dtype = resolve_device(cfg.device, cfg.dtype, rank)
+    families.require_engine(AutoConfig.from_pretrained(base_model_dir(cfg.av_ckpt)), cfg.engine)
     if cfg.engine == "vllm":
         from nla_shell.engines.vllm import require_vllm
 
@@ -189,11 +192,8 @@ def train(cfg: TrainConfig) -> Path:
 
 def run_ranked(cfg: TrainConfig, rank: RankInfo, device: torch.device, dtype: torch.dtype) -> Path:
     """The training run as seen by one rank (the only one, outside torchrun)."""
-    from transformers import AutoConfig
-
     # --- validate every input before anything is written ------------------------------
     tokenizer = families.load_tokenizer(cfg.av_ckpt)
-    families.require_engine(AutoConfig.from_pretrained(base_model_dir(cfg.av_ckpt)), cfg.engine)
     nla = load_sidecar(cfg.sidecar or cfg.rl_parquet)
     style, injection_norm = injection_settings(nla, style=cfg.injection_style, scale=cfg.injection_scale, av_dir=cfg.av_ckpt)
     check_tokenizer(nla, tokenizer)

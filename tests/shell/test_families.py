@@ -43,20 +43,22 @@ def family_dir(nla_cache_dir: Path):
 
 @pytest.fixture(scope="session")
 def family_data(nla_cache_dir: Path, family_dir):
-    """model_type -> `nla datagen` output dir of its tiny model over 16 toy documents."""
+    """model_type -> `nla datagen` output dir of its tiny model over 20 toy documents."""
     def build(model_type: str) -> Path:
         out = nla_cache_dir / "families" / f"{model_type}_data"
         if not (out / "eval.parquet").exists():
-            corpus = fixtures.write_toy_corpus(nla_cache_dir / "families" / "corpus.jsonl", n_docs=16)
+            corpus = fixtures.write_toy_corpus(nla_cache_dir / "families" / "corpus.jsonl", n_docs=20)
             assert cli.main(["datagen", *_overrides(fixtures.datagen_config(family_dir(model_type), corpus, out))]) == 0
         return out
     return build
 
 
 def _overrides(cfg) -> list[str]:
+    """A config dataclass as the CLI's key=value overrides (its set fields; templates left at default)."""
     import dataclasses
 
-    return [f"{f.name}={getattr(cfg, f.name)}" for f in dataclasses.fields(cfg)
+    spell = lambda v: ",".join(v) if isinstance(v, tuple) else v  # noqa: E731
+    return [f"{f.name}={spell(getattr(cfg, f.name))}" for f in dataclasses.fields(cfg)
             if getattr(cfg, f.name) is not None and f.name not in ("av_template", "ar_template")]
 
 
@@ -148,7 +150,7 @@ def test_pipeline_runs_on_every_family(model_type, family_dir, family_data, tmp_
     sidecar = load_sidecar(data / "rl.parquet.nla_meta.yaml")
     assert sidecar.d_model == family_models.HIDDEN
     for mode in ("av", "ar"):
-        cfg = fixtures.sft_config(mode, av, data, tmp_path / f"sft_{mode}", num_steps=1, save_every=1)
+        cfg = fixtures.sft_config(mode, av, data, tmp_path / f"sft_{mode}", num_steps=1, save_every=1, batch_size=2)
         assert cli.main(["sft", *_overrides(cfg)]) == 0
         losses = [json.loads(line)["loss"] for line in (tmp_path / f"sft_{mode}" / "metrics.jsonl").read_text().splitlines()]
         assert losses and all(math.isfinite(x) for x in losses)

@@ -25,7 +25,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 import nla_core
-from nla_shell import families
+from nla_shell import families, quant as quantization
 
 VALUE_HEAD_FILE = "value_head.safetensors"
 REFERENCE_ADAPTER = "reference"
@@ -203,6 +203,7 @@ def load_actor(
     device: torch.device,
     gradient_checkpointing: bool = False,
     merge_sft_adapter: bool = False,
+    quant: str = "none",
 ) -> nn.Module:
     """The trainable actor: a PEFT model whose "default" adapter is trained.
 
@@ -212,12 +213,17 @@ def load_actor(
     the SFT'd policy; with merge_sft_adapter it is instead merged into the base weights and a
     fresh LoRA trained on top (the reference policy: the merged SFT model, adapter disabled).
     resume_adapter, when given, replaces the trained adapter's weights.
+    quant ("4bit" / "8bit") loads the frozen base quantised onto `device` (nla_shell.quant).
     """
     from peft import PeftModel, get_peft_model
     from transformers import AutoModelForCausalLM
 
     av_ckpt = Path(av_ckpt)
-    base = AutoModelForCausalLM.from_pretrained(base_model_dir(av_ckpt), dtype=dtype).to(device)
+    base = AutoModelForCausalLM.from_pretrained(
+        base_model_dir(av_ckpt), dtype=dtype, **quantization.load_kwargs(quant, dtype=dtype, device=device)
+    )
+    if quant == "none":  # a quantised load is already on its device
+        base = base.to(device)
     families.family_of(base)  # an unsupported architecture stops here, with the supported list
     if is_adapter_dir(av_ckpt) and merge_sft_adapter:
         base = PeftModel.from_pretrained(base, av_ckpt).merge_and_unload()
@@ -315,11 +321,13 @@ class ARModel(nn.Module):
         create_head: bool = False,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        quant: str = "none",
     ) -> "ARModel":
         """Load an AR dir (backbone + value_head.safetensors).
 
         With create_head=True, `path` may be any causal-LM checkpoint: it is truncated after
         `extraction_layer_index` and given an identity value head (the AR warm start).
+        quant ("4bit" / "8bit") loads the backbone quantised onto `device` (frozen: see nla_shell.quant).
         """
         from transformers import AutoModelForCausalLM
 
@@ -330,7 +338,9 @@ class ARModel(nn.Module):
                 f"ar_ckpt {path} has no {VALUE_HEAD_FILE}: it is not a trained AR. Train one with "
                 "`nla sft --mode ar`, or pass create_head=True to start from an identity head."
             )
-        lm = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        lm = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, **quantization.load_kwargs(quant, dtype=dtype, device=torch.device(device))
+        )
         families.family_of(lm)  # an unsupported architecture stops here, with the supported list
         if extraction_layer_index is not None:
             keep = extraction_layer_index + 1
@@ -349,7 +359,11 @@ class ARModel(nn.Module):
             head.weight.data.copy_(weight)
         else:
             nn.init.eye_(head.weight)
-        return cls(lm, head, mse_scale=mse_scale).to(device)
+        model = cls(lm, head, mse_scale=mse_scale)
+        if quant != "none":  # the quantised backbone is already on its device
+            head.to(device)
+            return model
+        return model.to(device)
 
     def save_pretrained(self, path: str | Path) -> None:
         """A plain HF causal-LM checkpoint of the truncated backbone + value_head.safetensors."""

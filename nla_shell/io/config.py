@@ -198,6 +198,9 @@ class TrainConfig:
     """"auto" (cuda if available, else cpu), "cpu", "cuda" or "cuda:N"."""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """Model dtype; "auto" is bfloat16 on cuda and float32 on cpu."""
+    quant: Literal["none", "4bit", "8bit"] = "none"
+    """Load the AV's frozen base and the (frozen) AR quantised with bitsandbytes (CUDA, engine=hf, pip install
+    'nla[bnb]'); the LoRA trains in `dtype` on top."""
 
     def __post_init__(self) -> None:
         normalize_fields(self)

@@ -33,6 +33,7 @@ from nla_shell.io.sidecars import MODEL_SIDECAR, injection_settings, load_sideca
 from nla_shell.engines.base import Rollout
 from nla_shell.io.logging import make_logger
 from nla_shell.models import ARModel, Injector, load_actor, response_logprobs, trainable_parameters
+from nla_shell.quant import require_quant
 from nla_shell.training.scoring import critic_step
 from nla_shell.training.train import DataOrder, make_optimizer, resolve_device
 from nla_shell.training.update import response_batch
@@ -98,6 +99,9 @@ class SFTConfig:
     """"auto", "cpu", "cuda" or "cuda:N"."""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """Model dtype ("auto": bf16 on cuda, fp32 on cpu); the AR value head stays float32."""
+    quant: Literal["none", "4bit", "8bit"] = "none"
+    """mode=av: load the frozen base quantised with bitsandbytes (CUDA, pip install 'nla[bnb]'); the LoRA trains
+    in `dtype`. mode=ar trains the backbone, so it refuses quantisation."""
 
     def __post_init__(self) -> None:
         normalize_fields(self)
@@ -172,6 +176,7 @@ def sft(cfg: SFTConfig) -> Path:
     """Run (or resume) AV or AR warm-start training; returns the final checkpoint dir."""
     # --- validate every input before anything is written ---------------------------------
     device, dtype = resolve_device(cfg.device, cfg.dtype)
+    require_quant(cfg.quant, device, trains_ar=cfg.mode == "ar")
     model_dir = Path(cfg.model).resolve()
     if (model_dir / "adapter_config.json").exists():
         raise ConfigError(
@@ -220,7 +225,7 @@ def sft(cfg: SFTConfig) -> Path:
     if cfg.mode == "av":
         model = load_actor(
             model_dir, lora_r=cfg.lora_r, lora_alpha=cfg.lora_alpha, use_rslora=cfg.use_rslora,
-            resume_adapter=resume_from, dtype=dtype, device=device,
+            resume_adapter=resume_from, dtype=dtype, device=device, quant=cfg.quant,
         )
         injector = Injector(
             model, marker_id=nla.injection_token_id, left_id=nla.injection_left_neighbor_id,

@@ -38,6 +38,7 @@ from nla_shell.metrics import cjk_fraction, finite_mean
 from nla_shell.models import (
     ARModel, Injector, base_model_dir, eos_token_ids, inner_lm, is_adapter_dir, load_actor, trainable_parameters,
 )
+from nla_shell.quant import require_quant
 from nla_shell.training.scoring import critic_step, score_explanations, shape_rewards
 from nla_shell.training.update import LossOptions, policy_update
 
@@ -176,6 +177,7 @@ def train(cfg: TrainConfig) -> Path:
     rank = distributed.rank_info()
     device, dtype = resolve_device(cfg.device, cfg.dtype, rank)
     families.require_engine(AutoConfig.from_pretrained(base_model_dir(cfg.av_ckpt)), cfg.engine)
+    require_quant(cfg.quant, device, engine=cfg.engine, trains_ar=cfg.train_critic)
     if cfg.engine == "vllm":
         from nla_shell.engines.vllm import require_vllm
 
@@ -207,7 +209,7 @@ def run_ranked(cfg: TrainConfig, rank: RankInfo, device: torch.device, dtype: to
         else []
     )
     eval_prompt_ids = [build_prompt_ids(r.prompt, nla, tokenizer, row=r.index) for r in eval_rows]
-    critic = ARModel.from_pretrained(cfg.ar_ckpt, mse_scale=mse_scale, dtype=dtype, device=device)
+    critic = ARModel.from_pretrained(cfg.ar_ckpt, mse_scale=mse_scale, dtype=dtype, device=device, quant=cfg.quant)
     if critic.lm.config.hidden_size != nla.d_model:
         raise ValueError(f"ar_ckpt has hidden size {critic.lm.config.hidden_size}, the sidecar's d_model is {nla.d_model}")
 
@@ -236,6 +238,7 @@ def run_ranked(cfg: TrainConfig, rank: RankInfo, device: torch.device, dtype: to
         device=device,
         gradient_checkpointing=cfg.gradient_checkpointing,
         merge_sft_adapter=cfg.sft_adapter == "merge",
+        quant=cfg.quant,
     )
     say_actor_start(cfg, actor, continues_sft=continues_sft)
     if nla.injection_token_id >= actor.get_base_model().config.vocab_size:

@@ -169,3 +169,34 @@ def test_pipeline_runs_on_every_family(model_type, family_dir, family_data, tmp_
                      "--n-rows", "3", "--max-new-tokens", "6", "--out-dir", str(tmp_path / "eval"), "device=cpu"]) == 0
     summary = json.loads((tmp_path / "eval" / "eval_summary.json").read_text())
     assert math.isfinite(summary["gold/fve"])
+
+
+# --------------------------------------------------------------------------- quantisation
+
+
+def test_quant_is_refused_on_cpu_before_anything_is_written(family_dir, family_data, tmp_path, capsys):
+    av, data = family_dir("qwen3"), family_data("qwen3")
+    capsys.readouterr()
+    assert cli.main(["train", f"av_ckpt={av}", f"ar_ckpt={av}", f"rl_parquet={data / 'rl.parquet'}",
+                     f"save_dir={tmp_path / 'run'}", "quant=4bit", "device=cpu"]) == 2
+    cfg = fixtures.sft_config("av", av, data, tmp_path / "sft", quant="8bit")
+    assert cli.main(["sft", *_overrides(cfg)]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert len(errors) == 2 and all("'quant'" in e and "needs a CUDA device" in e and "quant=none" in e for e in errors)
+    assert not (tmp_path / "run").exists() and not (tmp_path / "sft").exists()
+
+
+def test_quant_names_each_other_cause():
+    from nla_shell.quant import require_quant
+
+    cuda = torch.device("cuda")
+    require_quant("none", torch.device("cpu"))  # nothing to check
+    with pytest.raises(ValueError, match="works with engine=hf only"):
+        require_quant("4bit", cuda, engine="native")
+    with pytest.raises(ValueError, match="set train_critic=false"):
+        require_quant("8bit", cuda, trains_ar=True)
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError:
+        with pytest.raises(ValueError, match=r"needs bitsandbytes: pip install 'nla\[bnb\]'"):
+            require_quant("4bit", cuda)

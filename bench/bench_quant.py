@@ -1,0 +1,139 @@
+"""quant=4bit / 8bit against bf16: memory, actor step time, and log-prob agreement.
+
+A random Qwen3 at the 8B geometry (or --layers fewer blocks) is saved once to --work, then
+loaded the way the trainer loads it (`models.load_actor` with quant=none | 8bit | 4bit; a
+LoRA r128 with a non-zero B on top). Per mode, on the same synthetic batch (B sequences of
+T tokens with one injection marker each, the last R tokens the "response"):
+
+  load_gib      GPU memory allocated after loading the actor
+  step_s        median seconds of one forward + backward of `models.response_logprobs`
+                (the trainer's fused log-prob path, injection on) over the batch
+  peak_gib      peak GPU memory of those steps
+  logp_max_abs / logp_mean_abs   |logp(mode) - logp(bf16)| over the response tokens
+
+Each mode reports ratios to bf16 from the same run. Needs CUDA and bitsandbytes for the
+quantised modes (pip install 'nla[bnb]'); on CPU, `--modes none --tiny` is a smoke run.
+
+    python bench/bench_quant.py --out bench/quant_h200.json              # H200, 8B geometry
+    python bench/bench_quant.py --layers 8 --out /tmp/quant.json         # quicker, 8 blocks
+    .venv/bin/python bench/bench_quant.py --tiny --modes none            # CPU smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
+
+import torch  # noqa: E402
+
+import synthetic  # noqa: E402
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--modes", default="none,8bit,4bit", help="comma-separated quant modes; none (bf16) first")
+    p.add_argument("--layers", type=int, default=None, help="decoder blocks (default: the 8B model's 36)")
+    p.add_argument("--batch", type=int, default=8, help="sequences per step")
+    p.add_argument("--seq-len", type=int, default=512, help="tokens per sequence")
+    p.add_argument("--response-len", type=int, default=128, help="scored tokens at the end of each sequence")
+    p.add_argument("--steps", type=int, default=5, help="timed steps per mode (after one warm-up)")
+    p.add_argument("--tiny", action="store_true", help="the CPU smoke geometry")
+    p.add_argument("--work", default=None, help="dir for the saved random model (default: a temp dir)")
+    p.add_argument("--out", default=None, help="write the JSON results here")
+    return p.parse_args()
+
+
+def save_random_model(directory: Path, args, device: torch.device) -> tuple[Path, dict]:
+    tokenizer, tokens = synthetic.toy_tokenizer()
+    shape = synthetic.TINY if args.tiny else synthetic.QWEN3_8B
+    config = synthetic.qwen3_config(shape, vocab_size=len(tokenizer), num_layers=args.layers)
+    if not (directory / "config.json").exists():
+        model = synthetic.random_qwen3(config, device=device, dtype=torch.bfloat16)
+        model.save_pretrained(directory)
+        tokenizer.save_pretrained(directory)
+        del model
+    return directory, tokens
+
+
+def batch(args, tokens: dict, *, vocab: int, d_model: int, device: torch.device):
+    """(input_ids [B, T], attention_mask, positions [B, R], targets [B, R], vectors [B, D])."""
+    requests = synthetic.make_requests(args.batch, args.seq_len, d_model, tokens, vocab=vocab)
+    ids = torch.tensor([r.prompt_ids for r in requests], device=device)
+    mask = torch.ones_like(ids)
+    positions = torch.arange(args.seq_len - args.response_len - 1, args.seq_len - 1, device=device).expand(args.batch, -1)
+    targets = ids.gather(1, positions + 1)
+    vectors = torch.stack([r.activation for r in requests]).to(device)
+    return ids, mask, positions, targets, vectors
+
+
+def run_mode(mode: str, model_dir: Path, tokens: dict, args, device: torch.device) -> dict:
+    from nla_shell.models import load_actor, response_logprobs
+
+    torch.manual_seed(0)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    actor = load_actor(model_dir, lora_r=128, lora_alpha=16, use_rslora=True, resume_adapter=None,
+                       dtype=torch.bfloat16, device=device, quant=mode)
+    with torch.no_grad():
+        for name, param in actor.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0.0, 1e-3, generator=torch.Generator(param.device).manual_seed(0))
+    load_gib = torch.cuda.memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
+    injector = synthetic.make_injector(actor, tokens)
+    config = actor.get_base_model().config
+    ids, mask, positions, targets, vectors = batch(args, tokens, vocab=config.vocab_size, d_model=config.hidden_size,
+                                                   device=device)
+    times, logp = [], None
+    for step in range(args.steps + 1):
+        synthetic.sync(device)
+        start = time.perf_counter()
+        with injector.inject(ids, vectors):
+            out = response_logprobs(actor, ids, mask, positions, targets)
+        out.mean().backward()
+        synthetic.sync(device)
+        if step:
+            times.append(time.perf_counter() - start)
+        logp = out.detach().float().cpu()
+        actor.zero_grad(set_to_none=True)
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
+    injector.remove()
+    del actor
+    return {"mode": mode, "load_gib": load_gib, "peak_gib": peak, "step_s": statistics.median(times), "logp": logp}
+
+
+def main() -> None:
+    args = parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    modes = args.modes.split(",")
+    if modes[0] != "none":
+        sys.exit("--modes must start with none: the other modes are compared with bf16")
+    work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="bench_quant_"))
+    model_dir, tokens = save_random_model(work / "model", args, device)
+    results = [run_mode(mode, model_dir, tokens, args, device) for mode in modes]
+    base = results[0]
+    rows = []
+    for r in results:
+        diff = (r["logp"] - base["logp"]).abs()
+        rows.append({
+            "mode": r["mode"], "load_gib": r["load_gib"], "peak_gib": r["peak_gib"], "step_s": r["step_s"],
+            "load_vs_bf16": r["load_gib"] / base["load_gib"], "step_vs_bf16": r["step_s"] / base["step_s"],
+            "logp_max_abs": float(diff.max()), "logp_mean_abs": float(diff.mean()),
+        })
+        print(json.dumps(rows[-1]), flush=True)
+    record = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "args": vars(args),
+              "date": time.strftime("%Y-%m-%d"), "results": rows}
+    if args.out:
+        Path(args.out).write_text(json.dumps(record, indent=2))
+
+
+if __name__ == "__main__":
+    main()

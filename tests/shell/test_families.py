@@ -89,6 +89,16 @@ def test_embedding_scale_and_soft_cap_follow_the_config(family_dir):
                                lm.get_input_embeddings().weight[ids] * families.embedding_scale(lm.config))
 
 
+def test_a_tokenizer_without_pad_pads_with_eos_and_one_without_either_is_refused(tmp_path):
+    bare = family_models.without_pad_token(fixtures.tiny_tokenizer())
+    bare.save_pretrained(tmp_path / "tok")
+    loaded = families.load_tokenizer(tmp_path / "tok")
+    assert loaded.pad_token_id == loaded.eos_token_id == bare.eos_token_id
+    bare.eos_token = None
+    with pytest.raises(ValueError, match="has neither a pad nor an eos token"):
+        families.use_eos_as_pad(bare, source=tmp_path / "tok")
+
+
 # --------------------------------------------------------------------------- engines vs trainer
 
 

@@ -20,7 +20,8 @@ from nla_shell import cli, families
 from nla_shell.engines.base import RolloutRequest
 from nla_shell.engines.hf import HFRolloutEngine
 from nla_shell.engines.native import NativeRolloutEngine
-from nla_shell.io.data import build_prompt_ids, load_rows, load_sidecar
+from nla_shell.io.data import build_prompt_ids, load_rows
+from nla_shell.io.sidecars import load_sidecar
 from nla_shell.models import Injector, inner_lm, load_actor, response_logprobs
 from nla_shell.training.update import response_batch
 

@@ -13,14 +13,15 @@ import torch
 import fixtures
 import qwen_vocab
 from nla_shell import cli
-from nla_shell.io.data import DataError, load_sidecar
+from nla_shell.io.data import DataError
+from nla_shell.io.sidecars import load_sidecar
 from nla_shell.pipeline.datagen import (
     INJECTION_CHAR_CANDIDATES,
     choose_injection_char,
     injection_char_candidates,
     injection_char_problem,
 )
-from nla_shell.toy.builders import DEFAULT_AV_TEMPLATE
+from nla_shell.io.sidecars import DEFAULT_AV_TEMPLATE
 
 SAMPLES = (
     "The cat sat on the mat.  Twice!\n\nIt's 2024, isn't it?",
@@ -53,11 +54,11 @@ def test_qwen_gets_its_injection_char_and_symbols_are_refused_for_merging_with_a
 
     candidates = injection_char_candidates(Qwen3Config())
     assert candidates[0] == "㈎"
-    assert choose_injection_char(qwen3_tokenizer, set(), av_template=DEFAULT_AV_TEMPLATE, candidates=candidates) == "㈎"
+    assert choose_injection_char(qwen3_tokenizer, set(), av_content=DEFAULT_AV_TEMPLATE, candidates=candidates) == "㈎"
     # "at §." tokenizes as "at", " §", ".": the bare "§" token never appears in the prompt.
     assert "merges with its neighbours" in injection_char_problem(qwen3_tokenizer, "§", DEFAULT_AV_TEMPLATE)
     with pytest.raises(DataError) as err:
-        choose_injection_char(qwen3_tokenizer, {"㈎"}, av_template=DEFAULT_AV_TEMPLATE,
+        choose_injection_char(qwen3_tokenizer, {"㈎"}, av_content=DEFAULT_AV_TEMPLATE,
                               candidates="㈎" + INJECTION_CHAR_CANDIDATES[:6])
     message = str(err.value)
     assert "'㈎' occurs in the corpus" in message and "merges with its neighbours in the chat-templated AV prompt" in message

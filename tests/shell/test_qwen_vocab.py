@@ -84,7 +84,7 @@ def test_whole_pipeline_on_a_tiny_qwen3_with_the_real_vocabulary(tmp_path, qwen3
     model = _tiny_qwen3(tmp_path / "qwen3", qwen3_tokenizer)
     corpus = fixtures.write_toy_corpus(tmp_path / "corpus.jsonl", n_docs=20)
     data = tmp_path / "data"
-    assert cli.main(["datagen", f"model={model}", f"corpus={corpus}", "layer=1", f"out_dir={data}",
+    assert cli.main(["datagen", f"model={model}", f"corpus={corpus}", "layer=1", f"out_dir={data}", "explainer=rule",
                      "positions_per_doc=3", "batch_size=10", "device=cpu", "progress=false"]) == 0
     nla = load_sidecar(data / "rl.parquet.nla_meta.yaml")
     assert (nla.injection_char, nla.injection_token_id) == ("㈎", qwen_vocab.QWEN_INJECTION_TOKEN_ID)

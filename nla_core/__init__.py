@@ -1,7 +1,8 @@
 """nla_core: pure tensor functions for NLA training (torch + standard library only).
 
 Advantages, KL estimators, token log-probs, the GRPO/TIS loss, marker injection, weight
-renaming and LoRA merge, reconstruction/reward/FVE math, sidecar parsing and splits.
+renaming and LoRA merge, reconstruction/reward/FVE math, splice vectors, sidecar parsing and
+splits.
 No I/O, no logging, no device synchronisation: usable from any RL loop.
 """
 
@@ -14,7 +15,7 @@ from nla_core.injection import (
     marker_well_formed,
     replace_at_sites,
 )
-from nla_core.kl import kl_k1, kl_k2, kl_k3
+from nla_core.kl import kl_categorical, kl_k1, kl_k2, kl_k3
 from nla_core.logprobs import SampledTokens, sample_tokens, token_logprobs, token_logprobs_from_hidden
 from nla_core.losses import AGGREGATIONS, TIS_MODES, GRPOLossOutput, aggregate_loss, grpo_loss
 from nla_core.reconstruction import (
@@ -38,6 +39,7 @@ from nla_core.sidecar import (
     resolve_target_scale,
     upstream_actor_template,
 )
+from nla_core.splice import denormalize_activation, random_at_same_error
 from nla_core.splits import doc_disjoint_rows
 from nla_core.weights import hf_param_name, layer_buckets, merge_lora_weight
 
@@ -56,6 +58,7 @@ __all__ = [
     "actor_content",
     "aggregate_loss",
     "canonical_neighbors",
+    "denormalize_activation",
     "doc_disjoint_rows",
     "extract_explanation",
     "find_injection_sites",
@@ -66,6 +69,7 @@ __all__ = [
     "hinged_length_penalty",
     "inject_norm_matched",
     "karvonen_inject",
+    "kl_categorical",
     "kl_k1",
     "kl_k2",
     "kl_k3",
@@ -75,6 +79,7 @@ __all__ = [
     "normalize_activation",
     "parse_sidecar",
     "predict_mean_baselines",
+    "random_at_same_error",
     "reconstruction_mse",
     "replace_at_sites",
     "resolve_target_scale",

@@ -47,3 +47,22 @@ def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor, *, clamp: float | None = N
     delta = _delta(logp, ref_logp, clamp)
     # Mathematically >= 0; the clamp removes a possible last-ulp negative from rounding.
     return (torch.expm1(delta) - delta).clamp_min(0.0)
+
+
+def kl_categorical(logits_p: torch.Tensor, logits_q: torch.Tensor) -> torch.Tensor:
+    """Exact KL(p || q) = sum_v p_v (log p_v - log q_v) of two full next-token distributions.
+
+    p = softmax(logits_p), q = softmax(logits_q) over the last dim, in float32 or wider
+    (log_softmax, so large logits do not overflow). Equals sum_v p_v * k3 with k3 at
+    logp = log p, ref_logp = log q; never negative (a last-ulp negative is clamped).
+
+    Args: logits_p, logits_q: [..., V] (same shape). Returns: [...] float32 or wider.
+    """
+    require_floating("logits_p", logits_p)
+    require_floating("logits_q", logits_q)
+    require_same_shape("logits_q", logits_q, "logits_p", logits_p)
+    logp = torch.log_softmax(float32_or_wider(logits_p), dim=-1)
+    logq = torch.log_softmax(float32_or_wider(logits_q), dim=-1)
+    # p_v -> 0 with log p_v -> -inf would give 0 * inf; where() keeps those terms 0.
+    terms = torch.where(logp > -torch.inf, logp.exp() * (logp - logq), torch.zeros_like(logp))
+    return terms.sum(-1).clamp_min(0.0)

@@ -75,7 +75,8 @@ def _eval(args: argparse.Namespace) -> None:
 
     cfg = _load_config(EvalConfig, args)
     result = evaluate(cfg)
-    print(f"[nla eval] wrote {result.out_dir}/eval_samples.jsonl, eval_table.md, eval_summary.json", flush=True)
+    print(f"[nla eval] wrote {result.out_dir}/eval_summary.json, eval_controls.md, eval_samples.jsonl, eval_table.md",
+          flush=True)
 
 
 def _explain(args: argparse.Namespace) -> None:
@@ -109,7 +110,8 @@ CONFIG_COMMANDS: dict[str, tuple[Callable[[argparse.Namespace], None], str, str,
     "sft": (_sft, "nla_shell.pipeline.sft", "SFTConfig",
             "AV (--mode av) or AR (--mode ar) warm start; checkpoints are nla train's av_ckpt / ar_ckpt"),
     "eval": (_eval, "nla_shell.pipeline.evaluate", "EvalConfig",
-             "held-out FVE, reward, extraction rate of an AV+AR (and of the AR on gold explanations)"),
+             "held-out FVE of an AV+AR beside its controls (shuffled vector, gold, mean), FVE by length, "
+             "splice-KL (--model)"),
     "explain": (_explain, "nla_shell.pipeline.explain", "ExplainConfig",
                 "explain the activations of a text at one position (--position) or all (--all)"),
     "export": (_export, "nla_shell.pipeline.export", "ExportConfig",

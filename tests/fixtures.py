@@ -249,3 +249,71 @@ def build_sft_checkpoints(directory: Path, av_dir: Path, data_dir: Path) -> tupl
         sft(sft_config("av", av_dir, data_dir, directory / "av"))
         sft(sft_config("ar", av_dir, data_dir, directory / "ar"))
     return av, ar
+
+
+# --------------------------------------------------------------------------- a toy NLA that learns in seconds
+
+TWO_CONCEPTS = ("cat", "river")
+"""The explanations of the two-concept toy: one short word per concept."""
+
+
+def write_two_concept_split(path: Path, split: str, *, n_rows: int, seed: int, tokenizer=None) -> Path:
+    """A split in datagen's layout (nla_shell.pipeline.datagen.split_schema) whose activations are one
+    of two concepts, +-3 along a fixed unit direction plus N(0, 0.3^2) noise per dim, each explained
+    by its concept's word. The direction is the same for every seed, so all splits share the concepts.
+    """
+    import numpy as np
+
+    from nla_shell.io.sidecars import dataset_sidecar, write_sidecar
+    from nla_shell.pipeline.datagen import split_schema
+
+    tokenizer = tokenizer or tiny_tokenizer()
+    direction = np.random.default_rng(12345).standard_normal(D_MODEL).astype(np.float32)
+    direction /= np.linalg.norm(direction)
+    rng = np.random.default_rng(seed)
+    concepts = np.arange(n_rows) % 2
+    acts = (np.where(concepts[:, None] == 0, 3.0, -3.0) * direction
+            + 0.3 * rng.standard_normal((n_rows, D_MODEL))).astype(np.float32)
+    rows = []
+    for i, concept in enumerate(concepts):
+        word = TWO_CONCEPTS[concept]
+        rows.append({
+            "prompt": toy.DEFAULT_AR_TEMPLATE.format(explanation=word) if split == "ar_sft"
+            else toy.av_prompt_messages(toy.DEFAULT_AV_TEMPLATE),
+            "activation_vector": acts[i].tolist(), "doc_id": f"{split}{i:04d}", "n_raw_tokens": 1,
+            "activation_layer": LAYER_INDEX, "position": 0, "context": "", "explanation": word,
+            # The layout build_trainer_inputs' AV already writes, so SFT only has to teach the word.
+            "response": f"<explanation>{word}</explanation>",
+        })
+    schema = split_schema(split, D_MODEL)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.Table.from_pylist([{k: r[k] for k in schema.names} for r in rows], schema=schema), path)
+    mapping = dataset_sidecar(
+        tokenizer, stage="av_sft" if split == "eval" else split, row_count=n_rows, base_model="toy", d_model=D_MODEL,
+        layer_index=LAYER_INDEX, corpus="two_concepts", positions_per_doc=1, av_content=toy.DEFAULT_AV_TEMPLATE,
+        ar_template=toy.DEFAULT_AR_TEMPLATE, injection_char=toy.DEFAULT_INJECTION_CHAR,
+        provenance={"generator": "tests/fixtures.py two-concept toy", "seed": seed},
+    )
+    write_sidecar(mapping, Path(str(path) + ".nla_meta.yaml"))
+    return Path(path)
+
+
+def build_two_concept_nla(directory: Path, av_dir: Path) -> tuple[Path, Path, Path]:
+    """(AV adapter, AR dir, eval.parquet) of the two-concept toy after 30 SFT steps each, built once.
+
+    av_dir should already write the <explanation> format (build_trainer_inputs' AV), so the
+    LoRA only has to learn which word.
+    The AV learns to name the concept of the injected vector and the AR to map the name back,
+    so the pair explains held-out rows well, and an AV reading the wrong row's vector does not.
+    """
+    from nla_shell.pipeline.sft import sft
+
+    directory = Path(directory)
+    av, ar = directory / "av" / "step_000030", directory / "ar" / "step_000030"
+    if not (ar / "COMPLETE").exists():
+        for split, n_rows, seed in (("av_sft", 64, 1), ("ar_sft", 64, 2), ("eval", 32, 3)):
+            write_two_concept_split(directory / "data" / f"{split}.parquet", split, n_rows=n_rows, seed=seed)
+        settings = dict(num_steps=30, batch_size=16, micro_batch=16, save_every=30, lora_r=8, lora_alpha=8)
+        sft(sft_config("av", av_dir, directory / "data", directory / "av", lr=1e-2, **settings))
+        sft(sft_config("ar", av_dir, directory / "data", directory / "ar", lr=3e-3, **settings))
+    return av, ar, directory / "data" / "eval.parquet"

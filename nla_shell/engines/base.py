@@ -14,6 +14,8 @@ from typing import Protocol, Sequence, runtime_checkable
 
 import torch
 
+import nla_core
+
 
 @dataclass(frozen=True)
 class RolloutRequest:
@@ -66,3 +68,15 @@ class RolloutEngine(Protocol):
     def close(self) -> None:
         """Release the engine's resources."""
         ...
+
+
+def sample_explanations(
+    engine: RolloutEngine, prompt_ids: Sequence[Sequence[int]], vectors: torch.Tensor, *, max_new_tokens: int
+) -> list[str | None]:
+    """One explanation per (prompt, vector): the engine's sample, <explanation> extracted (None when absent).
+
+    Args: prompt_ids: N prompts; vectors: [N, D] injected at each prompt's marker.
+    """
+    requests = [RolloutRequest(tuple(ids), v) for ids, v in zip(prompt_ids, vectors, strict=True)]
+    rollouts = engine.generate(requests, group_size=1, max_new_tokens=max_new_tokens)
+    return [nla_core.extract_explanation(r.text) for r in rollouts]

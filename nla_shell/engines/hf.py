@@ -33,7 +33,7 @@ def trim_at_eos(generated: torch.Tensor, eos_ids: Sequence[int]) -> int:
 
 
 class HFRolloutEngine:
-    """Batched `generate` with the actor: left padding, injection in prefill, temperature 1.
+    """Batched `generate` with the actor: left padding, injection in prefill, temperature 1 (or greedy).
 
     Sampling draws from torch's global RNG (HF `generate` takes no generator), so a seeded
     run is reproducible and resume restores that RNG. A row ends at any id of the actor's
@@ -42,7 +42,8 @@ class HFRolloutEngine:
 
     shares_actor_weights = True
 
-    def __init__(self, actor: torch.nn.Module, injector: Injector, tokenizer, *, max_batch: int = 256) -> None:
+    def __init__(self, actor: torch.nn.Module, injector: Injector, tokenizer, *, max_batch: int = 256,
+                 greedy: bool = False) -> None:
         families.require_engine(actor, "hf")
         self.actor, self.injector, self.tokenizer = actor, injector, tokenizer
         self.max_batch = max_batch
@@ -63,6 +64,10 @@ class HFRolloutEngine:
             return_dict_in_generate=True,
             output_logits=True,
         )
+        if greedy:
+            # Argmax decoding for reading one explanation (`nla explain --greedy`); never for training,
+            # whose importance ratios assume samples from the softmax.
+            self.base_generation.update(do_sample=False, temperature=None, top_k=None, top_p=None, typical_p=None)
 
     @property
     def device(self) -> torch.device:

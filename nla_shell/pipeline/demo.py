@@ -7,17 +7,20 @@ Stages, each timed, all in one run directory:
   2. datagen    — fresh toy documents, residuals at block `layer`, rule explanations;
   3. AR SFT     — the reconstructor on gold explanations;
   4. AV SFT     — the verbaliser's LoRA, the activation injected at the marker;
-  5. eval       — held-out FVE: AR on gold text, AV+AR before SFT, after SFT;
+  5. eval       — held-out FVE: AR on gold text, AV+AR before SFT, after SFT (with the
+                  shuffled-vector control, FVE by explanation length and splice-KL);
   6. RL         — a short GRPO run with `nla train` (HF engine), from the SFT checkpoints;
-  7. eval       — held-out FVE after RL (same rows, same sampling seed);
-  8. plot       — reward / FVE / KL / clip fraction against step.
-The report (stdout and report.md) gives each FVE and each stage's wall time.
+  7. eval       — held-out FVE after RL (same rows, same sampling seed), with the controls;
+  8. plot       — reward / FVE / KL / clip fraction (or extraction rate) against step.
+The report (stdout and report.md) gives each FVE, the controls, splice-KL, FVE by length and
+each stage's wall time.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import platform
 import shutil
@@ -34,6 +37,8 @@ from nla_shell.io.config import ConfigError, TrainConfig, normalize_fields
 from nla_shell.toy.builders import DEFAULT_AV_TEMPLATE, build_tiny_qwen3, save_av_checkpoint, train_tokenizer
 
 RUN_MARKER = "demo_config.json"
+LENGTH_KS = (2, 4, 8)
+"""FVE(k) cut lengths of the demo's evals (the rule's explanations are about 10 tokens)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -241,17 +246,19 @@ def demo(cfg: DemoConfig) -> dict[str, Any]:
             lora_alpha=cfg.lora_r, save_every=cfg.av_steps, log_every=max(1, cfg.av_steps // 6), **common,
         ))
 
-    def run_eval(name: str, av_dir: Path | None) -> dict[str, float]:
+    def run_eval(name: str, av_dir: Path | None, *, controls: bool = False) -> dict[str, float]:
+        """Held-out eval; with controls, also the shuffled-vector control, FVE(k) and splice-KL."""
         return evaluate(EvalConfig(
             av=None if av_dir is None else str(av_dir), ar=str(ar), parquet=str(data.paths["eval"]),
             tokenizer=str(target), out_dir=str(run_dir / "eval" / name), n_rows=cfg.eval_rows,
             max_new_tokens=cfg.max_new_tokens, seed=cfg.seed, device="cpu", dtype="float32",
+            shuffled_control=controls, length_ks=LENGTH_KS if controls else (), model=str(target) if controls else None,
         )).metrics
 
     with _timed("eval before RL", times):
         gold = run_eval("gold", None)
         zero_shot = run_eval("before_sft", target)
-        after_sft = run_eval("after_sft", av)
+        after_sft = run_eval("after_sft", av, controls=True)
 
     with _timed("RL", times):
         n_rl = data.rows["rl"]
@@ -265,7 +272,7 @@ def demo(cfg: DemoConfig) -> dict[str, Any]:
             save_every=cfg.rl_steps, logger=("console",), seed=cfg.seed, device="cpu", dtype="float32",
         ))
     with _timed("eval after RL", times):
-        after_rl = run_eval("after_rl", rl_dir / f"step_{cfg.rl_steps:06d}" / "adapter")
+        after_rl = run_eval("after_rl", rl_dir / f"step_{cfg.rl_steps:06d}" / "adapter", controls=True)
 
     with _timed("plot", times):
         try:
@@ -287,7 +294,20 @@ def demo(cfg: DemoConfig) -> dict[str, Any]:
             "AV+AR before SFT (LM zero-shot)": zero_shot["av/fve"],
             "AV+AR after SFT": after_sft["av/fve"],
             "AV+AR after RL": after_rl["av/fve"],
+            "AV+AR after SFT, AV given a shuffled vector (control)": after_sft.get("shuffled/fve"),
+            "AV+AR after RL, AV given a shuffled vector (control)": after_rl.get("shuffled/fve"),
         },
+        "splice_kl": {
+            "AR on gold explanations": after_rl.get("splice/kl_gold"),
+            "AV+AR after SFT": after_sft.get("splice/kl_av"),
+            "AV+AR after RL": after_rl.get("splice/kl_av"),
+            "random vector at the AV+AR's error (after RL)": after_rl.get("splice/kl_random"),
+            "dataset mean": after_rl.get("splice/kl_mean"),
+        },
+        "fve_by_length": {**{f"first {k} tokens": after_rl.get(f"length/fve_k{k}") for k in LENGTH_KS},
+                          "whole explanation": after_rl["av/fve"]},
+        "explanation_tokens": {"after SFT": after_sft.get("length/tokens_mean"),
+                               "after RL": after_rl.get("length/tokens_mean")},
         "extraction_rate": {"before SFT": zero_shot["av/extraction_rate"], "after SFT": after_sft["av/extraction_rate"],
                             "after RL": after_rl["av/extraction_rate"]},
         "seconds": times,
@@ -303,15 +323,27 @@ def demo(cfg: DemoConfig) -> dict[str, Any]:
 
 
 def format_report(report: Mapping[str, Any]) -> str:
-    """The report as markdown: held-out FVE per stage, extraction rates, wall time per stage."""
+    """The report as markdown: held-out FVE per stage and controls, extraction rates, splice-KL, FVE by length, times."""
     lines = ["# nla demo report", "", f"run dir: `{report['run_dir']}`  ", f"machine: {report['machine']}", "",
              f"Held-out FVE on {report['eval_rows']} rows of documents no stage trained on (rawvar baseline; "
              "failed extractions excluded, see the extraction rate):", "", "| stage | FVE |", "|---|---|"]
-    lines += [f"| {name} | {value:.3f} |" for name, value in report["fve"].items()]
+    lines += [f"| {name} | {_number(value, '.3f')} |" for name, value in report["fve"].items()]
     lines += ["", "Extraction rate: " + ", ".join(f"{k} {v:.0%}" for k, v in report["extraction_rate"].items()), "",
-              "| stage | wall time (s) |", "|---|---|"]
+              "Splice-KL (nats): the reconstruction put back into the LM at the extraction layer, KL of the next "
+              "token against the unmodified run (lower is better):", "", "| reconstruction | splice-KL |", "|---|---|"]
+    lines += [f"| {name} | {_number(value, '.4f')} |" for name, value in report["splice_kl"].items()]
+    lines += ["", "Held-out FVE after RL with each explanation cut to its first k tokens "
+              "(mean length: " + ", ".join(f"{k} {_number(v, '.1f')}" for k, v in report["explanation_tokens"].items())
+              + " tokens):", "", "| explanation | FVE |", "|---|---|"]
+    lines += [f"| {name} | {_number(value, '.3f')} |" for name, value in report["fve_by_length"].items()]
+    lines += ["", "| stage | wall time (s) |", "|---|---|"]
     lines += [f"| {name} | {seconds:.1f} |" for name, seconds in report["seconds"].items()]
     if report.get("curves"):
         lines += ["", f"curves: `{report['curves']}`"]
     lines += ["", "Read your own sentence (the toy's words only):", "", f"    {report['explain']}"]
     return "\n".join(lines) + "\n"
+
+
+def _number(value: float | None, spec: str) -> str:
+    """A report cell: the number, or "n/a" where the stage produced none (e.g. nothing extracted)."""
+    return "n/a" if value is None or not math.isfinite(value) else format(value, spec)

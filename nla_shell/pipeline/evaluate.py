@@ -1,38 +1,60 @@
-"""`nla eval`: held-out FVE, reward and extraction rate of an AV+AR pair (and of the AR on gold text).
+"""`nla eval`: held-out FVE of an AV+AR pair, with the controls, length curve and splice-KL that keep it honest.
 
 The AV writes one explanation per held-out row (temperature 1, seeded, so two checkpoints
-evaluated with the same seed see the same random stream); the AR reconstructs the
-activation from it; FVE = 1 - mean MSE / the predict-the-mean MSE of these rows' own
-activations ("rawvar", the paper's baseline; "meannorm" the older one). When the parquet
-has an `explanation` column (datagen's eval split), the AR is also scored on those gold
-explanations: the ceiling the AV is chasing. Writes `eval_samples.jsonl` (one object per
-row), `eval_table.md` (the first rows as a markdown table) and `eval_summary.json`.
+evaluated with the same seed see the same random stream; or greedy); the AR reconstructs the
+activation from it. The numbers (README "What `nla eval` reports" defines each key):
+
+- FVE = 1 - mean MSE / the predict-the-mean MSE of these rows' own normalised activations
+  ("rawvar", the headline) and / the MSE of the mean put back at the norm ("meannorm",
+  looser, beside it). Failed extractions are excluded from the MSE and counted in the
+  extraction rate.
+- Controls, in one table (eval_controls.md): the AV given another row's vector, scored
+  against the true row (FVE should collapse); the AR on the gold explanation (the ceiling,
+  when the parquet has an `explanation` column); the dataset mean (the floor, FVE 0).
+- Length: the AV's explanation lengths in tokens, and FVE(k) with each explanation cut to
+  its first k tokens before the AR.
+- Splice-KL (needs `model`, the target LM): the reconstruction, put back at the
+  activation's norm into the LM's residual stream at the extraction layer and position,
+  moves the next-token distribution by KL(clean || spliced); beside it the same for a
+  random vector with exactly the AV's error, and for the dataset mean.
+
+Writes eval_samples.jsonl (one object per row), eval_table.md (the first rows),
+eval_controls.md and eval_summary.json (every number, and the AV, AR, parquet, sidecar and
+model it scored). An out_dir that holds anything is refused unless overwrite.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal, Sequence
 
+import numpy as np
 import pyarrow.parquet as pq
 import torch
 
 import nla_core
 from nla_shell import families
+from nla_shell.engines.base import sample_explanations
+from nla_shell.engines.hf import HFRolloutEngine
 from nla_shell.io.config import ConfigError, normalize_fields
 from nla_shell.io.data import DataError, RLRow, build_prompt_ids, check_tokenizer, stream_rows
-from nla_shell.io.sidecars import injection_settings, load_sidecar
-from nla_shell.engines.hf import HFRolloutEngine
-from nla_shell.metrics import finite_mean
-from nla_shell.models import ARModel, Injector, base_model_dir, load_actor
-from nla_shell.training.scoring import score_explanations
-from nla_shell.training.train import evaluate_rows, resolve_device
+from nla_shell.io.sidecars import MODEL_SIDECAR, find_sidecar, injection_settings, load_sidecar
+from nla_shell.metrics import finite_mean, fve_metrics, token_lengths
+from nla_shell.models import ARModel, Injector, ar_predict, base_model_dir, load_actor
+from nla_shell.pipeline.splice import splice_kl
+from nla_shell.training.scoring import Scores, score_explanations
+from nla_shell.training.train import resolve_device
 
 OPTIONAL_COLUMNS = ("position", "context", "explanation")
-"""Read when present: they label the samples, and `explanation` enables the gold-AR score."""
+"""Read when present: they label the samples; `explanation` enables the gold-AR score, `context` splice-KL."""
+OUTPUT_FILES = ("eval_samples.jsonl", "eval_table.md", "eval_controls.md", "eval_summary.json")
+"""What `nla eval` writes into out_dir (and, with overwrite, replaces)."""
+MIN_RESIDUAL_COSINE = 0.99
+"""Splice-KL refuses a model whose residuals at the splice sites differ more than this from the parquet's."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -44,9 +66,13 @@ class EvalConfig:
     parquet: str
     """Held-out rows (e.g. datagen's eval.parquet); the first n_rows are used."""
     out_dir: str
-    """Where eval_samples.jsonl, eval_table.md and eval_summary.json go."""
+    """Where eval_samples.jsonl, eval_table.md, eval_controls.md and eval_summary.json go; must be new or empty."""
+    overwrite: bool = False
+    """Write into an out_dir that already holds files (eval's own files there are replaced)."""
     av: str | None = None
     """AV: an adapter dir (SFT or an RL checkpoint's adapter/) or a full checkpoint; None scores gold text only."""
+    model: str | None = None
+    """Target LM (HF checkpoint dir) for splice-KL; None skips splice-KL. Needs the parquet's `context` column."""
     sidecar: str | None = None
     """Dataset sidecar; None finds `<parquet>.nla_meta.yaml`."""
     tokenizer: str | None = None
@@ -58,11 +84,17 @@ class EvalConfig:
     max_explanation_tokens: int = 1024
     """AR inputs longer than this count as failed extractions (as in training)."""
     micro_batch: int = 64
-    """Explanations per AR forward."""
+    """Explanations per AR forward, and contexts per splice-KL forward."""
     reward: Literal["neg_log", "neg"] = "neg_log"
     """Reward from MSE, as in training."""
+    shuffled_control: bool = True
+    """Also run the AV on a shuffled vector (another row's), scored against the true row (one more AV pass)."""
+    length_ks: tuple[int, ...] = (8, 16, 32)
+    """FVE(k): each AV explanation cut to its first k tokens before the AR; empty skips the curve."""
+    greedy: bool = False
+    """Argmax decoding instead of sampling at temperature 1 (the RL samples' distribution)."""
     seed: int = 0
-    """Seed of the AV's sampling."""
+    """Seed of the AV's sampling, the shuffle and splice-KL's random reference."""
     table_rows: int = 12
     """Rows shown in eval_table.md."""
     device: str = "auto"
@@ -77,12 +109,14 @@ class EvalConfig:
                 raise ConfigError(f"config key '{key}' = {getattr(self, key)!r} is invalid: use an integer >= 1")
         if self.table_rows < 0:
             raise ConfigError(f"config key 'table_rows' = {self.table_rows} is invalid: use an integer >= 0")
+        if any(k < 1 for k in self.length_ks):
+            raise ConfigError(f"config key 'length_ks' = {list(self.length_ks)} is invalid: use token counts >= 1")
 
 
 @dataclass(frozen=True)
 class EvalResult:
     metrics: dict[str, float]
-    """"av/…" (when an AV was given), "gold/…" (when the parquet has explanations), baselines, n_rows."""
+    """Flat numbers: "av/…", "gold/…", "shuffled/…", "length/…", "splice/…", baselines, n_rows."""
     samples: list[dict[str, Any]]
     """One object per row, as in eval_samples.jsonl."""
     out_dir: Path
@@ -107,31 +141,20 @@ def load_av(av: str | Path, *, dtype: torch.dtype, device: torch.device) -> torc
     return actor.eval()
 
 
-class _TableCollector:
-    """A Logger that keeps the tables logged to it (evaluate_rows reports samples that way)."""
-
-    def __init__(self) -> None:
-        self.tables: dict[str, list[dict[str, Any]]] = {}
-
-    def log(self, step: int, record) -> None:
-        pass
-
-    def log_table(self, name: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
-        self.tables.setdefault(name, []).extend(dict(zip(columns, row)) for row in rows)
-
-    def close(self) -> None:
-        pass
-
-
 def evaluate(cfg: EvalConfig) -> EvalResult:
-    """Score the AV+AR (and the AR on gold explanations) on held-out rows; write the reports."""
-    # --- inputs ----------------------------------------------------------------------------
+    """Score the AV+AR, its controls, its length curve and splice-KL on held-out rows; write the reports."""
+    # --- inputs (the out_dir first: a refused run loads nothing) -----------------------------
+    out_dir = check_out_dir(cfg.out_dir, overwrite=cfg.overwrite)
     device, dtype = resolve_device(cfg.device, cfg.dtype)
     tokenizer = families.load_tokenizer(cfg.tokenizer or tokenizer_dir(cfg.av, cfg.ar))
-    nla = load_sidecar(cfg.sidecar or cfg.parquet)
+    sidecar_path = find_sidecar(cfg.sidecar or cfg.parquet)
+    nla = load_sidecar(sidecar_path)
     check_tokenizer(nla, tokenizer)
     mse_scale = nla_core.resolve_target_scale(nla.mse_scale, nla.d_model)
     present = set(pq.ParquetFile(cfg.parquet).schema_arrow.names)
+    if cfg.model is not None and "context" not in present:
+        raise DataError(f"parquet: {cfg.parquet} has no 'context' column, which splice-KL (model=) needs to rerun "
+                        "the LM; use a datagen parquet, or leave model unset")
     rows: list[RLRow] = list(stream_rows(
         cfg.parquet, nla, stop=cfg.n_rows, extra_columns=[c for c in OPTIONAL_COLUMNS if c in present]
     ))
@@ -149,48 +172,300 @@ def evaluate(cfg: EvalConfig) -> EvalResult:
          "gold_explanation": r.extras.get("explanation")}
         for i, r in enumerate(rows)
     ]
+    scored: dict[str, Scores] = {}  # "av", "gold": the reconstructions splice-KL puts back
 
-    # --- the AR on gold explanations --------------------------------------------------------
+    # --- the AR on gold explanations (the ceiling) --------------------------------------------
     if "explanation" in present:
-        gold = score_explanations(critic, tokenizer, [r.extras["explanation"] for r in rows], golds, **score_kwargs)
-        gold_mse = finite_mean(gold.mse)
-        metrics.update({"gold/mse_mean": gold_mse, "gold/fve": nla_core.fve(gold_mse, rawvar),
-                        "gold/fve_meannorm": nla_core.fve(gold_mse, meannorm),
-                        "gold/reward_mean": float(gold.reward.mean())})
+        scored["gold"] = gold = score_explanations(critic, tokenizer, [r.extras["explanation"] for r in rows], golds,
+                                                   **score_kwargs)
+        metrics.update(fve_metrics(gold.mse, gold.reward, gold.valid, rawvar=rawvar, meannorm=meannorm, prefix="gold/"))
         for sample, mse in zip(samples, gold.mse.tolist()):
             sample.update(gold_mse=_finite_or_none(mse), gold_fve=_finite_or_none(nla_core.fve(mse, rawvar)))
 
-    # --- the AV's explanations, scored by the AR --------------------------------------------
+    # --- the AV's explanations (their lengths, FVE(k)) and the shuffled-vector control -------
     if cfg.av is not None:
-        actor = load_av(cfg.av, dtype=dtype, device=device)
-        style, injection_norm = injection_settings(nla, av_dir=cfg.av)
-        injector = Injector(actor, marker_id=nla.injection_token_id, left_id=nla.injection_left_neighbor_id,
-                            right_id=nla.injection_right_neighbor_id, style=style, injection_norm=injection_norm)
-        prompt_ids = [build_prompt_ids(r.prompt, nla, tokenizer, row=r.index) for r in rows]
-        collector = _TableCollector()
-        torch.manual_seed(cfg.seed)
-        result = evaluate_rows(
-            HFRolloutEngine(actor, injector, tokenizer), critic, tokenizer, rows, prompt_ids, logger=collector,
-            step=0, max_new_tokens=cfg.max_new_tokens, rawvar=rawvar, meannorm=meannorm, score_kwargs=score_kwargs,
+        av_metrics, scored["av"] = score_av(cfg, nla, rows, golds, critic, tokenizer, samples, rawvar=rawvar,
+                                            meannorm=meannorm, score_kwargs=score_kwargs, dtype=dtype, device=device)
+        metrics.update(av_metrics)
+
+    # --- splice-KL: the reconstructions back in the target LM ---------------------------------
+    if cfg.model is not None:
+        predictions = {name: reconstructions(critic, s, pad_id=tokenizer.pad_token_id, micro_batch=cfg.micro_batch)
+                       for name, s in scored.items()}
+        splice_metrics, per_row = splice_kl_metrics(
+            cfg, rows, golds, predictions, mean_u=nla_core.normalize_activation(golds.double(), mse_scale).mean(0),
+            layer=nla.extraction_layer_index, d_model=nla.d_model, mse_scale=mse_scale, device=device, dtype=dtype,
         )
-        metrics.update({k.replace("eval/", "av/"): v for k, v in result.items()})
-        for sample, scored in zip(samples, collector.tables["eval_samples"]):
-            sample.update(explanation=scored["explanation"] if scored["extracted"] else None,
-                          reward=scored["reward"], mse=_finite_or_none(scored["mse"]),
-                          fve=_finite_or_none(scored["fve"]))
+        metrics.update(splice_metrics)
+        for sample, kls in zip(samples, per_row):
+            sample.update({f"splice_kl_{name}": value for name, value in kls.items()})
 
     # --- reports ----------------------------------------------------------------------------
-    out_dir = Path(cfg.out_dir)
+    controls = controls_table(metrics)
+    write_reports(out_dir, samples, metrics, controls, table_rows=cfg.table_rows,
+                  provenance=provenance(cfg, sidecar_path, nla))
+    print(controls, flush=True)
+    if "length/tokens_mean" in metrics:
+        print("[eval] explanation tokens: mean {:.1f}, p10 {:.0f}, p50 {:.0f}, p90 {:.0f}, max {:.0f}; ".format(
+            *(metrics[f"length/tokens_{q}"] for q in ("mean", "p10", "p50", "p90", "max")))
+            + ", ".join(f"FVE(k={k}) {metrics[f'length/fve_k{k}']:.4f}" for k in cfg.length_ks), flush=True)
+    return EvalResult(metrics, samples, out_dir)
+
+
+def score_av(
+    cfg: EvalConfig,
+    nla: nla_core.NLAConfig,
+    rows: Sequence[RLRow],
+    golds: torch.Tensor,
+    critic: ARModel,
+    tokenizer,
+    samples: list[dict[str, Any]],
+    *,
+    rawvar: float,
+    meannorm: float,
+    score_kwargs: dict[str, Any],
+    dtype: torch.dtype,
+    device: torch.device,
+) -> tuple[dict[str, float], Scores]:
+    """The AV's explanations scored by the AR ("av/…", "length/…") and, unless disabled, the AV given a
+    shuffled vector scored against the true row ("shuffled/…"). Adds each row's results to its sample."""
+    actor = load_av(cfg.av, dtype=dtype, device=device)
+    style, injection_norm = injection_settings(nla, av_dir=cfg.av)
+    injector = Injector(actor, marker_id=nla.injection_token_id, left_id=nla.injection_left_neighbor_id,
+                        right_id=nla.injection_right_neighbor_id, style=style, injection_norm=injection_norm)
+    engine = HFRolloutEngine(actor, injector, tokenizer, greedy=cfg.greedy)
+    prompt_ids = [build_prompt_ids(r.prompt, nla, tokenizer, row=r.index) for r in rows]
+    torch.manual_seed(cfg.seed)
+    explanations = sample_explanations(engine, prompt_ids, golds, max_new_tokens=cfg.max_new_tokens)
+    av = score_explanations(critic, tokenizer, explanations, golds, **score_kwargs)
+    metrics = fve_metrics(av.mse, av.reward, av.valid, rawvar=rawvar, meannorm=meannorm, prefix="av/")
+    lengths = token_lengths(explanations, tokenizer)
+    metrics.update(length_curve(critic, tokenizer, explanations, lengths, golds, ks=cfg.length_ks, rawvar=rawvar,
+                                score_kwargs=score_kwargs))
+    for sample, text, n, reward, mse in zip(samples, explanations, lengths, av.reward.tolist(), av.mse.tolist()):
+        sample.update(explanation=text, explanation_tokens=n, reward=reward, mse=_finite_or_none(mse),
+                      fve=_finite_or_none(nla_core.fve(mse, rawvar)))
+
+    # --- control: the AV reads another row's vector; scored against the true row ------------
+    if cfg.shuffled_control and len(rows) > 1:
+        source = shuffled_sources(len(rows), seed=cfg.seed)
+        shuffled_texts = sample_explanations(engine, prompt_ids, golds[source], max_new_tokens=cfg.max_new_tokens)
+        shuffled = score_explanations(critic, tokenizer, shuffled_texts, golds, **score_kwargs)
+        metrics.update(fve_metrics(shuffled.mse, shuffled.reward, shuffled.valid, rawvar=rawvar, meannorm=meannorm,
+                                   prefix="shuffled/"))
+        for sample, j, text, mse in zip(samples, source.tolist(), shuffled_texts, shuffled.mse.tolist()):
+            sample.update(shuffled_from=j, shuffled_explanation=text,
+                          shuffled_fve=_finite_or_none(nla_core.fve(mse, rawvar)))
+    injector.remove()
+    return metrics, av
+
+
+# --------------------------------------------------------------------------- pieces
+
+
+def check_out_dir(out_dir: str | Path, *, overwrite: bool) -> Path:
+    """out_dir when it is new, empty, or overwrite is set; a ConfigError naming the fix otherwise."""
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ConfigError(f"config key 'out_dir' = {str(out_dir)!r} is a file; choose a directory")
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:
+        raise ConfigError(f"config key 'out_dir' = {str(out_dir)!r} already exists and is not empty; choose another "
+                          "out_dir or pass --overwrite")
+    return out_dir
+
+
+def shuffled_sources(n: int, *, seed: int) -> torch.Tensor:
+    """[n] int64: row i reads row source[i]'s vector, never its own (a seeded cyclic derangement, n >= 2)."""
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
+    source = torch.empty(n, dtype=torch.long)
+    source[order] = order.roll(-1)
+    return source
+
+
+def truncate_tokens(text: str | None, tokenizer, k: int) -> str | None:
+    """text cut to its first k tokens (decoded); text itself when it has k or fewer, None stays None."""
+    if text is None:
+        return None
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    return text if len(ids) <= k else tokenizer.decode(ids[:k])
+
+
+def length_curve(critic: ARModel, tokenizer, explanations: Sequence[str | None], lengths: Sequence[int | None],
+                 golds: torch.Tensor, *, ks: Sequence[int], rawvar: float, score_kwargs: dict[str, Any]) -> dict[str, float]:
+    """Length distribution of the extracted explanations and FVE(k) of each cut to k tokens.
+
+    length/tokens_{mean,p10,p50,p90,max}; length/fve_k{k} = 1 - mean MSE(AR(cut_k(e)), h) / rawvar
+    (failed extractions excluded, as in av/fve, so k >= every length gives av/fve);
+    length/truncated_frac_k{k}: share of the extracted explanations longer than k.
+    """
+    known = np.array([n for n in lengths if n is not None], dtype=np.float64)
+    if known.size == 0:
+        return {}
+    metrics = {"length/tokens_mean": float(known.mean()), "length/tokens_max": float(known.max()),
+               **{f"length/tokens_p{q}": float(np.percentile(known, q)) for q in (10, 50, 90)}}
+    for k in ks:
+        cut = score_explanations(critic, tokenizer, [truncate_tokens(e, tokenizer, k) for e in explanations], golds,
+                                 **score_kwargs)
+        metrics[f"length/fve_k{k}"] = nla_core.fve(finite_mean(cut.mse), rawvar)
+        metrics[f"length/truncated_frac_k{k}"] = float((known > k).mean())
+    return metrics
+
+
+def reconstructions(critic: ARModel, scores: Scores, *, pad_id: int, micro_batch: int) -> torch.Tensor:
+    """[N, D] float32 AR predictions of the scored explanations; NaN rows where scoring failed."""
+    keep = [i for i, ids in enumerate(scores.ar_inputs) if ids is not None]
+    out = torch.full((len(scores.ar_inputs), critic.value_head.in_features), math.nan)
+    if keep:
+        out[keep] = ar_predict(critic, [scores.ar_inputs[i] for i in keep], pad_id=pad_id, micro_batch=micro_batch,
+                               device=critic.value_head.weight.device).cpu()
+    return out
+
+
+def splice_kl_metrics(
+    cfg: EvalConfig,
+    rows: Sequence[RLRow],
+    golds: torch.Tensor,
+    predictions: dict[str, torch.Tensor],
+    *,
+    mean_u: torch.Tensor,
+    layer: int,
+    d_model: int,
+    mse_scale: float | None,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> tuple[dict[str, float], list[dict[str, float]]]:
+    """Splice-KL of each reconstruction and of its two references, on rows whose context re-encodes to the site.
+
+    Spliced: denormalize(normalize(pred)) for "av" and "gold"; "random": random_at_same_error
+    of the AV's (else the gold's) reconstruction; "mean": denormalize(mean_u). splice/kl_{name}
+    is the mean KL in nats over the rows whose context re-encodes to the site and whose AV (else
+    gold) explanation scored (splice/n_rows of them); splice/kl_av_over_random
+    how many times the AV's error hurts more than a random one of the same size.
+    Returns (metrics, per-row {name: kl} for every row, empty where not spliced).
+    """
+    from transformers import AutoModelForCausalLM
+
+    target_tokenizer = families.load_tokenizer(cfg.model)
+    model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=dtype).to(device).eval()
+    if model.config.hidden_size != d_model or layer >= model.config.num_hidden_layers:
+        raise DataError(f"model: {cfg.model} (hidden size {model.config.hidden_size}, {model.config.num_hidden_layers} "
+                        f"blocks) cannot be the LM of this data (d_model {d_model}, layer {layer}); pass the datagen model")
+    contexts = [target_tokenizer.encode(r.extras["context"], add_special_tokens=False) for r in rows]
+    primary = "av" if "av" in predictions else "gold" if "gold" in predictions else None
+    # A context whose re-encoding is not the tokens datagen read would splice at another site.
+    keep = [i for i, (r, ids) in enumerate(zip(rows, contexts))
+            if ids and r.extras.get("position") in (None, len(ids) - 1)
+            and (primary is None or bool(torch.isfinite(predictions[primary][i]).all()))]
+    if not keep:
+        return {"splice/n_rows": 0}, [{} for _ in rows]
+    gold = golds[keep].double()
+    # A reconstruction that failed where the primary one scored (gold text too long, say) splices gold itself
+    # and is reported as NaN for that row.
+    failed = {name: ~torch.isfinite(p[keep]).all(-1) for name, p in predictions.items()}
+    replacements = {name: nla_core.denormalize_activation(
+        nla_core.normalize_activation(torch.where(failed[name].unsqueeze(-1), gold, p[keep].double()), mse_scale),
+        gold, scale=mse_scale) for name, p in predictions.items()}
+    noise = torch.randn(gold.shape, generator=torch.Generator().manual_seed(cfg.seed), dtype=torch.float64)
+    if primary is not None:
+        replacements["random"] = nla_core.random_at_same_error(gold, replacements[primary], noise, scale=mse_scale)
+    replacements["mean"] = nla_core.denormalize_activation(mean_u.expand_as(gold), gold, scale=mse_scale)
+    pad_id = target_tokenizer.pad_token_id if target_tokenizer.pad_token_id is not None else 0  # masked: any id
+    result = splice_kl(model, [contexts[i] for i in keep], {k: v.float() for k, v in replacements.items()},
+                       layer=layer, pad_id=pad_id, micro_batch=cfg.micro_batch)
+    cosine = torch.nn.functional.cosine_similarity(result.resid.double(), gold, dim=-1)
+    if float(cosine.median()) < MIN_RESIDUAL_COSINE:
+        raise DataError(f"model: {cfg.model} does not reproduce the activations of {cfg.parquet} at layer {layer} "
+                        f"(median cosine {float(cosine.median()):.3f}); pass the model datagen read")
+    kls = {name: torch.where(failed[name], math.nan, kl) if name in failed else kl for name, kl in result.kl.items()}
+    metrics = {"splice/n_rows": len(keep), "splice/resid_cosine_min": float(cosine.min()),
+               **{f"splice/kl_{name}": finite_mean(kl) for name, kl in kls.items()}}
+    if "av" in result.kl:
+        metrics["splice/kl_av_over_random"] = metrics["splice/kl_av"] / max(metrics["splice/kl_random"], 1e-12)
+    per_row: list[dict[str, float]] = [{} for _ in rows]
+    for j, i in enumerate(keep):
+        per_row[i] = {name: _finite_or_none(float(kl[j])) for name, kl in kls.items()}
+    return metrics, per_row
+
+
+CONTROL_ROWS: tuple[tuple[str, str | None], ...] = (
+    ("AV+AR", "av"),
+    ("AV on a shuffled vector, scored against the true row (control)", "shuffled"),
+    ("random vector at the AV+AR's error (splice reference)", None),
+    ("AR on the gold explanation (ceiling)", "gold"),
+    ("dataset mean (floor)", None),
+)
+"""(row title, metrics prefix or None) of eval_controls.md."""
+
+
+def controls_table(metrics: dict[str, float]) -> str:
+    """The controls in one markdown table: FVE under both baselines, MSE, extraction rate, splice-KL."""
+    def cell(key: str | None, fmt: str = "{:.4f}") -> str:
+        value = metrics.get(key) if key is not None else None
+        return "—" if value is None or (isinstance(value, float) and not math.isfinite(value)) else fmt.format(value)
+
+    rawvar, meannorm = metrics["baseline_rawvar"], metrics["baseline_meannorm"]
+    lines = [f"Held-out controls on {metrics['n_rows']} rows (FVE: 1 - MSE / baseline; rawvar {rawvar:.4g} is the "
+             f"headline, meannorm {meannorm:.4g} beside it; splice-KL in nats):", "",
+             "| | FVE (rawvar) | FVE (meannorm) | MSE | extraction rate | splice-KL |", "|---|---|---|---|---|---|"]
+    for title, prefix in CONTROL_ROWS:
+        if prefix is not None:
+            if f"{prefix}/fve" not in metrics:
+                continue
+            row = [cell(f"{prefix}/fve"), cell(f"{prefix}/fve_meannorm"), cell(f"{prefix}/mse_mean"),
+                   cell(f"{prefix}/extraction_rate", "{:.0%}"), cell(f"splice/kl_{prefix}")]
+        elif title.startswith("random"):
+            if "splice/kl_random" not in metrics:
+                continue
+            source = "av" if "splice/kl_av" in metrics else "gold"
+            row = [cell(f"{source}/fve"), cell(f"{source}/fve_meannorm"), cell(f"{source}/mse_mean"), "—",
+                   cell("splice/kl_random")]
+        else:
+            # Predicting the mean scores the rawvar baseline by definition: FVE 0 against it.
+            row = ["0.0000", f"{1.0 - rawvar / meannorm:.4f}", f"{rawvar:.4f}", "—", cell("splice/kl_mean")]
+        lines.append(f"| {title} | " + " | ".join(row) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def provenance(cfg: EvalConfig, sidecar_path: Path, nla: nla_core.NLAConfig) -> dict[str, Any]:
+    """What was scored: resolved paths of the AV, AR, parquet and model; sidecar hashes and identity; the config."""
+    def artefact(path: str | None) -> dict[str, Any] | None:
+        if path is None:
+            return None
+        meta = Path(path) / MODEL_SIDECAR
+        return {"path": str(Path(path).resolve()), "sidecar": str(meta.resolve()) if meta.is_file() else None,
+                "sidecar_sha256": _sha256(meta) if meta.is_file() else None}
+
+    parquet = Path(cfg.parquet)
+    return {
+        "av": artefact(cfg.av),
+        "ar": artefact(cfg.ar),
+        "model": None if cfg.model is None else str(Path(cfg.model).resolve()),
+        "parquet": {"path": str(parquet.resolve()), "bytes": parquet.stat().st_size,
+                    "rows": pq.ParquetFile(parquet).metadata.num_rows},
+        "sidecar": {"path": str(sidecar_path.resolve()), "sha256": _sha256(sidecar_path), "d_model": nla.d_model,
+                    "extraction_layer_index": nla.extraction_layer_index, "injection_char": nla.injection_char,
+                    "injection_token_id": nla.injection_token_id, "mse_scale": nla.mse_scale},
+        "config": {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(cfg).items()},
+    }
+
+
+def write_reports(out_dir: Path, samples: Sequence[dict[str, Any]], metrics: dict[str, float], controls: str, *,
+                  table_rows: int, provenance: dict[str, Any]) -> None:
+    """eval_samples.jsonl, eval_table.md, eval_controls.md, eval_summary.json (earlier ones replaced)."""
     out_dir.mkdir(parents=True, exist_ok=True)
+    for name in OUTPUT_FILES:
+        (out_dir / name).unlink(missing_ok=True)
     with (out_dir / "eval_samples.jsonl").open("w", encoding="utf-8") as f:
         for sample in samples:
             f.write(json.dumps(sample, ensure_ascii=False) + "\n")
-    (out_dir / "eval_table.md").write_text(markdown_table(samples[: cfg.table_rows]), encoding="utf-8")
-    summary = {k: _finite_or_none(v) for k, v in metrics.items()}
-    (out_dir / "eval_summary.json").write_text(json.dumps(summary, indent=2), encoding="utf-8")
-    print("[eval] " + " | ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items()),
-          flush=True)
-    return EvalResult(metrics, samples, out_dir)
+    (out_dir / "eval_table.md").write_text(markdown_table(samples[:table_rows]), encoding="utf-8")
+    (out_dir / "eval_controls.md").write_text(controls, encoding="utf-8")
+    summary = {**{k: _finite_or_none(v) for k, v in metrics.items()}, "provenance": provenance}
+    (out_dir / "eval_summary.json").write_text(json.dumps(summary, indent=2, ensure_ascii=False), encoding="utf-8")
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def markdown_table(samples: Sequence[dict[str, Any]], *, context_chars: int = 40) -> str:

@@ -1,17 +1,20 @@
 """`nla explain`: read a text's activations with the target LM, explain them with the AV, rebuild them with the AR.
 
 For each position asked, the residual at the sidecar's extraction layer is captured
-exactly as datagen does, the AV writes one explanation (temperature 1, seeded), and the
-AR's reconstruction from that explanation gives the MSE and the FVE against the
+exactly as datagen does, the AV writes one explanation (temperature 1, seeded, or greedy),
+and the AR's reconstruction from that explanation gives the MSE and the FVE against the
 predict-the-mean baseline stored by `nla sft` in the AR's (or AV's) `nla_meta.yaml`.
+A position with fewer tokens before it than datagen's `min_context` (from the provenance of
+the datasets the AV was trained on) is flagged: the AV was never trained on one.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Mapping
 
 import torch
 
@@ -20,7 +23,7 @@ from nla_shell import families
 from nla_shell.io.config import ConfigError, normalize_fields
 from nla_shell.io.data import DataError, av_prompt_messages, build_prompt_ids, check_tokenizer
 from nla_shell.io.sidecars import MODEL_SIDECAR, injection_settings, load_sidecar, read_sidecar
-from nla_shell.pipeline.datagen import capture_activations
+from nla_shell.pipeline.datagen import DatagenConfig, capture_activations
 from nla_shell.engines.base import RolloutRequest
 from nla_shell.engines.hf import HFRolloutEngine
 from nla_shell.pipeline.evaluate import load_av, tokenizer_dir
@@ -49,6 +52,8 @@ class ExplainConfig:
     """Sidecar; None reads nla_meta.yaml from the AV dir, else from the AR dir."""
     max_new_tokens: int = 64
     """Longest explanation, in tokens."""
+    greedy: bool = False
+    """Argmax decoding instead of sampling at temperature 1 (then seed does not matter)."""
     seed: int = 0
     """Seed of the AV's sampling."""
     device: str = "auto"
@@ -71,6 +76,22 @@ def _model_sidecar_path(cfg: ExplainConfig) -> Path:
     raise DataError(f"sidecar: no {MODEL_SIDECAR} in {cfg.av} or {cfg.ar}; pass sidecar= the dataset's sidecar")
 
 
+def trained_min_context(sidecar: Mapping[str, Any]) -> tuple[int, bool]:
+    """(min_context, recorded): datagen's value from the provenance of this sidecar (a dataset's) or of
+    the datasets a model sidecar lists under `trained_on`; else datagen's default with recorded=False."""
+    sources = [sidecar]
+    for parquet in sidecar.get("trained_on") or []:
+        try:
+            sources.append(read_sidecar(parquet)[1])
+        except DataError:  # the training data moved or is gone: fall back to the default
+            continue
+    for source in sources:
+        min_context = (source.get("provenance") or {}).get("min_context")
+        if isinstance(min_context, int):
+            return min_context, True
+    return {f.name: f.default for f in dataclasses.fields(DatagenConfig)}["min_context"], False
+
+
 def explain(cfg: ExplainConfig) -> list[dict[str, Any]]:
     """Explain the asked positions of cfg.text; prints one block per position and returns them as dicts."""
     from transformers import AutoModelForCausalLM
@@ -78,7 +99,9 @@ def explain(cfg: ExplainConfig) -> list[dict[str, Any]]:
     device, dtype = resolve_device(cfg.device, cfg.dtype)
     sidecar_path = _model_sidecar_path(cfg)
     nla = load_sidecar(sidecar_path)
-    rawvar = (read_sidecar(sidecar_path)[1].get("baselines") or {}).get("rawvar")
+    meta = read_sidecar(sidecar_path)[1]
+    rawvar = (meta.get("baselines") or {}).get("rawvar")
+    min_context, recorded = trained_min_context(meta)
     target_tokenizer = families.load_tokenizer(cfg.model)
     tokenizer = families.load_tokenizer(tokenizer_dir(cfg.av, cfg.ar))
     check_tokenizer(nla, tokenizer)
@@ -108,7 +131,7 @@ def explain(cfg: ExplainConfig) -> list[dict[str, Any]]:
                         right_id=nla.injection_right_neighbor_id, style=style, injection_norm=injection_norm)
     prompt = tuple(build_prompt_ids(av_prompt_messages(nla.actor_prompt_template), nla, tokenizer))
     torch.manual_seed(cfg.seed)
-    rollouts = HFRolloutEngine(actor, injector, tokenizer).generate(
+    rollouts = HFRolloutEngine(actor, injector, tokenizer, greedy=cfg.greedy).generate(
         [RolloutRequest(prompt, a) for a in acts], group_size=1, max_new_tokens=cfg.max_new_tokens
     )
     explanations = [nla_core.extract_explanation(r.text) for r in rollouts]
@@ -124,7 +147,7 @@ def explain(cfg: ExplainConfig) -> list[dict[str, Any]]:
         fve = nla_core.fve(mse, rawvar) if rawvar is not None and math.isfinite(mse) else None
         result = {"position": p, "token": target_tokenizer.decode([ids[p]]), "context": target_tokenizer.decode(ids[: p + 1]),
                   "explanation": explanations[i], "raw": rollouts[i].text, "mse": mse if math.isfinite(mse) else None,
-                  "fve": fve}
+                  "fve": fve, "short_context": p < min_context}
         results.append(result)
         shown = explanations[i] if explanations[i] is not None else f"<no explanation extracted from {rollouts[i].text!r}>"
         if not math.isfinite(mse):
@@ -132,4 +155,8 @@ def explain(cfg: ExplainConfig) -> list[dict[str, Any]]:
         else:
             score = f"mse {mse:.4f} | " + (f"FVE {fve:.1%}" if fve is not None else "FVE n/a (no baselines in the sidecar)")
         print(f"[{p}] token {result['token']!r} | context …{result['context'][-60:]!r}\n    {shown}\n    {score}", flush=True)
+        if result["short_context"]:
+            print(f"    note: only {p} token(s) before this position; datagen sampled positions with >= {min_context}"
+                  f"{'' if recorded else ' (its default; the sidecar records none)'}, so the AV never trained on one "
+                  "this short", flush=True)
     return results

@@ -1,4 +1,9 @@
-"""`nla plot RUN_DIR`: reward, FVE, KL and clip fraction against step, from a run's metrics.jsonl.
+"""`nla plot RUN_DIR`: reward, FVE, KL and clip fraction (or extraction rate) against step, from metrics.jsonl.
+
+An on-policy run (one update per batch) never clips, so its clip-fraction panel would be a
+flat 0: there the fourth panel shows the extraction rate instead. The held-out series ends
+with the final step's point that `nla train` writes into summary.json when the last step
+was not an eval step.
 
 matplotlib is an optional extra (`pip install 'nla[plot]'`). The figure is drawn on an
 Agg canvas without pyplot, so plotting never touches a display or pyplot's global state.
@@ -17,6 +22,8 @@ PANELS: tuple[tuple[str, str | None, str], ...] = (
     ("clip_frac", None, "clip fraction"),
 )
 """(training key, held-out key or None, panel title)."""
+ON_POLICY_PANEL = ("extraction_rate", "eval/extraction_rate", "extraction rate (clip fraction is 0: on-policy)")
+"""Replaces the clip-fraction panel when no step clipped."""
 
 
 def read_metrics(path: str | Path) -> list[dict]:
@@ -28,6 +35,21 @@ def read_metrics(path: str | Path) -> list[dict]:
         except json.JSONDecodeError:
             continue
     return records
+
+
+def heldout_series(run_dir: Path, records: list[dict], key: str) -> tuple[list[int], list[float]]:
+    """The held-out points of `key` in metrics.jsonl, then summary.json's final-step point when there is one."""
+    try:
+        final = json.loads((run_dir / "summary.json").read_text(encoding="utf-8")).get("final_eval")
+    except (OSError, json.JSONDecodeError, AttributeError):
+        final = None
+    return _series(records + ([final] if isinstance(final, dict) else []), key)
+
+
+def panels(records: list[dict]) -> tuple[tuple[str, str | None, str], ...]:
+    """PANELS, with the clip-fraction panel swapped for the extraction rate when every clip fraction is 0."""
+    _, clip = _series(records, "clip_frac")
+    return PANELS if any(v != 0 for v in clip) else (*PANELS[:3], ON_POLICY_PANEL)
 
 
 def _series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
@@ -49,11 +71,11 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     records = read_metrics(metrics)
     fig = Figure(figsize=(10, 7), layout="constrained")
     FigureCanvasAgg(fig)
-    for ax, (key, eval_key, title) in zip(fig.subplots(2, 2).flat, PANELS):
+    for ax, (key, eval_key, title) in zip(fig.subplots(2, 2).flat, panels(records)):
         steps, values = _series(records, key)
         ax.plot(steps, values, label="train", color="tab:blue")
         if eval_key is not None:
-            steps, values = _series(records, eval_key)
+            steps, values = heldout_series(run_dir, records, eval_key)
             if steps:
                 ax.plot(steps, values, "o--", label="held-out", color="tab:orange")
                 ax.legend()

@@ -31,10 +31,10 @@ from nla_shell.training import distributed
 from nla_shell.io.config import RESUME_MUTABLE_KEYS, ConfigError, TrainConfig, config_to_dict
 from nla_shell.io.data import build_prompt_ids, check_tokenizer, load_eval_rows, load_rows
 from nla_shell.io.sidecars import MODEL_SIDECAR, injection_settings, load_sidecar, model_sidecar, write_sidecar
-from nla_shell.engines.base import RolloutEngine, RolloutRequest
+from nla_shell.engines.base import RolloutEngine, RolloutRequest, sample_explanations
 from nla_shell.training.distributed import RankInfo
 from nla_shell.io.logging import NullLogger, make_logger
-from nla_shell.metrics import cjk_fraction, finite_mean
+from nla_shell.metrics import cjk_fraction, finite_mean, fve_metrics, token_lengths
 from nla_shell.models import (
     ARModel, Injector, base_model_dir, eos_token_ids, inner_lm, is_adapter_dir, load_actor, trainable_parameters,
 )
@@ -489,10 +489,22 @@ def run_ranked(cfg: TrainConfig, rank: RankInfo, device: torch.device, dtype: to
         if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.num_steps:
             save(step + 1)
 
+    # --- a held-out point at the final step (summary.json only; its own RNG, so resume stays exact)
+    final_eval = None
+    # Decided from the step alone, so every rank takes the same branch (only rank 0's record holds eval keys).
+    if eval_on and last_record and last_record["step"] % cfg.eval_every != 0:
+        if rank.is_main:
+            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+                final_eval = {"step": last_record["step"], **evaluate_rows(
+                    eval_engine.current(), critic, tokenizer, eval_rows, eval_prompt_ids, logger=NullLogger(),
+                    step=last_record["step"], max_new_tokens=cfg.eval_max_new_tokens or cfg.max_new_tokens,
+                    rawvar=rawvar, meannorm=meannorm, score_kwargs=score_kwargs,
+                )}
+        distributed.barrier()
     engine.close()
     logger.close()
     if rank.is_main:
-        write_summary(save_dir, last_record, rawvar=rawvar, meannorm=meannorm)
+        write_summary(save_dir, last_record, rawvar=rawvar, meannorm=meannorm, final_eval=final_eval)
     return save_dir
 
 
@@ -572,13 +584,11 @@ def evaluate_rows(
     meannorm: float,
     score_kwargs: dict[str, Any],
 ) -> dict[str, float]:
-    """One sample per held-out prompt: reward, FVE (both baselines), extraction rate, samples table."""
-    requests = [RolloutRequest(tuple(ids), r.activation) for ids, r in zip(prompt_ids, rows)]
-    rollouts = engine.generate(requests, group_size=1, max_new_tokens=max_new_tokens)
-    explanations = [nla_core.extract_explanation(r.text) for r in rollouts]
+    """One sample per held-out prompt: reward, FVE (both baselines), extraction rate, length, samples table."""
     golds = torch.stack([r.activation for r in rows])
+    explanations = sample_explanations(engine, prompt_ids, golds, max_new_tokens=max_new_tokens)
     scores = score_explanations(critic, tokenizer, explanations, golds, **score_kwargs)
-    mse_mean = finite_mean(scores.mse)
+    lengths = [n for n in token_lengths(explanations, tokenizer) if n is not None]
     logger.log_table(
         "eval_samples",
         ["step", "idx", "doc_id", "reward", "mse", "fve", "extracted", "explanation"],
@@ -590,18 +600,24 @@ def evaluate_rows(
         ],
     )
     return {
-        "eval/reward_mean": float(scores.reward.mean()),
-        "eval/mse_mean": mse_mean,
-        "eval/fve": nla_core.fve(mse_mean, rawvar),
-        "eval/fve_meannorm": nla_core.fve(mse_mean, meannorm),
-        "eval/extraction_rate": float(scores.valid.float().mean()),
+        **fve_metrics(scores.mse, scores.reward, scores.valid, rawvar=rawvar, meannorm=meannorm, prefix="eval/"),
+        "eval/explanation_tokens_mean": float(np.mean(lengths)) if lengths else math.nan,
     }
 
 
-def write_summary(save_dir: Path, last: dict[str, Any], *, rawvar: float, meannorm: float) -> None:
-    """save_dir/summary.json: the final step's metrics and the FVE baselines."""
+def write_summary(save_dir: Path, last: dict[str, Any], *, rawvar: float, meannorm: float,
+                  final_eval: dict[str, Any] | None = None) -> None:
+    """save_dir/summary.json: the final step's metrics, the FVE baselines, and the final held-out point.
+
+    final_eval is the held-out eval run after the last step when that step was not an
+    eval step (`nla plot` draws it as the held-out series' last point); None otherwise.
+    """
     import json
 
-    summary = {"final": {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in last.items()},
-               "baselines": {"rawvar": rawvar, "meannorm": meannorm}}
+    def json_safe(record: dict[str, Any]) -> dict[str, Any]:
+        return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
+
+    summary = {"final": json_safe(last), "baselines": {"rawvar": rawvar, "meannorm": meannorm}}
+    if final_eval is not None:
+        summary["final_eval"] = json_safe(final_eval)
     (save_dir / "summary.json").write_text(json.dumps(summary, indent=2))

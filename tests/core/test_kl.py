@@ -9,7 +9,7 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from nla_core import kl_k1, kl_k2, kl_k3
+from nla_core import kl_categorical, kl_k1, kl_k2, kl_k3
 
 FAST = settings(max_examples=40, deadline=None)
 
@@ -154,3 +154,45 @@ def test_shape_mismatch_raises_with_shapes(fn):
 def test_integer_input_rejected(fn):
     with pytest.raises(ValueError):
         fn(torch.zeros(3, dtype=torch.long), torch.zeros(3))
+
+
+# ---------------------------------------------------------------- kl_categorical (full distributions)
+
+vocab_logits = st.lists(st.floats(-20.0, 20.0, allow_nan=False), min_size=2, max_size=12)
+
+
+def test_kl_categorical_hand_worked():
+    # p = (1/2, 1/2), q = (1/4, 3/4): KL = 1/2 log 2 + 1/2 log(2/3).
+    p = torch.log(torch.tensor([[0.5, 0.5]], dtype=torch.float64))
+    q = torch.log(torch.tensor([[0.25, 0.75]], dtype=torch.float64))
+    expected = 0.5 * math.log(2.0) + 0.5 * math.log(2.0 / 3.0)
+    torch.testing.assert_close(kl_categorical(p, q), t64([expected]))
+    torch.testing.assert_close(kl_categorical(p, p), t64([0.0]))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data(), st.sampled_from([torch.float32, torch.float64]))
+def test_kl_categorical_vs_float64_and_k3(data, dtype):
+    p_list = data.draw(vocab_logits)
+    q_list = data.draw(st.lists(st.floats(-20.0, 20.0, allow_nan=False), min_size=len(p_list), max_size=len(p_list)))
+    p, q = torch.tensor([p_list], dtype=dtype), torch.tensor([q_list], dtype=dtype)
+    kl = kl_categorical(p, q)
+    assert kl.shape == (1,) and kl.dtype == dtype and float(kl) >= 0.0
+    lp, lq = torch.log_softmax(p.double(), -1), torch.log_softmax(q.double(), -1)
+    reference = (lp.exp() * (lp - lq)).sum(-1)
+    tol = dict(rtol=1e-4, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(kl.double(), reference, **tol)
+    # The full-vocabulary expectation of k3 under p is the same KL (kl_k3's docstring).
+    torch.testing.assert_close((lp.exp() * kl_k3(lp, lq)).sum(-1), reference, rtol=1e-8, atol=1e-10)
+    torch.testing.assert_close(kl_categorical(p, p), torch.zeros(1, dtype=dtype))
+
+
+def test_kl_categorical_zero_probability_tokens_and_shapes():
+    # exp(-1000) underflows to p_v = 0 exactly: the term is 0, not 0 * inf = nan.
+    p = torch.tensor([[0.0, -1000.0, 0.0]])
+    q = torch.tensor([[0.0, 5.0, 0.0]])
+    kl = kl_categorical(p, q)
+    assert torch.isfinite(kl).all() and float(kl) > 0
+    assert kl_categorical(torch.zeros(2, 3, 5), torch.zeros(2, 3, 5)).shape == (2, 3)
+    with pytest.raises(ValueError, match="same shape|must match"):
+        kl_categorical(torch.zeros(2, 5), torch.zeros(2, 4))

@@ -14,14 +14,24 @@ def test_tiny_demo_runs_every_stage_and_reports(tmp_path, capsys):
     assert f"run directory: {run_dir}" in out.splitlines()[0]
     report = json.loads((run_dir / "report.json").read_text())
     assert set(report["fve"]) == {"AR on gold explanations", "AV+AR before SFT (LM zero-shot)", "AV+AR after SFT",
-                                  "AV+AR after RL"}
+                                  "AV+AR after RL", "AV+AR after SFT, AV given a shuffled vector (control)",
+                                  "AV+AR after RL, AV given a shuffled vector (control)"}
+    assert set(report["splice_kl"]) == {"AR on gold explanations", "AV+AR after SFT", "AV+AR after RL",
+                                        "random vector at the AV+AR's error (after RL)", "dataset mean"}
+    # Splice-KL ran after RL (on the rows whose AV explanation scored; the tiny AV may extract none).
+    after_rl = json.loads((run_dir / "eval" / "after_rl" / "eval_summary.json").read_text())
+    assert after_rl["splice/n_rows"] == 0 or report["splice_kl"]["dataset mean"] > 0
+    assert set(report["fve_by_length"]) == {"first 2 tokens", "first 4 tokens", "first 8 tokens", "whole explanation"}
+    markdown = (run_dir / "report.md").read_text()
+    assert "| dataset mean | " in markdown and "| first 8 tokens | " in markdown
+    assert "shuffled vector (control) |" in markdown
     assert set(report["seconds"]) == {"target LM", "datagen", "AR SFT", "AV SFT", "eval before RL", "RL",
                                       "eval after RL", "plot", "total"}
     assert report["fve"]["AR on gold explanations"] is not None
     assert "# nla demo report" in out and (run_dir / "report.md").read_text() in out
     for path in ("target_lm/config.json", "data/eval.parquet", "ar_sft/step_000002/value_head.safetensors",
                  "av_sft/step_000002/adapter_config.json", "rl/step_000002/adapter/adapter_config.json",
-                 "rl/curves.png", "eval/after_rl/eval_table.md"):
+                 "rl/curves.png", "eval/after_rl/eval_table.md", "eval/after_rl/eval_controls.md"):
         assert (run_dir / path).is_file(), path
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import sys
@@ -17,7 +18,7 @@ from nla_shell import cli
 from nla_shell.io.sidecars import load_sidecar
 from nla_shell.pipeline.explain import ExplainConfig, explain
 from nla_shell.models import ARModel, ar_predict
-from nla_shell.pipeline.plot import plot_run
+from nla_shell.pipeline.plot import heldout_series, panels, plot_run, read_metrics
 from nla_shell.training.scoring import ar_token_ids
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -47,6 +48,88 @@ def test_an_exact_ar_scores_fve_one(tmp_path, toy_sft, toy_datasets):
     assert "av/fve" not in summary
 
 
+def test_splice_kl_of_gold_reconstructions_and_a_model_that_is_not_the_datas(tmp_path, toy_sft, toy_datasets,
+                                                                            tiny_av_dir, capsys):
+    _, ar = toy_sft
+    argv = ["eval", "--ar", str(ar), "--parquet", str(toy_datasets / "eval.parquet"), "--model", str(tiny_av_dir),
+            "--n-rows", "6", "device=cpu"]
+    assert cli.main([*argv, "--out-dir", str(tmp_path / "out")]) == 0
+    summary = json.loads((tmp_path / "out" / "eval_summary.json").read_text())
+    # The toy data are the tiny LM's own residuals: every context re-encodes to its site and matches.
+    assert summary["splice/n_rows"] == 6 and summary["splice/resid_cosine_min"] > 0.999
+    for key in ("splice/kl_gold", "splice/kl_random", "splice/kl_mean"):
+        assert summary[key] > 0, key
+    samples = [json.loads(line) for line in (tmp_path / "out" / "eval_samples.jsonl").read_text().splitlines()]
+    assert sum(s["splice_kl_gold"] for s in samples) / 6 == pytest.approx(summary["splice/kl_gold"], rel=1e-5)
+    controls = (tmp_path / "out" / "eval_controls.md").read_text()
+    assert "| random vector at the AV+AR's error (splice reference) |" in controls
+    assert f"{summary['splice/kl_mean']:.4f} |" in controls.splitlines()[-1]  # the floor's row
+    # Activations that are not the model's residuals (random vectors here) are refused, in one line.
+    table = pq.read_table(toy_datasets / "eval.parquet").slice(0, 6)
+    column = pa.FixedSizeListArray.from_arrays(pa.array(torch.randn(6 * 64).numpy()), 64)
+    pq.write_table(table.set_column(table.schema.get_field_index("activation_vector"), "activation_vector", column),
+                   tmp_path / "other.parquet")
+    shutil.copy(toy_datasets / "eval.parquet.nla_meta.yaml", tmp_path / "other.parquet.nla_meta.yaml")
+    argv[argv.index("--parquet") + 1] = str(tmp_path / "other.parquet")
+    assert cli.main([*argv, "--out-dir", str(tmp_path / "other")]) == 2
+    err = capsys.readouterr().err
+    assert "does not reproduce the activations" in err and "pass the model datagen read" in err
+    assert "Traceback" not in err and sum(line.startswith("nla eval: error:") for line in err.splitlines()) == 1
+    assert not (tmp_path / "other").exists()
+
+
+def test_eval_refuses_an_out_dir_that_holds_files(tmp_path, toy_sft, toy_datasets, capsys):
+    _, ar = toy_sft
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    argv = ["eval", "--ar", str(ar), "--parquet", str(toy_datasets / "eval.parquet"), "--out-dir", str(out),
+            "--n-rows", "3", "device=cpu"]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("nla eval: error: config key 'out_dir'") and "--overwrite" in err
+    assert len(err.strip().splitlines()) == 1
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+    assert cli.main([*argv, "--overwrite"]) == 0
+    assert (out / "notes.txt").read_text() == "mine" and (out / "eval_summary.json").is_file()
+    # What was scored, and which sidecar said how.
+    provenance = json.loads((out / "eval_summary.json").read_text())["provenance"]
+    sidecar = toy_datasets / "eval.parquet.nla_meta.yaml"
+    assert provenance["ar"]["path"] == str(ar.resolve()) and provenance["av"] is None
+    assert provenance["ar"]["sidecar_sha256"] == hashlib.sha256((ar / "nla_meta.yaml").read_bytes()).hexdigest()
+    assert provenance["parquet"]["path"] == str((toy_datasets / "eval.parquet").resolve())
+    assert provenance["sidecar"]["sha256"] == hashlib.sha256(sidecar.read_bytes()).hexdigest()
+    assert provenance["sidecar"]["d_model"] == 64 and provenance["config"]["n_rows"] == 3
+
+
+@pytest.fixture(scope="module")
+def two_concept_nla(nla_cache_dir, tiny_tokenizer):
+    import fixtures
+
+    format_av, _, _ = fixtures.build_trainer_inputs(nla_cache_dir / "trainer_inputs", tiny_tokenizer)
+    return fixtures.build_two_concept_nla(nla_cache_dir / "two_concept", format_av)
+
+
+def test_the_shuffled_control_collapses_and_the_length_curve_ends_at_the_fve(tmp_path, two_concept_nla):
+    """On a toy NLA after SFT (two concepts, named "cat" / "river"), the AV reading another row's
+    vector explains the true row far worse; cutting explanations past their length changes nothing."""
+    av, ar, parquet = two_concept_nla
+    assert cli.main(["eval", "--av", str(av), "--ar", str(ar), "--parquet", str(parquet), "--out-dir", str(tmp_path / "e"),
+                     "--n-rows", "16", "--max-new-tokens", "8", "--greedy", "--length-ks", "1,64", "device=cpu"]) == 0
+    summary = json.loads((tmp_path / "e" / "eval_summary.json").read_text())
+    assert summary["av/extraction_rate"] == 1.0 and summary["av/fve"] > 0.3
+    assert summary["shuffled/fve"] < summary["av/fve"] - 0.5
+    assert summary["length/fve_k64"] == summary["av/fve"] and summary["length/truncated_frac_k64"] == 0.0
+    assert summary["length/truncated_frac_k1"] > 0 and summary["length/tokens_max"] > 1
+    samples = [json.loads(line) for line in (tmp_path / "e" / "eval_samples.jsonl").read_text().splitlines()]
+    assert all(s["shuffled_from"] != s["idx"] for s in samples)
+    assert sorted(s["shuffled_from"] for s in samples) == list(range(16))
+    controls = (tmp_path / "e" / "eval_controls.md").read_text().splitlines()
+    rows = [line.split(" | ")[0].lstrip("| ") for line in controls if line.startswith("| ") and "---" not in line]
+    assert rows == ["", "AV+AR", "AV on a shuffled vector, scored against the true row (control)",
+                    "AR on the gold explanation (ceiling)", "dataset mean (floor)"]
+
+
 def test_eval_of_an_av_writes_samples_table_and_summary(tmp_path, toy_sft, toy_datasets):
     av, ar = toy_sft
     argv = ["eval", "--av", str(av), "--ar", str(ar), "--parquet", str(toy_datasets / "eval.parquet"),
@@ -66,6 +149,18 @@ def test_eval_of_an_av_writes_samples_table_and_summary(tmp_path, toy_sft, toy_d
     # Same seed, same samples: two checkpoints evaluated alike see the same random stream.
     assert cli.main([*argv, "--out-dir", str(tmp_path / "b")]) == 0
     assert (tmp_path / "a" / "eval_samples.jsonl").read_text() == (tmp_path / "b" / "eval_samples.jsonl").read_text()
+
+
+def test_explain_greedy_is_seed_free_and_short_contexts_are_flagged(toy_sft, tiny_av_dir, capsys):
+    av, ar = toy_sft
+    text = "the red cat sees a dog ."
+    common = dict(av=str(av), ar=str(ar), model=str(tiny_av_dir), text=text, max_new_tokens=6, device="cpu")
+    greedy = [explain(ExplainConfig(**common, all=True, greedy=True, seed=seed)) for seed in (0, 1)]
+    assert [r["raw"] for r in greedy[0]] == [r["raw"] for r in greedy[1]]
+    # toy_datasets were made with min_context=4 (recorded in the sidecar's provenance, copied by nla sft).
+    assert [r["short_context"] for r in greedy[0]] == [p < 4 for p in range(len(greedy[0]))]
+    out = capsys.readouterr().out
+    assert out.count("note: only") == 2 * 4 and "datagen sampled positions with >= 4, so" in out
 
 
 def test_explain_reads_positions_of_a_text(toy_sft, tiny_av_dir, capsys):
@@ -98,6 +193,19 @@ def test_plot_draws_a_png(tmp_path):
     assert (tmp_path / "run" / "curves.png").read_bytes().startswith(PNG_MAGIC)
     out = plot_run(tmp_path / "run", tmp_path / "elsewhere.png")
     assert out.read_bytes().startswith(PNG_MAGIC)
+
+
+def test_on_policy_runs_plot_the_extraction_rate_and_a_final_held_out_point(tmp_path):
+    run = tmp_path / "run"
+    _write_metrics(run)  # clip_frac is None at every step: never clipped
+    records = read_metrics(run / "metrics.jsonl")
+    assert [title for _, _, title in panels(records)][3].startswith("extraction rate")
+    assert panels([{**r, "clip_frac": 0.0} for r in records])[3][0] == "extraction_rate"
+    assert panels([*records, {"step": 9, "clip_frac": 0.02}])[3][0] == "clip_frac"
+    assert heldout_series(run, records, "eval/fve") == ([2], [0.3])
+    (run / "summary.json").write_text(json.dumps({"final": {"step": 4}, "final_eval": {"step": 4, "eval/fve": 0.5}}))
+    assert heldout_series(run, records, "eval/fve") == ([2, 4], [0.3, 0.5])
+    assert plot_run(run).read_bytes().startswith(PNG_MAGIC)
 
 
 def test_plot_says_what_is_missing(tmp_path, monkeypatch, capsys):

@@ -36,6 +36,7 @@ def test_three_step_run_writes_metrics_checkpoint_and_summary(nla_run_inputs, tm
         assert set(METRIC_KEYS) <= set(line)
     assert any(line["extraction_rate"] > 0 for line in lines), "the warm AV should extract sometimes"
     assert "eval/fve" in lines[0] and "eval/fve" in lines[2] and "eval/fve" not in lines[1]
+    assert "eval/explanation_tokens_mean" in lines[0] and "eval/explanation_tokens_mean" not in lines[1]
     final = latest_checkpoint(save_dir)
     assert final is not None and final.name == "step_000003"
     assert (final / "adapter" / "adapter_config.json").exists()
@@ -53,7 +54,10 @@ def test_interrupted_then_resumed_run_logs_the_same_metrics(nla_run_inputs, tmp_
     strip = lambda lines: [{k: v for k, v in line.items() if k not in TIMING_KEYS} for line in lines]  # noqa: E731
     a, b = strip(fixtures.read_metrics(whole)), strip(fixtures.read_metrics(split))
     assert [line["step"] for line in b] == [0, 1, 2, 3]
+    # The first half's final-step eval (step 1 is no eval step) ran on its own RNG: still exact.
     assert a == b
+    final = json.loads((whole / "summary.json").read_text())["final_eval"]
+    assert final["step"] == 3 and {"eval/fve", "eval/extraction_rate"} <= set(final)
     assert any(not math.isnan(line["critic_loss"] or math.nan) for line in a)
 
 

@@ -103,10 +103,10 @@ def test_eval_refuses_an_out_dir_that_holds_files(tmp_path, toy_sft, toy_dataset
 
 
 @pytest.fixture(scope="module")
-def two_concept_nla(nla_cache_dir, tiny_tokenizer):
+def two_concept_nla(nla_cache_dir, nla_run_inputs):
     import fixtures
 
-    format_av, _, _ = fixtures.build_trainer_inputs(nla_cache_dir / "trainer_inputs", tiny_tokenizer)
+    format_av, _, _ = nla_run_inputs  # an AV that already writes <explanation>…</explanation>
     return fixtures.build_two_concept_nla(nla_cache_dir / "two_concept", format_av)
 
 

@@ -14,11 +14,13 @@ Two paths per step, on the same rollouts:
   after   the trainer now: each group's prompt computed once (`training.prefix`), the
           reference in its own no-grad pass at --reference-micro-batch, scoring and the
           critic step on one AR forward (`score_and_train_critic`) at --critic-micro-batch.
-When both run, "before" runs first and leaves the weights as they were (its optimizer step
-is skipped: the update with step_optimizer=False, the critic with an lr-0 SGD), so "after"
-sees the same weights and rollouts; the step prints the two paths' loss, grad norm, KL,
-rewards and critic loss side by side. Its update and critic times exclude their optimizer
-steps (milliseconds for the LoRA; about 0.1 s for the AR's AdamW).
+  after_tf32  "after" with float32 matrix products on TF32 tensor cores (the LoRA factors
+          are float32 under PEFT): an experiment, not the trainer's default.
+Paths run in the order given on the same rollouts; every path but the last leaves the
+weights as they were (its optimizer steps are skipped: the update with step_optimizer=False,
+the critic with an lr-0 SGD), so each sees the same weights; the step prints each path's
+loss, grad norm, KL, rewards and critic loss beside "before"'s. A non-stepping path's
+times exclude its optimizer steps (milliseconds for the LoRA; ~0.1 s for the AR's AdamW).
 
 A random model writes no <explanation> tags, so each rollout's explanation is stood in by
 text of as many tokens as it generated (its ids folded into the toy vocabulary): the AR
@@ -54,6 +56,7 @@ import torch  # noqa: E402
 
 import synthetic as syn  # noqa: E402
 
+PATHS = ("before", "after", "after_tf32")
 PEAK_TFLOPS = 790.0
 """bf16 dense matrix peak measured on the H200 (the issue's % of peak is against it)."""
 
@@ -64,8 +67,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run: tiny models, float32, short rollouts")
     parser.add_argument("--cases", default=None, help="prompts x samples per step (default 32x8; tiny 2x2,3x2)")
     parser.add_argument("--critic", default="on", choices=["on", "off"], help="co-train the critic")
-    parser.add_argument("--paths", default="before,after", help="before,after (see above); one of them alone")
-    parser.add_argument("--micro-batch", type=int, default=8, help="logp_micro_batch of the policy update")
+    parser.add_argument("--paths", default="before,after", help="before,after,after_tf32 (see above), any of them")
+    parser.add_argument("--micro-batch", type=int, default=16, help="after: logp_micro_batch of the policy update")
+    parser.add_argument("--before-micro-batch", type=int, default=8, help="before: logp_micro_batch (the issue's 8)")
     parser.add_argument("--reference-micro-batch", type=int, default=None,
                         help="after: samples per reference forward (default 4 x --micro-batch)")
     parser.add_argument("--critic-micro-batch", type=int, default=32, help="after: AR inputs per critic forward")
@@ -77,14 +81,14 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--prompt-len", type=int, default=None, help="default 96 (tiny 24)")
     parser.add_argument("--new-tokens", type=int, default=None, help="default TrainConfig's 160 (tiny 8)")
     parser.add_argument("--profile", default=None, help="directory for torch.profiler tables of each path's "
-                        "update and critic on the first case (an extra untimed step)")
+                        "score and update phases, from its warm-up step on the first case")
     args = parser.parse_args()
     tiny = args.tiny
     args.cases = [tuple(int(x) for x in c.split("x")) for c in (args.cases or ("2x2,3x2" if tiny else "32x8")).split(",")]
     args.critic = args.critic == "on"
     args.paths = [p for p in args.paths.split(",") if p]
-    if not args.paths or set(args.paths) - {"before", "after"}:
-        parser.error(f"--paths must name before and/or after, got {args.paths}")
+    if not args.paths or set(args.paths) - set(PATHS):
+        parser.error(f"--paths must name some of {PATHS}, got {args.paths}")
     args.prompt_len = args.prompt_len or (24 if tiny else 96)
     return args
 
@@ -120,6 +124,7 @@ class Context:
         self.critic_optimizer = (make_optimizer(trainable_parameters(self.critic), defaults["critic_lr"],
                                                 device=device, label="critic") if args.critic else None)
         self.engine = make_engine(args, self)
+        self.profile_dir: str | None = None
 
     def stand_in_explanation(self, rollout) -> str:
         """Text of as many tokens as the rollout generated, in the toy vocabulary (ids 3 ..)."""
@@ -216,7 +221,7 @@ def score_inputs(ctx: Context, rollouts):
     return explanations, torch.tensor([r.prompt_index for r in rollouts])
 
 
-def run_path(ctx: Context, path: str, rollouts, golds, args, *, critic_on: bool, compare: bool):
+def run_path(ctx: Context, path: str, rollouts, golds, args, *, critic_on: bool, keep_weights: bool):
     """One path's score / update / critic phases. Returns ({phase: {"s", "peak_gib"}}, numbers, ar_tokens)."""
     import nla_core
     from nla_shell.models import trainable_parameters
@@ -226,17 +231,19 @@ def run_path(ctx: Context, path: str, rollouts, golds, args, *, critic_on: bool,
     d, device, pad = ctx.defaults, ctx.device, ctx.tokenizer.pad_token_id
     before = path == "before"
     phases: dict[str, dict[str, float]] = {}
+    profile_dir, ctx.profile_dir = ctx.profile_dir, None  # one profile per path: its first (warm-up) step
     explanations, groups = score_inputs(ctx, rollouts)
     score_kwargs = dict(template="Text: {explanation}", mse_scale=ctx.critic.mse_scale, reward_kind=d["reward"],
                         max_tokens=d["max_explanation_tokens"])
     critic_micro = (args.before_critic_micro_batch or d["critic_micro_batch"]) if before else args.critic_micro_batch
-    # "before" leaves every weight as it was when "after" runs next on the same rollouts.
-    critic_optimizer = (torch.optim.SGD(trainable_parameters(ctx.critic), lr=0.0) if before and compare
+    # A path that another follows on the same rollouts leaves every weight as it was.
+    critic_optimizer = (torch.optim.SGD(trainable_parameters(ctx.critic), lr=0.0) if keep_weights
                         else ctx.critic_optimizer)
 
     def phase(name, fn):
         syn.reset_peak(device)
-        seconds, out = syn.timed(fn, device)
+        with profiled(profile_dir, f"{path}_{name}", device):
+            seconds, out = syn.timed(fn, device)
         phases[name] = {"s": seconds, "peak_gib": syn.peak_gib(device)}
         return out
 
@@ -252,9 +259,10 @@ def run_path(ctx: Context, path: str, rollouts, golds, args, *, critic_on: bool,
     ctx.actor.train()
     update = phase("update", lambda: policy_update(
         ctx.actor, ctx.injector, ctx.optimizer, rollouts, advantages, golds, loss=LossOptions(),
-        micro_batch=args.micro_batch, max_grad_norm=d["max_grad_norm"], pad_id=pad,
-        share_prefix=not before, reference_micro_batch=args.micro_batch if before else args.reference_micro_batch,
-        step_optimizer=not (before and compare)))
+        micro_batch=args.before_micro_batch if before else args.micro_batch, max_grad_norm=d["max_grad_norm"],
+        pad_id=pad, share_prefix=not before,
+        reference_micro_batch=args.before_micro_batch if before else args.reference_micro_batch,
+        step_optimizer=not keep_weights))
     if critic_on and before:
         kept = [i for i, ids in enumerate(scores.ar_inputs) if ids is not None]
         critic_loss, critic_norm = phase("critic", lambda: critic_step(
@@ -278,25 +286,25 @@ def grpo_step(ctx: Context, requests, group: int, new_tokens: int, args, *, path
     rollout = {"s": seconds, "peak_gib": syn.peak_gib(device)}
     golds = torch.stack([requests[r.prompt_index].activation for r in rollouts])
     results = {}
-    for path in paths:
-        phases, numbers, ar_tokens = run_path(ctx, path, rollouts, golds, args, critic_on=args.critic,
-                                              compare=len(paths) > 1)
-        flops = path_flops(ctx.config, rollouts, shared_prefix=path == "after", ar_tokens=ar_tokens,
+    for position, path in enumerate(paths):
+        with tf32_matmuls(path == "after_tf32"):
+            phases, numbers, ar_tokens = run_path(ctx, path, rollouts, golds, args, critic_on=args.critic,
+                                                  keep_weights=position < len(paths) - 1)
+        flops = path_flops(ctx.config, rollouts, shared_prefix=path != "before", ar_tokens=ar_tokens,
                            critic_layers=ctx.extraction_layer + 1)
         critic_flops = flops.pop("critic")
         if "critic" in phases:
             flops["critic"] = critic_flops
         elif args.critic:
-            flops["score"] += critic_flops  # one AR pass scored and trained
+            flops["score"] = critic_flops  # one AR forward + backward scored and trained
         results[path] = ({"rollout": rollout, **phases}, numbers, flops)
     extra = {"generated_tokens": sum(r.full_ids.numel() - r.prompt_len for r in rollouts),
              "engine_stats": dict(getattr(ctx.engine, "last_stats", {}))}
     return results, extra
 
 
-def compare_numbers(results) -> dict[str, float]:
-    """|after - before| of the training numbers on the same rollouts (relative for the norms)."""
-    (_, a, _), (_, b, _) = results["before"], results["after"]
+def compare_numbers(a: dict, b: dict) -> dict[str, float]:
+    """|b - a| of two paths' training numbers on the same rollouts (relative for the norms)."""
     rel = lambda x, y: abs(x - y) / max(abs(x), 1e-12)  # noqa: E731
     return {
         "loss_abs": abs(a["loss"] - b["loss"]), "grad_norm_rel": rel(a["grad_norm"], b["grad_norm"]),
@@ -305,6 +313,17 @@ def compare_numbers(results) -> dict[str, float]:
         "critic_loss_rel": rel(a["critic_loss"], b["critic_loss"]),
         "critic_grad_norm_rel": rel(a["critic_grad_norm"], b["critic_grad_norm"]),
     }
+
+
+@contextlib.contextmanager
+def tf32_matmuls(enabled: bool):
+    """float32 matrix products on TF32 tensor cores (the LoRA factors are float32) while enabled."""
+    previous = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = enabled or previous
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = previous
 
 
 @contextlib.contextmanager
@@ -318,9 +337,9 @@ def profiled(directory: str | None, name: str, device: torch.device):
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as prof:
         yield
-    sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+    sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
     Path(directory).mkdir(parents=True, exist_ok=True)
-    (Path(directory) / f"{name}.txt").write_text(prof.key_averages().table(sort_by=sort, row_limit=40))
+    (Path(directory) / f"{name}.txt").write_text(prof.key_averages().table(sort_by=sort, row_limit=30, max_name_column_width=90))
 
 
 def main() -> None:
@@ -350,12 +369,9 @@ def main() -> None:
             # This shape's rollout graphs, then every phase's first-use costs on one prompt's group.
             print(f"[warm-up] {label}", flush=True)
             ctx.engine.generate(requests, group_size=group, max_new_tokens=new_tokens)
-            grpo_step(ctx, requests[: max(1, args.micro_batch // group)], group, new_tokens, args, paths=args.paths)
-            if index == 0 and args.profile:
-                for path in args.paths:
-                    with profiled(args.profile, f"{path}_{prompts}x{group}", device):
-                        grpo_step(ctx, requests[: max(1, 4 * args.micro_batch // group)], group, new_tokens, args,
-                                  paths=[path])
+            for path in args.paths:
+                ctx.profile_dir = args.profile if index == 0 else None
+                grpo_step(ctx, requests[: max(1, args.micro_batch // group)], group, new_tokens, args, paths=[path])
             results, extra = grpo_step(ctx, requests, group, new_tokens, args, paths=args.paths)
         except Exception as err:  # noqa: BLE001 - report, free, go on
             traceback.print_exc()
@@ -366,21 +382,22 @@ def main() -> None:
                 p["tflops"] = flops.get(name, math.nan) / p["s"] / 1e12
                 p["pct_peak"] = 100.0 * p["tflops"] / PEAK_TFLOPS
             case = {"case": "step", "path": path, "prompts": prompts, "group": group, "critic": args.critic,
-                    "micro_batch": args.micro_batch, "phases": phases, "flops": flops,
+                    "micro_batch": args.before_micro_batch if path == "before" else args.micro_batch, "phases": phases, "flops": flops,
                     "step_s": sum(p["s"] for p in phases.values()),
                     "peak_gib": max(p["peak_gib"] for p in phases.values()),
                     "numbers": {k: v for k, v in numbers.items() if k != "reward"}, **extra}
             record.add(case)
             print(f"[step] {label} {path}: {case['step_s']:.2f}s, peak {case['peak_gib']:.1f} GiB, "
                   + ", ".join(f"{k} {v['s']:.2f}s ({v['pct_peak']:.0f}%)" for k, v in phases.items()), flush=True)
-        if len(results) == 2:
-            diff = compare_numbers(results)
-            record.data.setdefault("comparisons", []).append({"prompts": prompts, "group": group, **diff})
+        for path in (p for p in results if p != "before" and "before" in results):
+            diff = compare_numbers(results["before"][1], results[path][1])
+            record.data.setdefault("comparisons", []).append({"prompts": prompts, "group": group, "path": path, **diff})
             record.save()
-            print(f"[same numbers] {label}: " + ", ".join(f"{k} {v:.2e}" for k, v in diff.items()), flush=True)
-            for path in ("before", "after"):
-                n = results[path][1]
-                print(f"    {path:6} loss {n['loss']:+.6e} grad_norm {n['grad_norm']:.6e} kl {n['kl_mean']:.6e} "
+            print(f"[same numbers] {label} before vs {path}: " + ", ".join(f"{k} {v:.2e}" for k, v in diff.items()),
+                  flush=True)
+        for path, (_, n, _) in results.items():
+            if len(results) > 1:
+                print(f"    {path:10} loss {n['loss']:+.6e} grad_norm {n['grad_norm']:.6e} kl {n['kl_mean']:.6e} "
                       f"critic_loss {n['critic_loss']:.6e} critic_grad_norm {n['critic_grad_norm']:.6e}", flush=True)
     if hasattr(ctx.engine, "close"):
         ctx.engine.close()

@@ -15,7 +15,7 @@ from nla_core import grpo_loss
 from nla_shell.engines.base import Rollout, RolloutRequest
 from nla_shell.engines.hf import HFRolloutEngine
 from nla_shell.io.data import build_prompt_ids, load_rows, load_sidecar
-from nla_shell.models import ARModel, Injector, load_actor, reference_policy, response_logprobs, trainable_parameters
+from nla_shell.models import ARModel, reference_policy, response_logprobs, trainable_parameters
 from nla_shell.training import prefix
 from nla_shell.training.scoring import critic_step, score_and_train_critic, score_explanations
 from nla_shell.training.update import LossOptions, policy_update, response_batch
@@ -29,14 +29,7 @@ def ragged_batch(nla_cache_dir: Path, tiny_tokenizer):
     av, _, parquet = fixtures.build_trainer_inputs(nla_cache_dir / "trainer_inputs", tiny_tokenizer)
     tokenizer = AutoTokenizer.from_pretrained(av)
     cfg = load_sidecar(Path(str(parquet) + ".nla_meta.yaml"))
-    torch.manual_seed(0)
-    actor = load_actor(av, lora_r=4, lora_alpha=8, use_rslora=True, resume_adapter=None,
-                       dtype=torch.float32, device=torch.device("cpu"))
-    for name, p in actor.named_parameters():
-        if "lora_B" in name:
-            torch.nn.init.normal_(p, std=0.05)
-    injector = Injector(actor, marker_id=cfg.injection_token_id, left_id=cfg.injection_left_neighbor_id,
-                        right_id=cfg.injection_right_neighbor_id)
+    actor, injector = fixtures.lora_actor(av, cfg)
     rows = load_rows(parquet, cfg, max_rows=3)
     # Prompts of 3 lengths: 0, 2 and 5 extra leading tokens (the marker stays well-formed).
     requests = []

@@ -20,7 +20,7 @@ from nla_shell.io.sidecars import load_sidecar
 from nla_shell.engines.base import Rollout, RolloutRequest
 from nla_shell.engines.hf import HFRolloutEngine
 from nla_shell.io.logging import METRIC_KEYS
-from nla_shell.models import VALUE_HEAD_FILE, ARModel, Injector, load_actor, response_logprobs
+from nla_shell.models import VALUE_HEAD_FILE, ARModel, response_logprobs
 from nla_shell.training.update import LossOptions, policy_update, response_batch
 
 TIMING_KEYS = {"time_rollout", "time_score", "time_update", "time_critic", "time_sync", "time_step",
@@ -63,15 +63,7 @@ def _tiny_batch(nla_run_inputs, *, n_prompts: int, group_size: int, seed: int = 
 
     tokenizer = AutoTokenizer.from_pretrained(av)
     cfg = load_sidecar(Path(str(parquet) + ".nla_meta.yaml"))
-    torch.manual_seed(seed)
-    actor = load_actor(av, lora_r=4, lora_alpha=8, use_rslora=True, resume_adapter=None,
-                       dtype=torch.float32, device=torch.device("cpu"))
-    # A non-zero LoRA, so the adapter and the reference policy differ.
-    for name, p in actor.named_parameters():
-        if "lora_B" in name:
-            torch.nn.init.normal_(p, std=0.05)
-    injector = Injector(actor, marker_id=cfg.injection_token_id, left_id=cfg.injection_left_neighbor_id,
-                        right_id=cfg.injection_right_neighbor_id)
+    actor, injector = fixtures.lora_actor(av, cfg, seed=seed)
     rows = load_rows(parquet, cfg, max_rows=n_prompts)
     requests = [RolloutRequest(tuple(build_prompt_ids(r.prompt, cfg, tokenizer)), r.activation) for r in rows]
     engine = HFRolloutEngine(actor, injector, tokenizer)

@@ -14,7 +14,8 @@ import fixtures
 from nla_core import grpo_loss
 from nla_shell.engines.base import Rollout, RolloutRequest
 from nla_shell.engines.hf import HFRolloutEngine
-from nla_shell.io.data import build_prompt_ids, load_rows, load_sidecar
+from nla_shell.io.data import build_prompt_ids, load_rows
+from nla_shell.io.sidecars import load_sidecar
 from nla_shell.models import ARModel, reference_policy, response_logprobs, trainable_parameters
 from nla_shell.training import prefix
 from nla_shell.training.scoring import critic_step, score_and_train_critic, score_explanations

@@ -133,12 +133,13 @@ def test_injector_injects_the_prompt_marker_only_and_counts_echoes(nla_run_input
     with pytest.raises(ValueError, match="no well-formed marker"):
         injector.prompt_sites(torch.tensor([prompt[:p] + prompt[p + 1 :]]))
     # The echoing rollout trains without error; the echo stays uninjected. The full-sequence
-    # forward sees (and counts) the echo; the shared-prefix forward never shows it the injector.
+    # forwards see (and count) the echo, once in the policy pass and once in the reference
+    # pass; the shared-prefix forward never shows the response to the injector.
     echo_rollout = Rollout(full_ids=torch.tensor(echo), prompt_len=len(prompt),
                            behavior_logp=torch.full((3,), -1.0), text="", prompt_index=0)
     optimizer = torch.optim.SGD([q for q in actor.parameters() if q.requires_grad], lr=0.0)
     losses = []
-    for share_prefix, echoes_counted in ((False, 1), (True, 0)):
+    for share_prefix, echoes_counted in ((False, 2), (True, 0)):
         before = injector.echo_rows
         stats = policy_update(actor, injector, optimizer, [echo_rollout], torch.ones(1), acts[:1],
                               loss=LossOptions(), micro_batch=1, max_grad_norm=1.0, pad_id=tokenizer.pad_token_id,

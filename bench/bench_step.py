@@ -1,39 +1,52 @@
-"""One full GRPO step at the Qwen3-8B shape: seconds and peak memory per phase.
+"""One full GRPO step at the Qwen3-8B shape: seconds, TFLOP/s and peak memory per phase,
+the step before and after the throughput work (issue 12) on the same rollouts.
 
 The trainer's own functions on random bf16 weights: the actor (PEFT LoRA r128 on q, k, v, o,
 rsLoRA alpha 16, with the injection hook), rollouts from the chosen engine, scoring by an AR
-truncated after layer 24 (25 blocks, identity value head), group advantages,
-`policy_update` (policy + reference forward, reference GRPO loss), and `critic_step`
-when the critic is co-trained. Hyper-parameters are TrainConfig's defaults (the
-reference's), except the shapes and micro-batches swept here.
+truncated after layer 24 (25 blocks, identity value head), group advantages, the policy
+update, and the critic step when the critic is co-trained. Hyper-parameters are
+TrainConfig's defaults (the reference's), except the shapes and micro-batches set here.
+
+Two paths per step, on the same rollouts:
+  before  full sequences per sample, reference forward at the policy's micro-batch, scoring
+          (`score_explanations`) and the critic step (`critic_step`) as two AR passes at
+          --before-critic-micro-batch: the arithmetic of the trainer before issue 12.
+  after   the trainer now: each group's prompt computed once (`training.prefix`), the
+          reference in its own no-grad pass at --reference-micro-batch, scoring and the
+          critic step on one AR forward (`score_and_train_critic`) at --critic-micro-batch.
+  after_tf32  "after" with float32 matrix products on TF32 tensor cores (the LoRA factors
+          are float32 under PEFT): an experiment, not the trainer's default.
+Paths run in the order given on the same rollouts; every path but the last leaves the
+weights as they were (its optimizer steps are skipped: the update with step_optimizer=False,
+the critic with an lr-0 SGD), so each sees the same weights; the step prints each path's
+loss, grad norm, KL, rewards and critic loss beside "before"'s. A non-stepping path's
+times exclude its optimizer steps (milliseconds for the LoRA; ~0.1 s for the AR's AdamW).
 
 A random model writes no <explanation> tags, so each rollout's explanation is stood in by
 text of as many tokens as it generated (its ids folded into the toy vocabulary): the AR
 then reads inputs of realistic length. Prompts: random tokens with one marker.
 
-Order: every critic-off step runs before the first critic step, so critic-off peaks do not
-include the critic's optimizer state. Each shape and critic mode is warmed up untimed first
-(its rollout graphs; a one-prompt step for every phase's first-use costs). Each shape runs
-at the reference's micro-batch (2) and at 8, which the lean log-prob path leaves room for.
-Then the lean log-prob path of the update
-(`models.response_logprobs`: fused lm_head + log-prob, no [T, V] logits) against a plain
-full-logits float32 `log_softmax`, forward + backward over the largest shape's rollouts,
-per micro-batch: seconds and peak memory.
+TFLOP/s counts the matrix arithmetic each path executes (`path_flops`), and % of peak is
+against 790 TFLOP/s (bf16 dense, measured on this H200). The rollout's TFLOP/s is shown for
+completeness: decoding is bound by memory bandwidth, not arithmetic.
 
-    python bench/bench_step.py --out bench/step_h200.json                  # H200, ~4 min
-    python bench/bench_step.py --cases 256x8 --critic on --micro-batches 8 \
-        --lean-micro-batches '' --out bench/step_256x8.json                 # EasyNLA's default, ~4 min
-    .venv/bin/python bench/bench_step.py --tiny --out /tmp/step.json         # CPU smoke run
+    python bench/bench_step.py --out bench/step.json                                   # H200, 32x8
+    python bench/bench_step.py --cases 256x8 --paths after --out bench/step_256x8.json  # the issue's shape
+    python bench/bench_step.py --engine vllm ...                                       # needs vllm + its plugin
+    .venv/bin/python bench/bench_step.py --tiny --out /tmp/step.json                    # CPU smoke run
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import math
 import os
 import sys
+import tempfile
 import time
+import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,27 +56,39 @@ import torch  # noqa: E402
 
 import synthetic as syn  # noqa: E402
 
+PATHS = ("before", "after", "after_tf32")
+PEAK_TFLOPS = 790.0
+"""bf16 dense matrix peak measured on the H200 (the issue's % of peak is against it)."""
+
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="bench/step.json", help="JSON written after every case")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run: tiny models, float32, short rollouts")
-    parser.add_argument("--cases", default=None, help="prompts x samples per step (default 8x4,32x8; tiny 2x2,4x2)")
-    parser.add_argument("--critic", default="off,on", help="critic co-training modes to run: off,on")
-    parser.add_argument("--micro-batches", default=None,
-                        help="logp_micro_batch values of the update (default: TrainConfig's 2, and 8; tiny 2)")
-    parser.add_argument("--lean-micro-batches", default=None, help="micro-batches of the log-prob path comparison "
-                        "(default 2,8,16; tiny 2,4; '' skips it)")
-    parser.add_argument("--engine", default="native", choices=["native", "hf"])
+    parser.add_argument("--cases", default=None, help="prompts x samples per step (default 32x8; tiny 2x2,3x2)")
+    parser.add_argument("--critic", default="on", choices=["on", "off"], help="co-train the critic")
+    parser.add_argument("--paths", default="before,after", help="before,after,after_tf32 (see above), any of them")
+    parser.add_argument("--micro-batch", type=int, default=16, help="after: logp_micro_batch of the policy update")
+    parser.add_argument("--before-micro-batch", type=int, default=8, help="before: logp_micro_batch (the issue's 8)")
+    parser.add_argument("--reference-micro-batch", type=int, default=None,
+                        help="after: samples per reference forward (default 4 x --micro-batch)")
+    parser.add_argument("--critic-micro-batch", type=int, default=32, help="after: AR inputs per critic forward")
+    parser.add_argument("--before-critic-micro-batch", type=int, default=None,
+                        help="before: AR inputs per forward (default TrainConfig's critic_micro_batch)")
+    parser.add_argument("--engine", default="native", choices=["native", "hf", "vllm"])
     parser.add_argument("--merge-lora", action="store_true", help="native engine: LoRA merged for the rollout")
+    parser.add_argument("--vllm-gpu-mem", type=float, default=0.35, help="vLLM's share of GPU memory")
     parser.add_argument("--prompt-len", type=int, default=None, help="default 96 (tiny 24)")
     parser.add_argument("--new-tokens", type=int, default=None, help="default TrainConfig's 160 (tiny 8)")
+    parser.add_argument("--profile", default=None, help="directory for torch.profiler tables of each path's "
+                        "score and update phases, from its warm-up step on the first case")
     args = parser.parse_args()
     tiny = args.tiny
-    args.cases = [tuple(int(x) for x in c.split("x")) for c in (args.cases or ("2x2,4x2" if tiny else "8x4,32x8")).split(",")]
-    args.critic = [mode == "on" for mode in args.critic.split(",")]
-    lean = args.lean_micro_batches if args.lean_micro_batches is not None else ("2,4" if tiny else "2,8,16")
-    args.lean_micro_batches = [int(m) for m in lean.split(",") if m]
+    args.cases = [tuple(int(x) for x in c.split("x")) for c in (args.cases or ("2x2,3x2" if tiny else "32x8")).split(",")]
+    args.critic = args.critic == "on"
+    args.paths = [p for p in args.paths.split(",") if p]
+    if not args.paths or set(args.paths) - set(PATHS):
+        parser.error(f"--paths must name some of {PATHS}, got {args.paths}")
     args.prompt_len = args.prompt_len or (24 if tiny else 96)
     return args
 
@@ -73,36 +98,33 @@ class Context:
 
     def __init__(self, args, device: torch.device, dtype: torch.dtype, defaults: dict) -> None:
         from nla_core import resolve_target_scale
-        from nla_shell.engines.hf import HFRolloutEngine
-        from nla_shell.engines.native import NativeRolloutEngine
         from nla_shell.models import ARModel, trainable_parameters
         from nla_shell.training.train import make_optimizer
 
         self.device, self.defaults = device, defaults
         self.tokenizer, tokens = syn.toy_tokenizer()
-        shape = syn.TINY if args.tiny else syn.QWEN3_8B
-        self.config = syn.qwen3_config(shape, vocab_size=len(self.tokenizer))
+        self.shape = syn.TINY if args.tiny else syn.QWEN3_8B
+        self.config = syn.qwen3_config(self.shape, vocab_size=len(self.tokenizer))
         self.tokens = tokens
         base = syn.random_qwen3(self.config, device=device, dtype=dtype, seed=0)
         self.actor = syn.attach_lora(base, r=defaults["lora_r"], alpha=defaults["lora_alpha"],
                                      use_rslora=defaults["use_rslora"])
         self.injector = syn.make_injector(self.actor, tokens)
-        extraction_layer = 1 if args.tiny else 24
-        critic_lm = syn.random_qwen3(syn.qwen3_config(shape, vocab_size=len(self.tokenizer),
-                                                      num_layers=extraction_layer + 1), device=device, dtype=dtype, seed=1)
+        self.extraction_layer = 1 if args.tiny else 24
+        critic_lm = syn.random_qwen3(syn.qwen3_config(self.shape, vocab_size=len(self.tokenizer),
+                                                      num_layers=self.extraction_layer + 1),
+                                     device=device, dtype=dtype, seed=1)
         d = self.config.hidden_size
         head = torch.nn.Linear(d, d, bias=False, dtype=torch.float32, device=device)
         torch.nn.init.eye_(head.weight)
         self.critic = ARModel(critic_lm, head, mse_scale=resolve_target_scale("sqrt_d_model", d))
         self.critic.eval()  # Qwen3 has no dropout: eval mode serves the gradient steps too (as train.py)
+        self.critic.requires_grad_(args.critic)
         self.optimizer = make_optimizer(trainable_parameters(self.actor), defaults["lr"], device=device, label="actor")
-        self.make_critic_optimizer = lambda: make_optimizer(
-            trainable_parameters(self.critic), defaults["critic_lr"], device=device, label="critic")
-        self.critic_optimizer = None
-        if args.engine == "native":
-            self.engine = NativeRolloutEngine(self.actor, self.injector, self.tokenizer, merge_lora=args.merge_lora)
-        else:
-            self.engine = HFRolloutEngine(self.actor, self.injector, self.tokenizer)
+        self.critic_optimizer = (make_optimizer(trainable_parameters(self.critic), defaults["critic_lr"],
+                                                device=device, label="critic") if args.critic else None)
+        self.engine = make_engine(args, self)
+        self.profile_dir: str | None = None
 
     def stand_in_explanation(self, rollout) -> str:
         """Text of as many tokens as the rollout generated, in the toy vocabulary (ids 3 ..)."""
@@ -111,102 +133,213 @@ class Context:
         return self.tokenizer.decode((3 + gen % (vocab - 3)).tolist())
 
 
-def grpo_step(ctx: Context, requests, group: int, new_tokens: int, *, critic_on: bool, micro_batch: int):
-    """One step as train.py runs it. Returns ({phase: {"s", "peak_gib"}}, rollouts, extra)."""
+def make_engine(args, ctx: Context):
+    """The rollout engine; vLLM gets random weights ("dummy") and then the actor's, as the trainer pushes them."""
+    if args.engine == "native":
+        from nla_shell.engines.native import NativeRolloutEngine
+
+        return NativeRolloutEngine(ctx.actor, ctx.injector, ctx.tokenizer, merge_lora=args.merge_lora)
+    if args.engine == "hf":
+        from nla_shell.engines.hf import HFRolloutEngine
+
+        return HFRolloutEngine(ctx.actor, ctx.injector, ctx.tokenizer)
+    from nla_shell.engines.vllm import VLLMRolloutEngine, require_vllm
+
+    require_vllm()  # says how to install it when it is missing
+    model_dir = Path(tempfile.mkdtemp(prefix="bench_step_vllm_"))
+    config = syn.qwen3_config(ctx.shape, vocab_size=len(ctx.tokenizer))
+    config.architectures = ["Qwen3ForCausalLM"]
+    config.save_pretrained(model_dir)
+    largest = max(p * g for p, g in args.cases)
+    engine = VLLMRolloutEngine(
+        model_dir, ctx.tokenizer, marker_id=ctx.injector.marker_id, left_id=ctx.injector.left_id,
+        right_id=ctx.injector.right_id, injection_layer=1, gpu_memory_utilization=args.vllm_gpu_mem,
+        max_model_len=args.prompt_len + (args.new_tokens or 160) + 16, load_format="dummy",
+        llm_kwargs={"max_num_seqs": min(largest, 1024)},
+    )
+    print(f"[vllm] weight push {engine.sync_weights(ctx.actor):.2f}s", flush=True)
+    return engine
+
+
+# --------------------------------------------------------------------------- arithmetic
+
+
+def forward_flops(config, *, layers: int, tokens: int, attention_pairs: int, logit_rows: int) -> float:
+    """Matrix FLOPs of a decoder forward: 2 * (block weights) per token, 4 * heads * head_dim per
+    (query, key) pair attended, 2 * V * D per position whose logits are formed."""
+    d, inter = config.hidden_size, config.intermediate_size
+    q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+    block = d * (2 * q + 2 * kv) + 3 * d * inter
+    return (2.0 * block * layers * tokens + 4.0 * q * layers * attention_pairs
+            + 2.0 * config.vocab_size * d * logit_rows)
+
+
+def path_flops(config, rollouts, *, shared_prefix: bool, ar_tokens: list[int], critic_layers: int) -> dict[str, float]:
+    """FLOPs each phase of a path executes.
+
+    update: policy forward + reference forward + policy backward. The base weights are frozen,
+    so the backward forms activation gradients only (about one forward, LoRA's own gradients
+    are < 2 %), attention's backward costs two of its forwards, and the fused log-prob's
+    backward recomputes the logits (two lm_head products). So 3 x blocks, 4 x attention,
+    4 x lm_head. score: one AR forward; critic: AR forward + backward with trainable
+    weights (3 x forward).
+    """
+    layers = config.num_hidden_layers
+    tokens = pairs = rows = 0
+    prompts = {}
+    for r in rollouts:
+        p, n = r.prompt_len, r.full_ids.numel() - r.prompt_len
+        rows += n
+        if shared_prefix:
+            prompts[r.prompt_index] = p
+            tokens += n - 1
+            pairs += (n - 1) * p + (n - 1) * n // 2
+        else:
+            tokens += p + n
+            pairs += (p + n) * (p + n + 1) // 2
+    tokens += sum(prompts.values())
+    pairs += sum(p * (p + 1) // 2 for p in prompts.values())
+    blocks = forward_flops(config, layers=layers, tokens=tokens, attention_pairs=0, logit_rows=0)
+    attention = forward_flops(config, layers=layers, tokens=0, attention_pairs=pairs, logit_rows=0)
+    logits = forward_flops(config, layers=layers, tokens=0, attention_pairs=0, logit_rows=rows)
+    ar = forward_flops(config, layers=critic_layers, tokens=sum(ar_tokens),
+                       attention_pairs=sum(t * (t + 1) // 2 for t in ar_tokens), logit_rows=0)
+    generated = sum(r.full_ids.numel() - r.prompt_len for r in rollouts)
+    return {"rollout": forward_flops(config, layers=layers, tokens=generated, attention_pairs=0, logit_rows=generated),
+            "update": 3 * blocks + 4 * attention + 4 * logits, "score": ar, "critic": 3 * ar}
+
+
+# --------------------------------------------------------------------------- one step
+
+
+def score_inputs(ctx: Context, rollouts):
+    """Extracted explanations, stood in where a random model wrote none; the golds; the group ids."""
     import nla_core
-    from nla_shell.training.scoring import critic_step, score_explanations
+
+    extracted = [nla_core.extract_explanation(r.text) for r in rollouts]
+    explanations = [e if e else ctx.stand_in_explanation(r) for e, r in zip(extracted, rollouts)]
+    return explanations, torch.tensor([r.prompt_index for r in rollouts])
+
+
+def run_path(ctx: Context, path: str, rollouts, golds, args, *, critic_on: bool, keep_weights: bool):
+    """One path's score / update / critic phases. Returns ({phase: {"s", "peak_gib"}}, numbers, ar_tokens)."""
+    import nla_core
+    from nla_shell.models import trainable_parameters
+    from nla_shell.training.scoring import critic_step, score_and_train_critic, score_explanations
     from nla_shell.training.update import LossOptions, policy_update
 
     d, device, pad = ctx.defaults, ctx.device, ctx.tokenizer.pad_token_id
+    before = path == "before"
     phases: dict[str, dict[str, float]] = {}
+    profile_dir, ctx.profile_dir = ctx.profile_dir, None  # one profile per path: its first (warm-up) step
+    explanations, groups = score_inputs(ctx, rollouts)
+    score_kwargs = dict(template="Text: {explanation}", mse_scale=ctx.critic.mse_scale, reward_kind=d["reward"],
+                        max_tokens=d["max_explanation_tokens"])
+    critic_micro = (args.before_critic_micro_batch or d["critic_micro_batch"]) if before else args.critic_micro_batch
+    # A path that another follows on the same rollouts leaves every weight as it was.
+    critic_optimizer = (torch.optim.SGD(trainable_parameters(ctx.critic), lr=0.0) if keep_weights
+                        else ctx.critic_optimizer)
 
     def phase(name, fn):
         syn.reset_peak(device)
-        seconds, out = syn.timed(fn, device)
+        with profiled(profile_dir, f"{path}_{name}", device):
+            seconds, out = syn.timed(fn, device)
         phases[name] = {"s": seconds, "peak_gib": syn.peak_gib(device)}
         return out
 
-    rollouts = phase("rollout", lambda: ctx.engine.generate(requests, group_size=group, max_new_tokens=new_tokens))
-    golds = torch.stack([requests[r.prompt_index].activation for r in rollouts])
-
-    def score():
-        extracted = [nla_core.extract_explanation(r.text) for r in rollouts]
-        explanations = [e if e else ctx.stand_in_explanation(r) for e, r in zip(extracted, rollouts)]
-        scores = score_explanations(ctx.critic, ctx.tokenizer, explanations, golds, template="Text: {explanation}",
-                                    mse_scale=ctx.critic.mse_scale, reward_kind=d["reward"],
-                                    max_tokens=d["max_explanation_tokens"], micro_batch=d["critic_micro_batch"])
-        groups = torch.tensor([r.prompt_index for r in rollouts])
-        return scores, nla_core.group_advantages(scores.reward, groups, scale=d["advantage_scale"])
-
-    scores, advantages = phase("score", score)
+    critic_loss = critic_norm = math.nan
+    if critic_on and not before:
+        scores, critic_loss, critic_norm = phase("score", lambda: score_and_train_critic(
+            ctx.critic, critic_optimizer, ctx.tokenizer, explanations, golds, **score_kwargs,
+            micro_batch=critic_micro, max_grad_norm=d["max_grad_norm"]))
+    else:
+        scores = phase("score", lambda: score_explanations(ctx.critic, ctx.tokenizer, explanations, golds,
+                                                           **score_kwargs, micro_batch=critic_micro))
+    advantages = nla_core.group_advantages(scores.reward, groups, scale=d["advantage_scale"])
     ctx.actor.train()
     update = phase("update", lambda: policy_update(
         ctx.actor, ctx.injector, ctx.optimizer, rollouts, advantages, golds, loss=LossOptions(),
-        micro_batch=micro_batch, max_grad_norm=d["max_grad_norm"], pad_id=pad))
-    if critic_on:
+        micro_batch=args.before_micro_batch if before else args.micro_batch, max_grad_norm=d["max_grad_norm"],
+        pad_id=pad, share_prefix=not before,
+        reference_micro_batch=args.before_micro_batch if before else args.reference_micro_batch,
+        step_optimizer=not keep_weights))
+    if critic_on and before:
         kept = [i for i, ids in enumerate(scores.ar_inputs) if ids is not None]
-        phase("critic", lambda: critic_step(
-            ctx.critic, ctx.critic_optimizer, [scores.ar_inputs[i] for i in kept], golds[kept], pad_id=pad,
-            micro_batch=d["critic_micro_batch"], max_grad_norm=d["max_grad_norm"]))
-    extra = {
-        "generated_tokens": sum(r.full_ids.numel() - r.prompt_len for r in rollouts),
-        "ar_input_tokens_mean": sum(len(ids) for ids in scores.ar_inputs if ids) / max(1, int(scores.valid.sum())),
-        "logp_diff_mean": update.logp_diff_mean, "logp_diff_max": update.logp_diff_max,
-        "engine_stats": dict(getattr(ctx.engine, "last_stats", {})),
+        critic_loss, critic_norm = phase("critic", lambda: critic_step(
+            ctx.critic, critic_optimizer, [scores.ar_inputs[i] for i in kept], golds[kept], pad_id=pad,
+            micro_batch=critic_micro, max_grad_norm=d["max_grad_norm"]))
+    ctx.optimizer.zero_grad(set_to_none=True)
+    numbers = {"loss": update.loss, "grad_norm": update.grad_norm, "kl_mean": update.kl_mean,
+               "clip_frac": update.clip_frac, "logp_diff_mean": update.logp_diff_mean,
+               "critic_loss": critic_loss, "critic_grad_norm": critic_norm,
+               "reward": scores.reward.tolist()}
+    ar_tokens = [len(ids) for ids in scores.ar_inputs if ids is not None]
+    return phases, numbers, ar_tokens
+
+
+def grpo_step(ctx: Context, requests, group: int, new_tokens: int, args, *, paths: list[str]):
+    """Rollouts once, then each path on them. Returns {path: (phases, numbers, flops)}, rollout phase, extra."""
+    device = ctx.device
+    syn.reset_peak(device)
+    seconds, rollouts = syn.timed(lambda: ctx.engine.generate(requests, group_size=group, max_new_tokens=new_tokens),
+                                  device)
+    rollout = {"s": seconds, "peak_gib": syn.peak_gib(device)}
+    golds = torch.stack([requests[r.prompt_index].activation for r in rollouts])
+    results = {}
+    for position, path in enumerate(paths):
+        with tf32_matmuls(path == "after_tf32"):
+            phases, numbers, ar_tokens = run_path(ctx, path, rollouts, golds, args, critic_on=args.critic,
+                                                  keep_weights=position < len(paths) - 1)
+        flops = path_flops(ctx.config, rollouts, shared_prefix=path != "before", ar_tokens=ar_tokens,
+                           critic_layers=ctx.extraction_layer + 1)
+        critic_flops = flops.pop("critic")
+        if "critic" in phases:
+            flops["critic"] = critic_flops
+        elif args.critic:
+            flops["score"] = critic_flops  # one AR forward + backward scored and trained
+        results[path] = ({"rollout": rollout, **phases}, numbers, flops)
+    extra = {"generated_tokens": sum(r.full_ids.numel() - r.prompt_len for r in rollouts),
+             "engine_stats": dict(getattr(ctx.engine, "last_stats", {}))}
+    return results, extra
+
+
+def compare_numbers(a: dict, b: dict) -> dict[str, float]:
+    """|b - a| of two paths' training numbers on the same rollouts (relative for the norms)."""
+    rel = lambda x, y: abs(x - y) / max(abs(x), 1e-12)  # noqa: E731
+    return {
+        "loss_abs": abs(a["loss"] - b["loss"]), "grad_norm_rel": rel(a["grad_norm"], b["grad_norm"]),
+        "kl_mean_abs": abs(a["kl_mean"] - b["kl_mean"]),
+        "reward_max_abs": max((abs(x - y) for x, y in zip(a["reward"], b["reward"])), default=0.0),
+        "critic_loss_rel": rel(a["critic_loss"], b["critic_loss"]),
+        "critic_grad_norm_rel": rel(a["critic_grad_norm"], b["critic_grad_norm"]),
     }
-    return phases, rollouts, extra
 
 
-def logprob_paths(ctx: Context, requests, rollouts, micro_batches: list[int], record: syn.Record) -> None:
-    """Forward + backward of the update's log-probs: lean (fused, chunked) vs plain full logits."""
-    from nla_shell.models import inner_lm, response_logprobs
-    from nla_shell.training.update import response_batch
+@contextlib.contextmanager
+def tf32_matmuls(enabled: bool):
+    """float32 matrix products on TF32 tensor cores (the LoRA factors are float32) while enabled."""
+    previous = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = enabled or previous
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = previous
 
-    device, pad = ctx.device, ctx.tokenizer.pad_token_id
-    lm = inner_lm(ctx.actor)
 
-    def plain(batch):
-        logits = lm(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits  # [n, S, V]
-        logp_all = torch.log_softmax(logits.float(), dim=-1)
-        rows = torch.arange(batch.input_ids.shape[0], device=device)[:, None]
-        return logp_all[rows, batch.positions].gather(-1, batch.targets.unsqueeze(-1)).squeeze(-1)
+@contextlib.contextmanager
+def profiled(directory: str | None, name: str, device: torch.device):
+    """torch.profiler over the block; its top-40 table by device time written to directory/name.txt."""
+    if directory is None:
+        yield
+        return
+    from torch.profiler import ProfilerActivity, profile
 
-    def lean(batch):
-        return response_logprobs(ctx.actor, batch.input_ids, batch.attention_mask, batch.positions, batch.targets)
-
-    ctx.actor.train()
-    for micro in micro_batches:
-        chunk = rollouts[:micro]
-        if len(chunk) < micro:
-            continue
-        batch = response_batch(chunk, pad_id=pad, device=device)
-        vectors = torch.stack([requests[r.prompt_index].activation for r in chunk]).to(device)
-        for name, path in (("lean", lean), ("plain", plain)):
-            label = f"logprob path {name}, micro-batch {micro}"
-
-            def run():
-                with ctx.injector.inject(batch.input_ids, vectors):
-                    logp = path(batch)
-                (logp * batch.mask).sum().backward()
-                return logp.detach()
-
-            try:
-                run()  # warm-up
-                ctx.optimizer.zero_grad(set_to_none=True)
-                syn.free_memory(device)
-                resident = torch.cuda.memory_allocated(device) / 2**30 if device.type == "cuda" else math.nan
-                syn.reset_peak(device)
-                seconds, logp = syn.timed(run, device)
-                ctx.optimizer.zero_grad(set_to_none=True)
-                case = {"case": "logprob_path", "path": name, "micro_batch": micro,
-                        "tokens": int(batch.input_ids.numel()), "s": seconds, "peak_gib": syn.peak_gib(device),
-                        "resident_gib": resident}
-                record.add(case)
-                print(f"[{label}] {seconds:.3f}s, peak {case['peak_gib']:.1f} GiB (resident {resident:.1f})", flush=True)
-            except Exception as err:  # noqa: BLE001 - an OOM here is a result: report, free, go on
-                record.error(label, err)
-                ctx.optimizer.zero_grad(set_to_none=True)
-                syn.free_memory(device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        yield
+    sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    (Path(directory) / f"{name}.txt").write_text(prof.key_averages().table(sort_by=sort, row_limit=30, max_name_column_width=90))
 
 
 def main() -> None:
@@ -215,13 +348,11 @@ def main() -> None:
     args = parse_args()
     defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
     new_tokens = args.new_tokens or (8 if args.tiny else defaults["max_new_tokens"])
-    default_micro = f"{defaults['logp_micro_batch']}" + ("" if args.tiny else ",8")
-    micro_batches = [int(m) for m in (args.micro_batches or default_micro).split(",")]
     device = torch.device("cpu" if args.tiny else "cuda")
     dtype = torch.float32 if args.tiny else torch.bfloat16
-    settings = {**vars(args), "new_tokens": new_tokens, "micro_batches": micro_batches,
+    settings = {**vars(args), "new_tokens": new_tokens,
                 "defaults": {k: v for k, v in defaults.items() if isinstance(v, (int, float, str, bool, type(None)))}}
-    record = syn.Record(args.out, {**syn.environment(device), "settings": settings})
+    record = syn.Record(args.out, {**syn.environment(device), "settings": settings, "peak_tflops": PEAK_TFLOPS})
 
     t0 = time.perf_counter()
     ctx = Context(args, device, dtype, defaults)
@@ -229,43 +360,47 @@ def main() -> None:
     record.save()
     print(f"[setup] actor + critic + engine on {device} in {record.data['setup_s']:.1f}s", flush=True)
 
-    largest: tuple | None = None
-    requests_by_case = {
-        (b, g): syn.make_requests(b, args.prompt_len, ctx.config.hidden_size, ctx.tokens,
-                                  vocab=min(ctx.config.vocab_size, len(ctx.tokenizer)), seed=b * g)
-        for b, g in args.cases
-    }
-    warmed: set[tuple[int, int, bool]] = set()
-    for critic_on in sorted(set(args.critic)):  # False first: critic-off peaks exclude the critic's Adam state
-        ctx.critic.requires_grad_(critic_on)
-        if critic_on and ctx.critic_optimizer is None:
-            ctx.critic_optimizer = ctx.make_critic_optimizer()
-        for (prompts, group), requests in requests_by_case.items():
-            for micro in micro_batches:
-                label = f"{prompts}x{group} critic {'on' if critic_on else 'off'} micro-batch {micro}"
-                syn.free_memory(device)
-                try:
-                    if (prompts, group, critic_on) not in warmed:
-                        # This shape's graphs, then every phase's first-use costs on one prompt's group.
-                        print(f"[warm-up] {label}", flush=True)
-                        ctx.engine.generate(requests, group_size=group, max_new_tokens=new_tokens)
-                        grpo_step(ctx, requests[:1], group, new_tokens, critic_on=critic_on, micro_batch=micro)
-                        warmed.add((prompts, group, critic_on))
-                    phases, rollouts, extra = grpo_step(ctx, requests, group, new_tokens,
-                                                        critic_on=critic_on, micro_batch=micro)
-                except Exception as err:  # noqa: BLE001 - report, free, go on
-                    record.error(label, err)
-                    continue
-                case = {"case": "step", "prompts": prompts, "group": group, "critic": critic_on,
-                        "micro_batch": micro, "phases": phases, "step_s": sum(p["s"] for p in phases.values()),
-                        "peak_gib": max(p["peak_gib"] for p in phases.values()), **extra}
-                record.add(case)
-                print(f"[step] {label}: {case['step_s']:.2f}s, peak {case['peak_gib']:.1f} GiB, "
-                      + ", ".join(f"{k} {v['s']:.2f}s" for k, v in phases.items()), flush=True)
-                if not critic_on and (largest is None or prompts * group > largest[0] * largest[1]):
-                    largest = (prompts, group, rollouts)
-        if not critic_on and largest is not None and args.lean_micro_batches:
-            logprob_paths(ctx, requests_by_case[largest[:2]], largest[2], args.lean_micro_batches, record)
+    for index, (prompts, group) in enumerate(args.cases):
+        requests = syn.make_requests(prompts, args.prompt_len, ctx.config.hidden_size, ctx.tokens,
+                                     vocab=min(ctx.config.vocab_size, len(ctx.tokenizer)), seed=prompts * group)
+        label = f"{prompts}x{group} critic {'on' if args.critic else 'off'}"
+        syn.free_memory(device)
+        try:
+            # This shape's rollout graphs, then every phase's first-use costs on one prompt's group.
+            print(f"[warm-up] {label}", flush=True)
+            ctx.engine.generate(requests, group_size=group, max_new_tokens=new_tokens)
+            for path in args.paths:
+                ctx.profile_dir = args.profile if index == 0 else None
+                grpo_step(ctx, requests[: max(1, args.micro_batch // group)], group, new_tokens, args, paths=[path])
+            results, extra = grpo_step(ctx, requests, group, new_tokens, args, paths=args.paths)
+        except Exception as err:  # noqa: BLE001 - report, free, go on
+            traceback.print_exc()
+            record.error(label, err)
+            continue
+        for path, (phases, numbers, flops) in results.items():
+            for name, p in phases.items():
+                p["tflops"] = flops.get(name, math.nan) / p["s"] / 1e12
+                p["pct_peak"] = 100.0 * p["tflops"] / PEAK_TFLOPS
+            case = {"case": "step", "path": path, "prompts": prompts, "group": group, "critic": args.critic,
+                    "micro_batch": args.before_micro_batch if path == "before" else args.micro_batch, "phases": phases, "flops": flops,
+                    "step_s": sum(p["s"] for p in phases.values()),
+                    "peak_gib": max(p["peak_gib"] for p in phases.values()),
+                    "numbers": {k: v for k, v in numbers.items() if k != "reward"}, **extra}
+            record.add(case)
+            print(f"[step] {label} {path}: {case['step_s']:.2f}s, peak {case['peak_gib']:.1f} GiB, "
+                  + ", ".join(f"{k} {v['s']:.2f}s ({v['pct_peak']:.0f}%)" for k, v in phases.items()), flush=True)
+        for path in (p for p in results if p != "before" and "before" in results):
+            diff = compare_numbers(results["before"][1], results[path][1])
+            record.data.setdefault("comparisons", []).append({"prompts": prompts, "group": group, "path": path, **diff})
+            record.save()
+            print(f"[same numbers] {label} before vs {path}: " + ", ".join(f"{k} {v:.2e}" for k, v in diff.items()),
+                  flush=True)
+        for path, (_, n, _) in results.items():
+            if len(results) > 1:
+                print(f"    {path:10} loss {n['loss']:+.6e} grad_norm {n['grad_norm']:.6e} kl {n['kl_mean']:.6e} "
+                      f"critic_loss {n['critic_loss']:.6e} critic_grad_norm {n['critic_grad_norm']:.6e}", flush=True)
+    if hasattr(ctx.engine, "close"):
+        ctx.engine.close()
     table = summary(record.data["cases"])
     record.data["table"] = table
     record.save()
@@ -274,19 +409,16 @@ def main() -> None:
 
 
 def summary(cases: list[dict]) -> str:
-    lines = [f"{'step':8} {'critic':6} {'mb':>3} {'rollout':>8} {'score':>7} {'update':>7} {'critic':>7} "
-             f"{'step s':>7} {'peak GiB':>8}"]
+    phases = ("rollout", "score", "update", "critic")
+    lines = [f"{'step':8} {'path':6} {'mb':>3} " + " ".join(f"{p + ' s (TF/s, %pk)':>24}" for p in phases)
+             + f" {'step s':>7} {'peak GiB':>8}"]
     for c in (c for c in cases if c["case"] == "step"):
-        p = c["phases"]
-        get = lambda k: p[k]["s"] if k in p else float("nan")  # noqa: E731
-        lines.append(f"{c['prompts']}x{c['group']:<6} {'on' if c['critic'] else 'off':6} {c['micro_batch']:>3} "
-                     f"{get('rollout'):8.2f} {get('score'):7.2f} {get('update'):7.2f} {get('critic'):7.2f} "
-                     f"{c['step_s']:7.2f} {c['peak_gib']:8.1f}")
-    paths = [c for c in cases if c["case"] == "logprob_path"]
-    if paths:
-        lines.append(f"{'log-prob path':14} {'mb':>3} {'tokens':>7} {'fwd+bwd s':>9} {'peak GiB':>8}")
-        for c in paths:
-            lines.append(f"{c['path']:14} {c['micro_batch']:>3} {c['tokens']:>7} {c['s']:9.3f} {c['peak_gib']:8.1f}")
+        cells = []
+        for name in phases:
+            p = c["phases"].get(name)
+            cells.append(f"{'-':>24}" if p is None else f"{p['s']:8.2f} ({p['tflops']:6.1f}, {p['pct_peak']:3.0f}%)")
+        lines.append(f"{c['prompts']}x{c['group']:<6} {c['path']:6} {c['micro_batch']:>3} " + " ".join(cells)
+                     + f" {c['step_s']:7.2f} {c['peak_gib']:8.1f}")
     return "\n".join(lines)
 
 

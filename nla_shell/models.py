@@ -29,6 +29,10 @@ from nla_shell import families, quant as quantization
 
 VALUE_HEAD_FILE = "value_head.safetensors"
 REFERENCE_ADAPTER = "reference"
+LOGPROB_CHUNK_TOKENS = 1024
+"""Tokens per chunk of the fused lm_head + log-prob: [1024, V] float32 logits (0.6 GB at
+V = 152k) keep the lm_head product compute-bound, where the core's default (~27 tokens at
+V = 152k) re-reads the 1.2 GB lm_head weight for every 27 tokens."""
 
 
 def inner_lm(model: nn.Module) -> nn.Module:
@@ -111,17 +115,19 @@ class Injector:
         return kept, int(sites.shape[0] - kept.shape[0])
 
     @contextlib.contextmanager
-    def inject(self, input_ids: torch.Tensor, vectors: torch.Tensor) -> Iterator[None]:
+    def inject(self, input_ids: torch.Tensor, vectors: torch.Tensor, *, sites: torch.Tensor | None = None) -> Iterator[None]:
         """Inject vectors[b] at row b's marker in forwards over exactly these input_ids' length.
 
-        Args: input_ids: [B, S]; vectors: [B, D], one per row.
+        Args: input_ids: [B, S]; vectors: [B, D], one per row; sites: [B, 2] the rows'
+          `prompt_sites`, when already found (on the CPU: no device synchronisation here).
         """
         if vectors.dim() != 2 or vectors.shape[0] != input_ids.shape[0]:
             raise ValueError(
                 f"need one vector per row: input_ids {tuple(input_ids.shape)}, vectors {tuple(vectors.shape)}"
             )
-        sites, echoes = self.prompt_sites(input_ids)
-        self.echo_rows += echoes
+        if sites is None:
+            sites, echoes = self.prompt_sites(input_ids)
+            self.echo_rows += echoes
         self._batch = _Batch(input_ids.shape[1], sites, vectors)
         try:
             yield
@@ -134,7 +140,9 @@ class Injector:
         # Decode steps see one new token: the marker lives in the (cached) prompt.
         if batch is None or resid.shape[1] != batch.seq_len:
             return output
-        injected = self._apply(resid, batch.sites.to(resid.device), batch.vectors.to(resid.device))
+        # Non-blocking: sites and vectors may come from the CPU; no wait on the device queue.
+        sites = batch.sites.to(resid.device, non_blocking=True)
+        injected = self._apply(resid, sites, batch.vectors.to(resid.device, non_blocking=True))
         return (injected, *output[1:]) if isinstance(output, tuple) else injected
 
 
@@ -284,7 +292,8 @@ def response_logprobs(
     hidden = families.backbone(lm)(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
     picked = hidden.gather(1, positions.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
     return nla_core.token_logprobs_from_hidden(
-        picked, lm.get_output_embeddings().weight, targets, softcap=families.final_logit_softcap(lm)
+        picked, lm.get_output_embeddings().weight, targets, softcap=families.final_logit_softcap(lm),
+        chunk_size=LOGPROB_CHUNK_TOKENS,
     )
 
 
@@ -306,6 +315,22 @@ class ARModel(nn.Module):
         self.mse_scale = mse_scale
         self._final_norm = families.final_norm(lm)
         families.set_final_norm(lm, nn.Identity())
+        self._freeze_unreachable()
+
+    def requires_grad_(self, requires_grad: bool = True) -> "ARModel":
+        """The backbone and value head trainable (or frozen); the rest never trainable."""
+        super().requires_grad_(requires_grad)
+        self._freeze_unreachable()
+        return self
+
+    def _freeze_unreachable(self) -> None:
+        # The bypassed final norm and the lm_head (unless tied to the embeddings) are never in
+        # the forward: trainable, they would cost optimizer state and, under torchrun, an
+        # all-reduce of zeros every step.
+        reachable = {id(p) for p in (*families.backbone(self.lm).parameters(), *self.value_head.parameters())}
+        for p in self.parameters():
+            if id(p) not in reachable:
+                p.requires_grad_(False)
 
     @property
     def num_layers(self) -> int:

@@ -59,6 +59,11 @@ def score_explanations(
     if keep:
         pred = ar_predict(ar, [inputs[i] for i in keep], pad_id=tokenizer.pad_token_id, micro_batch=micro_batch, device=device)
         mse[keep] = nla_core.reconstruction_mse(pred.cpu(), golds[keep].float(), scale=mse_scale)
+    return _scores(inputs, mse, reward_kind)
+
+
+def _scores(inputs: list[list[int] | None], mse: torch.Tensor, reward_kind: str) -> Scores:
+    """Scores of N samples from their AR inputs and [N] MSE (NaN where not scored)."""
     valid = torch.isfinite(mse)
     reward = torch.where(
         valid,
@@ -159,9 +164,79 @@ def critic_step(
     params = trainable_parameters(ar)
     distributed.all_reduce_grads(params)
     (total,) = distributed.all_reduce_sum([total])
+    return _clip_and_step(params, optimizer, total, max_grad_norm)
+
+
+def _clip_and_step(
+    params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer, loss: float, max_grad_norm: float
+) -> tuple[float, float]:
+    """Clip the (rank-summed) gradient and step; skip with (NaN, NaN) when loss or norm is not finite."""
     grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm))
-    if not (math.isfinite(total) and math.isfinite(grad_norm)):
+    if not (math.isfinite(loss) and math.isfinite(grad_norm)):
         optimizer.zero_grad(set_to_none=True)
         return math.nan, math.nan
     optimizer.step()
-    return total, grad_norm
+    optimizer.zero_grad(set_to_none=True)  # the AR's gradients would otherwise stay allocated all step
+    return loss, grad_norm
+
+
+def score_and_train_critic(
+    ar: ARModel,
+    optimizer: torch.optim.Optimizer,
+    tokenizer,
+    explanations: Sequence[str | None],
+    golds: torch.Tensor,
+    *,
+    template: str,
+    mse_scale: float | None,
+    reward_kind: str,
+    max_tokens: int,
+    micro_batch: int,
+    max_grad_norm: float,
+) -> tuple[Scores, float, float]:
+    """`score_explanations` then `critic_step` on the valid pairs, with ONE AR forward per pair.
+
+    The reward needs the pre-update prediction, and so does the critic's loss
+    mean_i mse_i over the valid pairs: each micro-batch's forward serves both, and its
+    backward of sum_i mse_i accumulates the gradient, scaled by 1/n once n (the global
+    count of valid pairs) is known. Inputs are sorted by length so micro-batches carry
+    little padding. Should any prediction be non-finite, its NaN would reach the gradient
+    of the whole micro-batch: the accumulated gradient is then dropped and `critic_step`
+    runs on the valid pairs alone, which is today's arithmetic.
+
+    Returns (scores, critic loss, critic grad norm); the last two as `critic_step` returns them.
+    Under torchrun every rank calls this (see `critic_step`).
+    """
+    inputs = [ar_token_ids(e, template, tokenizer, max_tokens=max_tokens) for e in explanations]
+    keep = sorted((i for i, ids in enumerate(inputs) if ids is not None), key=lambda i: len(inputs[i]), reverse=True)
+    device = ar.value_head.weight.device
+    optimizer.zero_grad(set_to_none=True)
+    mse_kept = torch.zeros(len(keep), device=device)
+    for start in range(0, len(keep), micro_batch):
+        rows = keep[start : start + micro_batch]
+        ids, mask = pad_right([inputs[i] for i in rows], tokenizer.pad_token_id, device)
+        gold = golds[rows].to(device, torch.float32, non_blocking=True)
+        mse = nla_core.reconstruction_mse(ar(ids, mask), gold, scale=mse_scale)
+        mse.sum().backward()
+        mse_kept[start : start + len(rows)] = mse.detach()
+    mse_all = torch.full((len(inputs),), math.nan)
+    mse_all[keep] = mse_kept.cpu()
+    scores = _scores(inputs, mse_all, reward_kind)
+    pairs = [i for i, ids in enumerate(scores.ar_inputs) if ids is not None]
+    (unscored,) = distributed.all_reduce_sum([len(keep) - len(pairs)])
+    if unscored:
+        loss, grad_norm = critic_step(
+            ar, optimizer, [scores.ar_inputs[i] for i in pairs], golds[pairs], pad_id=tokenizer.pad_token_id,
+            micro_batch=micro_batch, max_grad_norm=max_grad_norm,
+        )
+        return scores, loss, grad_norm
+    (n_global,) = distributed.all_reduce_sum([len(pairs)])
+    if n_global == 0:
+        return scores, math.nan, math.nan
+    params = trainable_parameters(ar)
+    distributed.all_reduce_grads(params)
+    for p in params:
+        if p.grad is not None:
+            p.grad.div_(n_global)
+    (total,) = distributed.all_reduce_sum([float(mse_kept.sum()) / n_global])
+    return scores, *_clip_and_step(params, optimizer, total, max_grad_norm)

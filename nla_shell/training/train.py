@@ -39,7 +39,7 @@ from nla_shell.models import (
     ARModel, Injector, base_model_dir, eos_token_ids, inner_lm, is_adapter_dir, load_actor, trainable_parameters,
 )
 from nla_shell.quant import require_quant
-from nla_shell.training.scoring import critic_step, score_explanations, shape_rewards
+from nla_shell.training.scoring import score_and_train_critic, score_explanations, shape_rewards
 from nla_shell.training.update import LossOptions, policy_update
 
 
@@ -366,9 +366,18 @@ def run_ranked(cfg: TrainConfig, rank: RankInfo, device: torch.device, dtype: to
             say(f"[warn] step {step}: steering canary is 0: the engine's rollouts are unsteered", error=True)
 
         # --- score: extraction -> AR -> reward -> advantages (groups are whole: exact) -----
+        # A co-trained critic takes its regression step here, on the same forward that scores
+        # (the reward is the pre-update prediction's); every rank steps, even one with no pairs.
         t0 = time.perf_counter()
         explanations = [nla_core.extract_explanation(r.text) for r in rollouts]
-        scores = score_explanations(critic, tokenizer, explanations, golds, **score_kwargs)
+        critic_loss = critic_grad_norm = math.nan
+        if critic_optimizer is not None:
+            scores, critic_loss, critic_grad_norm = score_and_train_critic(
+                critic, critic_optimizer, tokenizer, explanations, golds, **score_kwargs,
+                max_grad_norm=cfg.max_grad_norm,
+            )
+        else:
+            scores = score_explanations(critic, tokenizer, explanations, golds, **score_kwargs)
         shaped = shape_rewards(
             scores, rollouts, max_new_tokens=cfg.max_new_tokens, eos_ids=eos_ids, length_penalty=cfg.length_penalty,
             length_margin=cfg.length_margin, truncated_as_failed=cfg.truncated_as_failed,
@@ -391,18 +400,6 @@ def run_ranked(cfg: TrainConfig, rank: RankInfo, device: torch.device, dtype: to
             say(f"[warn] step {step}: grad norm {update.grad_norm} is not finite; optimizer step skipped "
                 f"({skipped_steps} so far)", error=True)
         time_update = time.perf_counter() - t0
-
-        # --- critic co-training: one regression step on this step's explanations -----------
-        t0 = time.perf_counter()
-        critic_loss = critic_grad_norm = math.nan
-        if critic_optimizer is not None:
-            # Every rank steps, even one with nothing kept: the step's collectives must all meet.
-            kept = [i for i, ids in enumerate(scores.ar_inputs) if ids is not None]
-            critic_loss, critic_grad_norm = critic_step(
-                critic, critic_optimizer, [scores.ar_inputs[i] for i in kept], golds[kept],
-                pad_id=tokenizer.pad_token_id, micro_batch=cfg.critic_micro_batch, max_grad_norm=cfg.max_grad_norm,
-            )
-        time_critic = time.perf_counter() - t0
 
         # --- weight push to engines with their own copy -------------------------------------
         time_sync = 0.0
@@ -431,9 +428,9 @@ def run_ranked(cfg: TrainConfig, rank: RankInfo, device: torch.device, dtype: to
         advantages_all, n_generated = samples["advantage"], int(samples["length"].sum())
         # The slowest rank sets the pace: times (and peak memory) are maxima over ranks.
         time_step = time.perf_counter() - t_step
-        time_rollout, time_score, time_update, time_critic, time_sync, time_step, peak_mem = (
+        time_rollout, time_score, time_update, time_sync, time_step, peak_mem = (
             distributed.all_reduce_max(
-                [time_rollout, time_score, time_update, time_critic, time_sync, time_step, peak_memory_gb(device)]
+                [time_rollout, time_score, time_update, time_sync, time_step, peak_memory_gb(device)]
             )
         )
         record: dict[str, Any] = {
@@ -462,7 +459,7 @@ def run_ranked(cfg: TrainConfig, rank: RankInfo, device: torch.device, dtype: to
             "time_rollout": time_rollout,
             "time_score": time_score,
             "time_update": time_update,
-            "time_critic": time_critic,
+            "time_critic": 0.0,  # the critic steps inside the score phase
             "time_sync": time_sync,
             "time_step": time_step,
             "tokens_per_s": n_generated / max(time_rollout, 1e-9),

@@ -9,7 +9,7 @@ from typing import Sequence
 import torch
 
 import nla_core
-from nla_shell.training import distributed
+from nla_shell.training import distributed, prefix
 from nla_shell.engines.base import Rollout
 from nla_shell.models import Injector, pad_right, reference_policy, response_logprobs
 
@@ -97,12 +97,21 @@ def policy_update(
     pad_id: int,
     mismatch_threshold: float | None = None,
     step_optimizer: bool = True,
+    share_prefix: bool = True,
+    reference_micro_batch: int | None = None,
 ) -> UpdateStats:
     """One GRPO step over all rollouts, one micro-batch graph alive at a time.
 
     Each micro-batch's loss uses the whole batch's denominator (N samples, or all response
     tokens for token_mean), so the summed micro-batch gradients equal the full-batch
     gradient whatever `micro_batch` is. A non-finite grad norm skips the optimizer step.
+
+    The reference log-probs come first, in their own no-grad pass at `reference_micro_batch`
+    (no autograd state is alive, so it can be larger). Micro-batches keep groups whole and
+    group sequences of like length (`prefix.plan_micro_batches`); with `share_prefix` each
+    group's prompt is computed once per micro-batch (`prefix.prefix_logprobs`), else every
+    sample runs its full sequence. Statistics stay on the device until the end: the loop
+    never waits for the GPU.
 
     Under torchrun every rank passes its own slice of the batch: the denominator counts the
     global batch and the gradients are summed over ranks before clipping, so every rank
@@ -112,6 +121,9 @@ def policy_update(
     Args:
       rollouts: N rollouts; advantages: [N]; activations: [N, D] (each rollout's prompt vector).
       step_optimizer: False leaves the accumulated (rank-summed) gradient in place (tests).
+      share_prefix: compute each group's prompt once (ignored where `supports_prefix_sharing`
+        says the model cannot: gradient checkpointing, sliding-window attention).
+      reference_micro_batch: samples per reference forward (default 4 * micro_batch).
     """
     n_local = len(rollouts)
     if advantages.shape != (n_local,) or activations.shape[0] != n_local:
@@ -123,36 +135,55 @@ def policy_update(
         [n_local, sum(r.full_ids.numel() - r.prompt_len for r in rollouts)]
     ))
     denominator = n if loss.aggregation == "sequence_mean" else max(1, n_tokens)
-    optimizer.zero_grad(set_to_none=True)
-    sums = dict(loss=0.0, kl=0.0, clip=0.0, outside=0.0, tis=0.0, diff=0.0, tokens=0.0, masked=0.0)
+    share_prefix = share_prefix and prefix.supports_prefix_sharing(actor)
+    advantages = advantages.to(device, torch.float32, non_blocking=True)
+    activations = activations.to(device, torch.float32, non_blocking=True)
+
+    def forward(rows: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(logp [n, T], mask [n, T], behaviour logp [n, T], rows [n] on the device) of these rollouts."""
+        if share_prefix:
+            batch = prefix.prefix_batch(rollouts, rows, injector, pad_id=pad_id).to(device)
+            logp = prefix.prefix_logprobs(actor, injector, batch, activations[batch.prompt_sources])
+            return logp, batch.mask, batch.behavior_logp, batch.rows
+        chunk = [rollouts[i] for i in rows]
+        batch = response_batch(chunk, pad_id=pad_id, device=device)
+        index = torch.tensor(rows, device=device)
+        with injector.inject(batch.input_ids, activations[index]):
+            logp = response_logprobs(actor, batch.input_ids, batch.attention_mask, batch.positions, batch.targets)
+        return logp, batch.mask, batch.behavior_logp, index
+
+    # --- reference log-probs: one no-grad pass, larger micro-batches ------------------------
+    width = max((r.full_ids.numel() - r.prompt_len for r in rollouts), default=1)
+    reference = None
     # The KL is worth watching at kl_beta = 0 as well: the reference forward is then for the metric only.
     run_reference = loss.kl_beta != 0 or loss.kl_metric
-    diff_max = 0.0
-    for start in range(0, n_local, micro_batch):
-        chunk = rollouts[start : start + micro_batch]
-        batch = response_batch(chunk, pad_id=pad_id, device=device)
-        vectors = activations[start : start + micro_batch].to(device, torch.float32)
-        with injector.inject(batch.input_ids, vectors):
-            logp = response_logprobs(actor, batch.input_ids, batch.attention_mask, batch.positions, batch.targets)
-            ref_logp = None
-            if run_reference:
-                with torch.no_grad(), reference_policy(actor):
-                    ref_logp = response_logprobs(actor, batch.input_ids, batch.attention_mask, batch.positions, batch.targets)
-        mask = batch.mask
-        diff = torch.where(mask, (batch.behavior_logp - logp.detach()).abs(), torch.zeros_like(logp))
+    if run_reference:
+        reference = torch.zeros(n_local, max(1, width), device=device)
+        with torch.no_grad(), reference_policy(actor):
+            for rows in prefix.plan_micro_batches(rollouts, reference_micro_batch or 4 * micro_batch):
+                ref_logp, _, _, index = forward(rows)
+                reference[index, : ref_logp.shape[1]] = ref_logp
+
+    # --- policy forward + loss + backward, micro-batch by micro-batch -------------------------
+    optimizer.zero_grad(set_to_none=True)
+    zero = torch.zeros((), dtype=torch.float64, device=device)
+    sums = dict(loss=zero, kl=zero, clip=zero, outside=zero, tis=zero, diff=zero, tokens=zero, masked=zero)
+    diff_max = zero
+    decoupled = loss.tis not in ("ratio_cap", None)
+    for rows in prefix.plan_micro_batches(rollouts, micro_batch):
+        logp, mask, behavior, index = forward(rows)
+        diff = torch.where(mask, (behavior - logp.detach()).abs(), torch.zeros_like(logp))
         if mismatch_threshold is not None:
-            row_diff = diff.sum(-1) / mask.sum(-1).clamp_min(1)
-            off_policy = row_diff > mismatch_threshold
-            sums["masked"] += float(off_policy.sum())
+            off_policy = diff.sum(-1) / mask.sum(-1).clamp_min(1) > mismatch_threshold
+            sums["masked"] = sums["masked"] + off_policy.sum()
             mask = mask & ~off_policy[:, None]
-        decoupled = loss.tis not in ("ratio_cap", None)
         out = nla_core.grpo_loss(
             logp,
-            logp.detach() if decoupled else batch.behavior_logp,
-            advantages[start : start + micro_batch].to(device),
+            logp.detach() if decoupled else behavior,
+            advantages[index],
             mask,
-            ref_logp=ref_logp,
-            behavior_logp=batch.behavior_logp if decoupled else None,
+            ref_logp=None if reference is None else reference[index, : logp.shape[1]],
+            behavior_logp=behavior if decoupled else None,
             clip_eps=loss.clip_eps,
             clip_eps_high=loss.clip_eps_high,
             kl_beta=loss.kl_beta,
@@ -163,15 +194,17 @@ def policy_update(
             denominator=denominator,
         )
         out.loss.backward()
-        tokens = float(mask.sum())
-        sums["loss"] += float(out.loss.detach())
-        sums["kl"] += float(out.kl_mean) * tokens
-        sums["clip"] += float(out.clip_frac) * tokens
-        sums["outside"] += float(out.outside_clip_frac) * tokens
-        sums["tis"] += float(out.tis_frac) * tokens
-        sums["diff"] += float(diff.sum())
-        sums["tokens"] += tokens
-        diff_max = max(diff_max, float(diff.max()) if diff.numel() else 0.0)
+        tokens = mask.sum()
+        sums["loss"] = sums["loss"] + out.loss.detach()
+        sums["kl"] = sums["kl"] + out.kl_mean * tokens
+        sums["clip"] = sums["clip"] + out.clip_frac * tokens
+        sums["outside"] = sums["outside"] + out.outside_clip_frac * tokens
+        sums["tis"] = sums["tis"] + out.tis_frac * tokens
+        sums["diff"] = sums["diff"] + diff.sum()
+        sums["tokens"] = sums["tokens"] + tokens
+        diff_max = torch.maximum(diff_max, diff.max())
+
+    # --- all-reduce, clip, step ------------------------------------------------------------------
     params = [p for p in actor.parameters() if p.requires_grad]
     time_allreduce = distributed.all_reduce_grads(params)
     grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm))
@@ -181,8 +214,8 @@ def policy_update(
             optimizer.step()
         # Clip does not sanitise NaN/inf: stepping on them would corrupt the moments and weights.
         optimizer.zero_grad(set_to_none=True)
-    sums = dict(zip(sums, distributed.all_reduce_sum(list(sums.values()))))
-    (diff_max,) = distributed.all_reduce_max([diff_max])
+    sums = dict(zip(sums, distributed.all_reduce_sum(torch.stack(list(sums.values())).tolist())))
+    (diff_max,) = distributed.all_reduce_max([float(diff_max)])
     tokens = max(sums["tokens"], 1.0)
     return UpdateStats(
         loss=sums["loss"],

@@ -20,7 +20,7 @@ from nla_shell.io.sidecars import load_sidecar
 from nla_shell.engines.base import Rollout, RolloutRequest
 from nla_shell.engines.hf import HFRolloutEngine
 from nla_shell.io.logging import METRIC_KEYS
-from nla_shell.models import VALUE_HEAD_FILE, ARModel, Injector, load_actor, response_logprobs
+from nla_shell.models import VALUE_HEAD_FILE, ARModel, response_logprobs
 from nla_shell.training.update import LossOptions, policy_update, response_batch
 
 TIMING_KEYS = {"time_rollout", "time_score", "time_update", "time_critic", "time_sync", "time_step",
@@ -67,15 +67,7 @@ def _tiny_batch(nla_run_inputs, *, n_prompts: int, group_size: int, seed: int = 
 
     tokenizer = AutoTokenizer.from_pretrained(av)
     cfg = load_sidecar(Path(str(parquet) + ".nla_meta.yaml"))
-    torch.manual_seed(seed)
-    actor = load_actor(av, lora_r=4, lora_alpha=8, use_rslora=True, resume_adapter=None,
-                       dtype=torch.float32, device=torch.device("cpu"))
-    # A non-zero LoRA, so the adapter and the reference policy differ.
-    for name, p in actor.named_parameters():
-        if "lora_B" in name:
-            torch.nn.init.normal_(p, std=0.05)
-    injector = Injector(actor, marker_id=cfg.injection_token_id, left_id=cfg.injection_left_neighbor_id,
-                        right_id=cfg.injection_right_neighbor_id)
+    actor, injector = fixtures.lora_actor(av, cfg, seed=seed)
     rows = load_rows(parquet, cfg, max_rows=n_prompts)
     requests = [RolloutRequest(tuple(build_prompt_ids(r.prompt, cfg, tokenizer)), r.activation) for r in rows]
     engine = HFRolloutEngine(actor, injector, tokenizer)
@@ -144,14 +136,21 @@ def test_injector_injects_the_prompt_marker_only_and_counts_echoes(nla_run_input
     assert sites.tolist() == [[0, p]] and echoes == 1
     with pytest.raises(ValueError, match="no well-formed marker"):
         injector.prompt_sites(torch.tensor([prompt[:p] + prompt[p + 1 :]]))
-    # The echoing rollout trains without error; the echo stays uninjected.
+    # The echoing rollout trains without error; the echo stays uninjected. The full-sequence
+    # forwards see (and count) the echo, once in the policy pass and once in the reference
+    # pass; the shared-prefix forward never shows the response to the injector.
     echo_rollout = Rollout(full_ids=torch.tensor(echo), prompt_len=len(prompt),
                            behavior_logp=torch.full((3,), -1.0), text="", prompt_index=0)
     optimizer = torch.optim.SGD([q for q in actor.parameters() if q.requires_grad], lr=0.0)
-    before = injector.echo_rows
-    stats = policy_update(actor, injector, optimizer, [echo_rollout], torch.ones(1), acts[:1],
-                          loss=LossOptions(), micro_batch=1, max_grad_norm=1.0, pad_id=tokenizer.pad_token_id)
-    assert math.isfinite(stats.loss) and injector.echo_rows == before + 1
+    losses = []
+    for share_prefix, echoes_counted in ((False, 2), (True, 0)):
+        before = injector.echo_rows
+        stats = policy_update(actor, injector, optimizer, [echo_rollout], torch.ones(1), acts[:1],
+                              loss=LossOptions(), micro_batch=1, max_grad_norm=1.0, pad_id=tokenizer.pad_token_id,
+                              share_prefix=share_prefix)
+        assert math.isfinite(stats.loss) and injector.echo_rows == before + echoes_counted
+        losses.append(stats.loss)
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5)
 
 
 # --------------------------------------------------------------------------- bad input

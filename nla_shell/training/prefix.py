@@ -1,0 +1,196 @@
+"""Micro-batches of GRPO rollouts, and their response log-probs with each prompt computed once.
+
+The G samples of a group share their prompt (ids and injected activation). Prefix sharing
+runs the prompt once per micro-batch (one row per distinct prompt), gathers its keys and
+values to the samples, and lets the responses attend to them:
+
+    prefix:    h_p, KV_p   = LM(prompt_p)                      [k prompts, P]
+    responses: h_r         = LM(response_r | KV_owner(r))       [n samples, R]
+    logp[r, 0]             = log_softmax(lm_head(h_owner(r)[P_owner(r) - 1]))[response_r[0]]
+    logp[r, t > 0]         = log_softmax(lm_head(h_r[t - 1]))[response_r[t]]
+
+Every token sees exactly the tokens and positions it sees in the full-sequence forward, so
+the log-probs are the same up to float rounding; the gather sums the samples' gradients
+into the shared prompt, so the gradient is the same too. A 96-token prompt with G = 8
+responses of 160 tokens saves 84 of every 256 token-forwards (a third of the update).
+
+Prompts are right-padded (a left pad would be a query with nothing to attend to); positions
+are explicit, so a response token sits at its true position P_i + t whatever the padding.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, fields
+from typing import Sequence
+
+import torch
+
+import nla_core
+from nla_shell import families
+from nla_shell.engines.base import Rollout
+from nla_shell.models import LOGPROB_CHUNK_TOKENS, Injector, inner_lm
+
+
+@dataclass(frozen=True)
+class PrefixBatch:
+    """A micro-batch of rollouts as k distinct right-padded prompts and n right-padded responses."""
+
+    rows: torch.Tensor
+    """[n] int64: each sample's index in the rollouts list."""
+    prompt_ids: torch.Tensor
+    """[k, P] the distinct prompts, right-padded."""
+    prompt_mask: torch.Tensor
+    """[k, P] int64, 1 on real prompt tokens."""
+    prompt_lengths: torch.Tensor
+    """[k] int64 real prompt lengths."""
+    sites: torch.Tensor
+    """[k, 2] (row, position) of each prompt's injection marker."""
+    prompt_sources: torch.Tensor
+    """[k] int64: the index of one sample of each prompt (its activation is the group's)."""
+    owner: torch.Tensor
+    """[n] int64: the prompt row of each sample."""
+    response_ids: torch.Tensor
+    """[n, R] generated ids, right-padded (R = the longest response)."""
+    response_mask: torch.Tensor
+    """[n, R] int64, 1 on generated tokens."""
+    mask: torch.Tensor
+    """[n, R] bool, the same as response_mask: where a log-prob counts."""
+    behavior_logp: torch.Tensor
+    """[n, R] float32 engine log-probs, 0 at padding."""
+
+    def to(self, device: torch.device) -> "PrefixBatch":
+        """On `device`, copied without a host synchronisation."""
+        return PrefixBatch(**{f.name: getattr(self, f.name).to(device, non_blocking=True) for f in fields(self)})
+
+
+def plan_micro_batches(rollouts: Sequence[Rollout], micro_batch: int) -> list[list[int]]:
+    """Rollout indices per micro-batch: groups kept whole and in a row, longest groups first.
+
+    Ordering groups by (prompt length, longest response) puts sequences of like length in
+    the same micro-batch, so little of a forward is spent on padding. A group larger than
+    `micro_batch` spans several micro-batches (each computes the shared prompt once).
+    """
+    groups: dict[int, list[int]] = {}
+    for i, r in enumerate(rollouts):
+        groups.setdefault(r.prompt_index, []).append(i)
+
+    def length(i: int) -> int:
+        return rollouts[i].full_ids.numel() - rollouts[i].prompt_len
+
+    ordered = sorted(groups.values(), key=lambda g: (rollouts[g[0]].prompt_len, max(map(length, g))), reverse=True)
+    flat = [i for g in ordered for i in g]
+    return [flat[start : start + micro_batch] for start in range(0, len(flat), micro_batch)]
+
+
+def prefix_batch(rollouts: Sequence[Rollout], rows: Sequence[int], injector: Injector, *, pad_id: int) -> PrefixBatch:
+    """The CPU tensors of one micro-batch; samples with the same prompt_index share one prompt row.
+
+    Raises ValueError when samples of one group hold different prompts (an engine bug: a
+    group is G samples of one request).
+    """
+    prompts: dict[int, torch.Tensor] = {}
+    sources: dict[int, int] = {}
+    for i in rows:
+        r = rollouts[i]
+        prompt = r.full_ids[: r.prompt_len]
+        known = prompts.setdefault(r.prompt_index, prompt)
+        sources.setdefault(r.prompt_index, i)
+        if not torch.equal(known, prompt):
+            raise ValueError(f"rollouts of group {r.prompt_index} hold different prompts; a group shares one prompt")
+    prompt_row = {index: row for row, index in enumerate(prompts)}
+    owner = [prompt_row[rollouts[i].prompt_index] for i in rows]
+    prompt_ids, prompt_mask = _pad_right([p for p in prompts.values()], pad_id)
+    responses = [rollouts[i].full_ids[rollouts[i].prompt_len :] for i in rows]
+    response_ids, response_mask = _pad_right(responses, pad_id, min_width=1)
+    behavior = torch.zeros(response_ids.shape, dtype=torch.float32)
+    for row, i in enumerate(rows):
+        behavior[row, : rollouts[i].behavior_logp.numel()] = rollouts[i].behavior_logp
+    sites, _ = injector.prompt_sites(prompt_ids)
+    return PrefixBatch(
+        rows=torch.tensor(list(rows), dtype=torch.long),
+        prompt_ids=prompt_ids,
+        prompt_mask=prompt_mask,
+        prompt_lengths=prompt_mask.sum(-1),
+        sites=sites,
+        prompt_sources=torch.tensor(list(sources.values()), dtype=torch.long),
+        owner=torch.tensor(owner, dtype=torch.long),
+        response_ids=response_ids,
+        response_mask=response_mask,
+        mask=response_mask.bool(),
+        behavior_logp=behavior,
+    )
+
+
+def _pad_right(sequences: Sequence[torch.Tensor], pad_id: int, *, min_width: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(min_width, max(s.numel() for s in sequences))
+    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for row, seq in enumerate(sequences):
+        ids[row, : seq.numel()] = seq
+        mask[row, : seq.numel()] = 1
+    return ids, mask
+
+
+def supports_prefix_sharing(actor: torch.nn.Module) -> bool:
+    """False where the shared-prefix forward would not be the full forward's arithmetic.
+
+    Gradient checkpointing drops the KV cache in training forwards, and a sliding-window
+    layer trims it; both then take the full-sequence path.
+    """
+    lm = inner_lm(actor)
+    layer_types = getattr(lm.config, "layer_types", None) or ()
+    checkpointing = getattr(lm, "is_activation_checkpointing", None)  # transformers >= 5.2x
+    if checkpointing is None:
+        checkpointing = getattr(lm, "is_gradient_checkpointing", False)
+    return not checkpointing and all(t == "full_attention" for t in layer_types)
+
+
+def prefix_logprobs(
+    actor: torch.nn.Module,
+    injector: Injector,
+    batch: PrefixBatch,
+    vectors: torch.Tensor,
+) -> torch.Tensor:
+    """log pi(response[i, t] | prompt, response[i, :t]) with each prompt's forward run once.
+
+    Args:
+      batch: a PrefixBatch on the actor's device (k prompts, n samples, R response width).
+      vectors: [k, D] the activation injected into each prompt.
+    Returns:
+      [n, R] float32 (any value at padding), differentiable w.r.t. the actor's trainable weights.
+    """
+    from transformers import DynamicCache
+
+    lm = inner_lm(actor)
+    decoder = families.backbone(lm)
+    cache = DynamicCache(config=lm.config)
+    cache_kw = _cache_keyword(decoder)
+    k, width = batch.prompt_ids.shape
+    prompt_positions = torch.arange(width, device=batch.prompt_ids.device).expand(k, width)
+    with injector.inject(batch.prompt_ids, vectors, sites=batch.sites):
+        prompt_hidden = decoder(
+            input_ids=batch.prompt_ids, attention_mask=batch.prompt_mask, position_ids=prompt_positions,
+            use_cache=True, **{cache_kw: cache},
+        ).last_hidden_state  # [k, P, D]
+    # The last prompt token's output predicts the first response token.
+    last_prompt = prompt_hidden[batch.owner, batch.prompt_lengths[batch.owner] - 1]  # [n, D]
+    hidden = last_prompt[:, None]
+    if batch.response_ids.shape[1] > 1:
+        cache.batch_select_indices(batch.owner)  # differentiable gather: prompt grads sum over the group
+        inputs = batch.response_ids[:, :-1]  # the last token predicts nothing
+        positions = batch.prompt_lengths[batch.owner, None] + torch.arange(inputs.shape[1], device=inputs.device)
+        attention = torch.cat([batch.prompt_mask[batch.owner], batch.response_mask[:, :-1]], dim=1)
+        response_hidden = decoder(
+            input_ids=inputs, attention_mask=attention, position_ids=positions, use_cache=True, **{cache_kw: cache},
+        ).last_hidden_state  # [n, R - 1, D]
+        hidden = torch.cat([hidden, response_hidden], dim=1)
+    return nla_core.token_logprobs_from_hidden(
+        hidden, lm.get_output_embeddings().weight, batch.response_ids,
+        softcap=families.final_logit_softcap(lm), chunk_size=LOGPROB_CHUNK_TOKENS,
+    )
+
+
+def _cache_keyword(decoder: torch.nn.Module) -> str:
+    """transformers >= 5.2x calls the KV cache argument `cache`; earlier, `past_key_values`."""
+    return "cache" if "cache" in inspect.signature(decoder.forward).parameters else "past_key_values"

@@ -1,0 +1,180 @@
+"""The fast GRPO step (issue 12) computes today's numbers: the shared-prompt update against
+today's full-sequence arithmetic, the fused score + critic pass against scoring then
+`critic_step`, and an AR whose trainable parameters all reach its prediction."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+
+import fixtures
+from nla_core import grpo_loss
+from nla_shell.engines.base import Rollout, RolloutRequest
+from nla_shell.engines.hf import HFRolloutEngine
+from nla_shell.io.data import build_prompt_ids, load_rows
+from nla_shell.io.sidecars import load_sidecar
+from nla_shell.models import ARModel, reference_policy, response_logprobs, trainable_parameters
+from nla_shell.training import prefix
+from nla_shell.training.scoring import critic_step, score_and_train_critic, score_explanations
+from nla_shell.training.update import LossOptions, policy_update, response_batch
+
+
+@pytest.fixture(scope="module")
+def ragged_batch(nla_cache_dir: Path, tiny_tokenizer):
+    """3 groups x 3 samples with prompts of 3 lengths and responses of 1..7 tokens, a non-zero LoRA."""
+    from transformers import AutoTokenizer
+
+    av, _, parquet = fixtures.build_trainer_inputs(nla_cache_dir / "trainer_inputs", tiny_tokenizer)
+    tokenizer = AutoTokenizer.from_pretrained(av)
+    cfg = load_sidecar(Path(str(parquet) + ".nla_meta.yaml"))
+    actor, injector = fixtures.lora_actor(av, cfg)
+    rows = load_rows(parquet, cfg, max_rows=3)
+    # Prompts of 3 lengths: 0, 2 and 5 extra leading tokens (the marker stays well-formed).
+    requests = []
+    for extra, row in zip((0, 2, 5), rows):
+        ids = build_prompt_ids(row.prompt, cfg, tokenizer)
+        requests.append(RolloutRequest(tuple(ids[:1] * extra + ids), row.activation))
+    sampled = HFRolloutEngine(actor, injector, tokenizer).generate(requests, group_size=3, max_new_tokens=8)
+    # Responses of 1..7 tokens (padding inside every micro-batch); behaviour log-probs moved
+    # off the trainer's by up to +-0.3, so ratios leave the clip range and logp_diff is not 0.
+    rollouts = []
+    for i, r in enumerate(sampled):
+        behavior = r.behavior_logp[: 1 + i % 7]
+        rollouts.append(Rollout(r.full_ids[: r.prompt_len + behavior.numel()], r.prompt_len,
+                                behavior + 0.3 * torch.sin(torch.arange(behavior.numel()) + i), r.text, r.prompt_index))
+    acts = torch.stack([requests[r.prompt_index].activation for r in rollouts])
+    return actor, injector, tokenizer, rollouts, acts
+
+
+def _todays_update(actor, injector, rollouts, advantages, acts, options: LossOptions, pad_id: int):
+    """Today's arithmetic as one full batch: full sequences, reference forward, grpo_loss, backward.
+
+    Returns (loss, kl_mean, clip_frac, logp_diff_mean, grad); policy_update's micro-batches sum to it
+    (tests/shell/test_train.py::test_micro_batched_gradient_equals_full_batch_gradient).
+    """
+    actor.zero_grad(set_to_none=True)
+    batch = response_batch(rollouts, pad_id=pad_id, device=torch.device("cpu"))
+    with injector.inject(batch.input_ids, acts):
+        logp = response_logprobs(actor, batch.input_ids, batch.attention_mask, batch.positions, batch.targets)
+        with torch.no_grad(), reference_policy(actor):
+            ref = response_logprobs(actor, batch.input_ids, batch.attention_mask, batch.positions, batch.targets)
+    decoupled = options.tis not in ("ratio_cap", None)
+    out = grpo_loss(logp, logp.detach() if decoupled else batch.behavior_logp, advantages, batch.mask, ref_logp=ref,
+                    behavior_logp=batch.behavior_logp if decoupled else None, clip_eps=options.clip_eps,
+                    kl_beta=options.kl_beta, tis=options.tis, tis_cap=options.tis_cap,
+                    aggregation=options.aggregation, denominator=len(rollouts) if options.aggregation ==
+                    "sequence_mean" else int(batch.mask.sum()))
+    out.loss.backward()
+    diff = torch.where(batch.mask, (batch.behavior_logp - logp.detach()).abs(), torch.zeros_like(logp))
+    grad = torch.cat([p.grad.flatten() for p in trainable_parameters(actor)])
+    actor.zero_grad(set_to_none=True)
+    stats = (float(out.loss.detach()), float(out.kl_mean), float(out.clip_frac), float(diff.sum() / batch.mask.sum()))
+    return *stats, grad
+
+
+@pytest.mark.parametrize("options", [LossOptions(kl_beta=0.1),
+                                     LossOptions(kl_beta=0.1, aggregation="token_mean", tis="token_truncate")],
+                         ids=["sequence_mean-ratio_cap", "token_mean-token_truncate"])
+def test_shared_prefix_update_equals_todays_full_sequence_update(ragged_batch, options):
+    actor, injector, tokenizer, rollouts, acts = ragged_batch
+    advantages = torch.linspace(-1.5, 1.5, len(rollouts))
+    pad = tokenizer.pad_token_id
+    loss, kl, clip, diff, grad = _todays_update(actor, injector, rollouts, advantages, acts, options, pad)
+    assert grad.abs().sum() > 0 and kl > 0 and diff > 0.05
+    assert clip > 0 or options.tis != "ratio_cap"  # decoupled TIS takes ratios against the trainer: 1
+    optimizer = torch.optim.SGD(trainable_parameters(actor), lr=0.0)
+    # micro-batch 2 splits groups (each piece computes its prompt), 4 mixes prompt lengths.
+    for share_prefix, micro_batch in ((True, 2), (True, 4), (False, 4)):
+        stats = policy_update(actor, injector, optimizer, rollouts, advantages, acts, loss=options,
+                              micro_batch=micro_batch, reference_micro_batch=3, max_grad_norm=1e9, pad_id=pad,
+                              share_prefix=share_prefix, step_optimizer=False)
+        new_grad = torch.cat([p.grad.flatten() for p in trainable_parameters(actor)])
+        torch.testing.assert_close(new_grad, grad, rtol=1e-4, atol=1e-7)
+        assert stats.loss == pytest.approx(loss, rel=1e-4, abs=1e-8)
+        assert stats.kl_mean == pytest.approx(kl, rel=1e-4)
+        assert stats.clip_frac == pytest.approx(clip, rel=1e-6)
+        assert stats.logp_diff_mean == pytest.approx(diff, rel=1e-5)
+        assert stats.grad_norm == pytest.approx(float(grad.norm()), rel=1e-4)
+        actor.zero_grad(set_to_none=True)
+
+
+def test_shared_prefix_logprobs_equal_the_full_forward_and_the_injection_reaches_them(ragged_batch):
+    actor, injector, tokenizer, rollouts, acts = ragged_batch
+    rows = list(range(len(rollouts)))
+    batch = prefix.prefix_batch(rollouts, rows, injector, pad_id=tokenizer.pad_token_id)
+    assert batch.prompt_ids.shape[0] == 3 and len(set(batch.prompt_lengths.tolist())) == 3
+    full = response_batch(rollouts, pad_id=tokenizer.pad_token_id, device=torch.device("cpu"))
+    with torch.no_grad():
+        shared = prefix.prefix_logprobs(actor, injector, batch, acts[batch.prompt_sources])
+        with injector.inject(full.input_ids, acts):
+            expected = response_logprobs(actor, full.input_ids, full.attention_mask, full.positions, full.targets)
+        other = prefix.prefix_logprobs(actor, injector, batch, acts[batch.prompt_sources].flip(0))
+    torch.testing.assert_close(shared[batch.mask], expected[full.mask], rtol=1e-5, atol=1e-5)
+    assert float((other - shared)[batch.mask].abs().max()) > 1e-3
+
+
+def test_a_group_with_two_prompts_is_refused(ragged_batch):
+    actor, injector, tokenizer, rollouts, _ = ragged_batch
+    impostor = Rollout(rollouts[3].full_ids, rollouts[3].prompt_len, rollouts[3].behavior_logp, "", prompt_index=0)
+    with pytest.raises(ValueError, match="group 0 hold different prompts"):
+        prefix.prefix_batch([rollouts[0], impostor], [0, 1], injector, pad_id=tokenizer.pad_token_id)
+
+
+@pytest.fixture(scope="module")
+def tiny_ar(nla_cache_dir: Path, tiny_tokenizer):
+    from transformers import AutoTokenizer
+
+    av, ar_dir, _ = fixtures.build_trainer_inputs(nla_cache_dir / "trainer_inputs", tiny_tokenizer)
+    ar = ARModel.from_pretrained(ar_dir, mse_scale=8.0)
+    ar.eval()
+    return ar, AutoTokenizer.from_pretrained(av)  # the trainer's tokenizer (the AV's)
+
+
+@pytest.mark.parametrize("broken_gold", [False, True], ids=["all-finite", "one-nan-gold"])
+def test_one_ar_pass_scores_and_steps_like_scoring_then_critic_step(tiny_ar, broken_gold):
+    ar, tokenizer = tiny_ar
+    explanations = ["a cat on a mat", None, "the dog ran after a red ball", "x " * 200, "a", "animals and doors"]
+    golds = torch.randn(len(explanations), ar.lm.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    if broken_gold:  # its MSE is NaN: not valid, left out of the critic's loss
+        golds[2] = float("nan")
+    kwargs = dict(template="Text: {explanation}", mse_scale=8.0, reward_kind="neg_log", max_tokens=40)
+    today, fused = copy.deepcopy(ar).requires_grad_(True), copy.deepcopy(ar).requires_grad_(True)
+
+    def adam(model):
+        return torch.optim.AdamW(trainable_parameters(model), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.0)
+
+    scores = score_explanations(today, tokenizer, explanations, golds, **kwargs, micro_batch=2)
+    kept = [i for i, ids in enumerate(scores.ar_inputs) if ids is not None]
+    loss, norm = critic_step(today, adam(today), [scores.ar_inputs[i] for i in kept], golds[kept],
+                             pad_id=tokenizer.pad_token_id, micro_batch=2, max_grad_norm=1.0)
+    new_scores, new_loss, new_norm = score_and_train_critic(fused, adam(fused), tokenizer, explanations, golds,
+                                                            **kwargs, micro_batch=2, max_grad_norm=1.0)
+    assert scores.valid.tolist() == new_scores.valid.tolist() == [True, False, not broken_gold, False, True, True]
+    assert scores.ar_inputs == new_scores.ar_inputs
+    torch.testing.assert_close(new_scores.reward, scores.reward, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(new_scores.mse, scores.mse, rtol=1e-5, atol=1e-7, equal_nan=True)
+    assert new_loss == pytest.approx(loss, rel=1e-5) and new_norm == pytest.approx(norm, rel=1e-4)
+    for a, b in zip(trainable_parameters(today), trainable_parameters(fused)):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+    assert any(not torch.equal(a, b) for a, b in zip(trainable_parameters(today), trainable_parameters(ar)))
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_every_trainable_ar_parameter_reaches_the_prediction(tied):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=8, tie_word_embeddings=tied)
+    torch.manual_seed(0)
+    ar = ARModel(Qwen3ForCausalLM(config), torch.nn.Linear(16, 16, bias=False), mse_scale=4.0)
+    ar.requires_grad_(False).requires_grad_(True)  # a re-enable must not revive the unreachable ones
+    assert not any(p.requires_grad for p in ar._final_norm.parameters())
+    assert ar.lm.lm_head.weight.requires_grad == tied  # tied, it is the embedding, which is trained
+    pred = ar(torch.randint(0, 32, (2, 5)), torch.ones(2, 5, dtype=torch.long))
+    pred.square().sum().backward()
+    for name, p in ar.named_parameters():
+        if p.requires_grad:
+            assert p.grad is not None and p.grad.abs().sum() > 0, name

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import statistics
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -54,28 +56,31 @@ def demo_inputs(run_dir: Path, *, seed: int = 0) -> ParityInputs:
 def run_one(inputs: ParityInputs, out_dir: Path, *, engine: str, seed: int, steps: int, device: str, dtype: str,
             batch_prompts: int = 16, group_size: int = 8, max_new_tokens: int = 16, lr: float = 1e-3,
             eval_rows: int = 1024) -> ParityRun:
-    """`nla train` (the demo's RL settings, this engine and seed), then `nla eval` of the final adapter."""
-    from nla_shell.io.config import TrainConfig
-    from nla_shell.pipeline.evaluate import EvalConfig, evaluate
-    from nla_shell.training.train import train
+    """`nla train` (the demo's RL settings, this engine and seed), then `nla eval` of the final adapter.
 
+    Each command runs in a process of its own: an in-process vLLM engine does not hand all of its
+    GPU memory back when closed, so a second engine in the same process finds the GPU full.
+    """
     run = out_dir / f"{engine}_seed{seed}"
     train_rows = max(batch_prompts, int(0.8 * inputs.rl_rows))
-    train(TrainConfig(
-        av_ckpt=str(inputs.av), ar_ckpt=str(inputs.ar), rl_parquet=str(inputs.rl_parquet), save_dir=str(run / "rl"),
-        num_steps=steps, batch_prompts=batch_prompts, group_size=group_size, max_new_tokens=max_new_tokens, lr=lr,
-        logp_micro_batch=256, critic_micro_batch=256, max_rows=train_rows, eval_every=0, save_every=steps,
-        logger=("jsonl",), seed=seed, device=device, dtype=dtype, engine=engine,
-    ))
+    _nla("train", av_ckpt=inputs.av, ar_ckpt=inputs.ar, rl_parquet=inputs.rl_parquet, save_dir=run / "rl",
+         num_steps=steps, batch_prompts=batch_prompts, group_size=group_size, max_new_tokens=max_new_tokens, lr=lr,
+         logp_micro_batch=256, critic_micro_batch=256, max_rows=train_rows, eval_every=0, save_every=steps,
+         logger="jsonl", seed=seed, device=device, dtype=dtype, engine=engine)
     first = json.loads((run / "rl" / "metrics.jsonl").read_text().splitlines()[0])
-    result = evaluate(EvalConfig(
-        av=str(run / "rl" / f"step_{steps:06d}" / "adapter"), ar=str(inputs.ar), parquet=str(inputs.eval_parquet),
-        out_dir=str(run / "eval"), n_rows=eval_rows, max_new_tokens=max_new_tokens, seed=0, device=device,
-        dtype="float32",
-    ))
-    return ParityRun(engine=engine, seed=seed, fve=float(result.metrics["av/fve"]),
+    _nla("eval", av=run / "rl" / f"step_{steps:06d}" / "adapter", ar=inputs.ar, parquet=inputs.eval_parquet,
+         out_dir=run / "eval", n_rows=eval_rows, max_new_tokens=max_new_tokens, seed=0, device=device, dtype="float32")
+    summary = json.loads((run / "eval" / "eval_summary.json").read_text())
+    fve = summary["av/fve"]  # null in the summary when not finite (e.g. nothing extracted)
+    return ParityRun(engine=engine, seed=seed, fve=float("nan") if fve is None else float(fve),
                      step0_logp_diff_mean=float(first["logp_diff_mean"]),
                      step0_logp_diff_max=float(first["logp_diff_max"]))
+
+
+def _nla(command: str, **settings: object) -> None:
+    """One `nla` command as `key=value` overrides, in a fresh Python process; its output passes through."""
+    argv = [sys.executable, "-m", "nla_shell.cli", command, *(f"{k}={v}" for k, v in settings.items())]
+    subprocess.run(argv, check=True)
 
 
 def format_table(runs: Sequence[ParityRun]) -> str:

@@ -8,7 +8,7 @@ seed), and each run's step-0 behaviour log-probs must match the trainer's.
 
 One command (prints the FVE table):
     python -m pytest tests/gpu/test_learning_parity.py -q -s
-Environment: NLA_PARITY_SEEDS (default 3), NLA_PARITY_STEPS (default 60),
+Environment: NLA_PARITY_SEEDS (default 3), NLA_PARITY_FIRST_SEED (default 1), NLA_PARITY_STEPS (default 60),
 NLA_PARITY_ENGINES (default "hf,native,vllm"; vllm runs only where vLLM imports).
 Skipped without CUDA.
 """
@@ -25,7 +25,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 import parity  # noqa: E402
 
-SEEDS = tuple(range(1, 1 + int(os.environ.get("NLA_PARITY_SEEDS", "3"))))
+_FIRST_SEED = int(os.environ.get("NLA_PARITY_FIRST_SEED", "1"))
+SEEDS = tuple(range(_FIRST_SEED, _FIRST_SEED + int(os.environ.get("NLA_PARITY_SEEDS", "3"))))
 STEPS = int(os.environ.get("NLA_PARITY_STEPS", "60"))
 ENGINES = tuple(e for e in os.environ.get("NLA_PARITY_ENGINES", "hf,native,vllm").split(",")
                 if e != "vllm" or importlib.util.find_spec("vllm") is not None)

@@ -67,13 +67,13 @@ def save_checkpoint(
     step: int,
     *,
     write: Callable[[Path], None],
-    metrics: Mapping[str, float] | None = None,
+    metrics: Mapping[str, Any] | None = None,
 ) -> Path:
     """Save a checkpoint atomically: `write(tmp_dir)` fills a temp dir that is then renamed.
 
     Returns the final `save_dir/step_NNNNNN`. Its MANIFEST.json records each file's size
-    and sha256, and `metrics` (e.g. the held-out score that keep_last protects the best
-    checkpoint by). If anything fails, the temp dir is removed and a CheckpointError names
+    and sha256, and those of `metrics` that are finite numbers (e.g. the held-out score by
+    which keep_last protects the best checkpoint; None or NaN where a step had none). If anything fails, the temp dir is removed and a CheckpointError names
     the checkpoint and the cause (disk full, permission denied, ...); every earlier
     checkpoint is untouched, and one already at this step is replaced only once the new
     one is complete.
@@ -86,7 +86,8 @@ def save_checkpoint(
         tmp.mkdir(parents=True)
         write(tmp)
         files = _hash_and_fsync(tmp)
-        manifest = {"step": step, "files": files, "metrics": dict(metrics or {})}
+        scores = {k: float(v) for k, v in (metrics or {}).items() if isinstance(v, (int, float)) and math.isfinite(v)}
+        manifest = {"step": step, "files": files, "metrics": scores}
         _write_synced(tmp / MANIFEST_NAME, json.dumps(manifest, indent=1, allow_nan=False))
         _write_synced(tmp / COMPLETE, f"{step}\n")
         _fsync_dir(tmp)
@@ -298,11 +299,15 @@ def prune_checkpoints(
     """Delete all but the newest `keep_last` complete checkpoints, and the best one; returns those deleted.
 
     The best is the checkpoint whose manifest's `metrics[best_by]` is highest (finite
-    values only), kept whatever its age. Each deletion first renames the dir to
-    `.deleting_step_N`, so a kill mid-way never leaves a half-deleted step_N that looks
-    complete. Call it only once the newest checkpoint is saved and verified.
+    values only), kept whatever its age. Nothing is deleted unless the newest checkpoint
+    passes full verification (CheckpointError otherwise). Each deletion first renames the
+    dir to `.deleting_step_N`, so a kill mid-way never leaves a half-deleted step_N that
+    looks complete.
     """
     checkpoints = complete_checkpoints(save_dir)
+    if checkpoints and (problem := checkpoint_problem(checkpoints[0])) is not None:
+        raise CheckpointError(f"checkpoint {checkpoints[0]} fails verification right after saving ({problem}); "
+                              "nothing pruned: check the disk")
     keep = set(checkpoints[:keep_last])
     if best_by is not None:
         scored = [(score, path) for path in checkpoints if (score := _manifest_metric(path, best_by)) is not None]

@@ -347,9 +347,7 @@ def run_ranked(cfg: TrainConfig, rank: RankInfo, device: torch.device, dtype: to
             (tmp / ckpt.CONFIG_NAME).write_text((save_dir / ckpt.CONFIG_NAME).read_text())
 
         # keep_last protects the checkpoint with the best held-out score; this step's eval scored these weights.
-        score = last_record.get("eval/fve")
-        metrics = {"eval/fve": score} if isinstance(score, float) and math.isfinite(score) else {}
-        path = ckpt.save_checkpoint(save_dir, step_done, write=write, metrics=metrics)
+        path = ckpt.save_checkpoint(save_dir, step_done, write=write, metrics={"eval/fve": last_record.get("eval/fve")})
         say(f"[save] {path}")
         if cfg.keep_last is not None:
             for pruned in ckpt.prune_checkpoints(save_dir, keep_last=cfg.keep_last, best_by="eval/fve"):

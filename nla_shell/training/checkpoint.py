@@ -422,16 +422,20 @@ def save_training_state(
     Everything must be tensors and plain Python values (it is loaded with weights_only=True).
     """
     path = Path(directory) / TRAINING_STATE_NAME
-    torch.save(
-        {
-            "step": step,
-            "data_cursor": dict(data_cursor),
-            "optimizer_states": {k: dict(v) for k, v in optimizer_states.items()},
-            "rng": dict(rng),
-            "extra": dict(extra or {}),
-        },
-        path,
-    )
+    blob = {
+        "step": step,
+        "data_cursor": dict(data_cursor),
+        "optimizer_states": {k: dict(v) for k, v in optimizer_states.items()},
+        "rng": dict(rng),
+        "extra": dict(extra or {}),
+    }
+    try:
+        # Through a Python file: a failed write is an OSError with its errno (torch's own
+        # writer reports only "iostream error").
+        with open(path, "wb") as f:
+            torch.save(blob, f)
+    except OSError as error:
+        raise OSError(error.errno, error.strerror, str(path)) from error
     return path
 
 

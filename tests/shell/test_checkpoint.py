@@ -7,9 +7,6 @@ import json
 import os
 import random
 import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +14,7 @@ import pytest
 import torch
 import yaml
 
+import fixtures
 from nla_shell.training.checkpoint import (
     CheckpointError,
     checkpoint_problem,
@@ -278,7 +276,7 @@ def test_a_disk_full_save_names_the_checkpoint_and_leaves_the_earlier_ones_intac
 
     with pytest.raises(CheckpointError) as err:
         save_checkpoint(tmp_path, 2, write=onto_a_full_disk)
-    assert f"cannot save checkpoint {tmp_path / 'step_000002'}: " in str(err.value)
+    assert f"cannot save checkpoint {tmp_path / 'step_000002'}: No space left on device (" in str(err.value)
     assert "\n" not in str(err.value) and "earlier checkpoints are intact" in str(err.value)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000001"]
     assert latest_verified_checkpoint(tmp_path) == first
@@ -320,25 +318,9 @@ def test_seed_everything_seeds_python_numpy_and_torch():
 
 # --------------------------------------------------------------------------- the run-dir lock
 
-HOLDER = """
-import sys, time
-from nla_shell.training.runlock import RunDirLock
-with RunDirLock(sys.argv[1]):
-    print("held", flush=True)
-    time.sleep(120)
-"""
-
-
-def hold_in_another_process(save_dir):
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
-    proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(save_dir)], stdout=subprocess.PIPE, text=True, env=env)
-    assert proc.stdout.readline().strip() == "held"
-    return proc
-
-
 def test_a_second_process_is_refused_with_the_holders_pid_until_it_dies(tmp_path):
     save_dir = tmp_path / "run"
-    holder = hold_in_another_process(save_dir)
+    holder = fixtures.hold_run_dir_lock(save_dir)
     try:
         with pytest.raises(RunDirBusy) as err:
             with RunDirLock(save_dir):

@@ -72,13 +72,6 @@ def seeded_make_engine(cfg, actor, injector, tokenizer, **_) -> PerRequestSeeded
 # --------------------------------------------------------------------------- helpers
 
 
-@pytest.fixture(scope="session")
-def nla_run_inputs(nla_cache_dir: Path, tiny_tokenizer):
-    import fixtures
-
-    return fixtures.build_trainer_inputs(nla_cache_dir / "trainer_inputs", tiny_tokenizer)
-
-
 def _settings(inputs, save_dir: Path, **overrides) -> list[str]:
     av, ar, parquet = inputs
     settings = dict(

@@ -164,8 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         commands[args.command](args)
     except RunStopped as stopped:
-        # A signal stopped the run cleanly: say where to resume (once, under torchrun).
-        if rank_info().is_main:
+        # A signal stopped the run cleanly: say where to resume (rank 0 already did under torchrun).
+        if not stopped.announced and rank_info().is_main:
             print(f"nla {args.command}: {stopped}", file=sys.stderr, flush=True)
         return stopped.exit_code
     except KeyboardInterrupt:

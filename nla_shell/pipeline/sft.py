@@ -292,7 +292,7 @@ def _run_sft(cfg: SFTConfig, stop: StopSignals) -> Path:
             if cfg.save_on_signal and step > start_step and step % cfg.save_every != 0:
                 save(step)
             logger.close()
-            raise stop.stopped(ckpt.latest_checkpoint(save_dir))
+            raise stop.stopped(ckpt.latest_checkpoint(save_dir), command="sft")
 
         t0 = time.perf_counter()
         lr = cfg.lr * lr_factor(step, num_steps=cfg.num_steps, warmup_steps=cfg.warmup_steps, schedule=cfg.lr_schedule)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 from pathlib import Path
 from types import FrameType, TracebackType
@@ -40,6 +41,8 @@ class RunStopped(Exception):
         )
         super().__init__(f"{verb} at step {steps_done}; {resume}")
         self.signum, self.steps_done, self.checkpoint = signum, steps_done, checkpoint
+        self.announced = False
+        """True once rank 0 has printed the message (under torchrun, see StopSignals.stopped)."""
 
     @property
     def exit_code(self) -> int:
@@ -98,6 +101,17 @@ class StopSignals:
         self.signum = int(agreed)
         return self.signum != 0
 
-    def stopped(self, checkpoint: Path | None) -> RunStopped:
-        """The exception that ends the run after the boundary's checkpoint (if any) is saved."""
-        return RunStopped(self.signum, steps_done=self.steps_done, checkpoint=checkpoint)
+    def stopped(self, checkpoint: Path | None, *, command: str) -> RunStopped:
+        """The exception that ends the run, once the boundary's checkpoint (if any) is saved.
+
+        Under torchrun rank 0 prints the message and every rank waits for it here: torchrun
+        stops the remaining ranks as soon as one exits, which must not cut rank 0's save
+        or message short.
+        """
+        stopped = RunStopped(self.signum, steps_done=self.steps_done, checkpoint=checkpoint)
+        if distributed.active():
+            if distributed.is_main():
+                print(f"nla {command}: {stopped}", file=sys.stderr, flush=True)
+            distributed.barrier()
+            stopped.announced = True
+        return stopped

@@ -374,7 +374,7 @@ def run_ranked(cfg: TrainConfig, rank: RankInfo, device: torch.device, dtype: to
             logger.close()
             if rank.is_main:
                 write_summary(save_dir, steps_done=step, rawvar=rawvar, meannorm=meannorm)
-            raise stop.stopped(ckpt.latest_checkpoint(save_dir))
+            raise stop.stopped(ckpt.latest_checkpoint(save_dir), command="train")
 
         t_step = time.perf_counter()
         if device.type == "cuda":

@@ -151,12 +151,7 @@ def _hash_and_fsync(root: Path) -> dict[str, dict[str, Any]]:
     paths = sorted(p for p in root.rglob("*") if p.is_file())
 
     def one(path: Path) -> tuple[str, dict[str, Any]]:
-        digest = hashlib.sha256()
-        with open(path, "rb") as f:
-            while chunk := f.read(_HASH_CHUNK):
-                digest.update(chunk)
-            os.fsync(f.fileno())
-        return path.relative_to(root).as_posix(), {"bytes": path.stat().st_size, "sha256": digest.hexdigest()}
+        return path.relative_to(root).as_posix(), {"bytes": path.stat().st_size, "sha256": _sha256(path, fsync=True)}
 
     with ThreadPoolExecutor(max_workers=_hash_workers()) as pool:
         files = dict(pool.map(one, paths))
@@ -223,11 +218,14 @@ def has_manifest(path: Path) -> bool:
     return (path / MANIFEST_NAME).is_file()
 
 
-def _sha256(path: Path) -> str:
+def _sha256(path: Path, *, fsync: bool = False) -> str:
+    """The file's sha256 (hex); with `fsync`, also flush it to disk through the same descriptor."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(_HASH_CHUNK):
             digest.update(chunk)
+        if fsync:
+            os.fsync(f.fileno())
     return digest.hexdigest()
 
 

@@ -255,8 +255,9 @@ def test_sigterm_on_one_rank_stops_every_rank_at_the_same_step_and_saves_once(nl
                     __file__, "train", *settings], env={"PREEMPT_RANK": "1"}, expect_ok=False)
     line = f"nla train: stopped at step 2; rerun the same command to resume from {save_dir / 'step_000002'}"
     assert out.count(line) == 1, out[-6000:]
-    # Each rank exits 143; torchrun then reports its workers' exit codes (and its own error) as it always does.
-    assert re.findall(r"exitcode\s*:\s*(-?\d+)", out) and set(re.findall(r"exitcode\s*:\s*(-?\d+)", out)) == {"143"}, out
+    # The ranks exit 143 once rank 0 has saved and spoken; torchrun reports the first to exit (and may
+    # SIGTERM the other, by then done) with its own error report, as it does for any non-zero exit.
+    assert "143" in re.findall(r"exitcode\s*:\s*(-?\d+)", out), out
     assert "nla_shell" not in "".join(re.findall(r"Traceback.*?\n\S", out, flags=re.S)), out
     assert sorted(p.name for p in save_dir.glob("step_*")) == ["step_000002"]
     rank_rng = torch.load(save_dir / "step_000002" / "training_state.pt", weights_only=True)["extra"]["rank_rng"]

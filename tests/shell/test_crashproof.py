@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import signal
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -21,6 +23,7 @@ import fixtures
 from nla_shell import cli
 from nla_shell.engines.hf import HFRolloutEngine
 from nla_shell.io.config import config_to_dict
+from nla_shell.pipeline import datagen as datagen_module
 from nla_shell.pipeline import sft as sft_module
 from nla_shell.training import checkpoint as ckpt
 from nla_shell.training.runlock import LOCK_NAME
@@ -253,3 +256,37 @@ def test_a_disk_full_checkpoint_is_one_line_and_leaves_nothing_torn(nla_run_inpu
     line = _one_line_error(capsys)
     assert line.startswith(f"nla train: error: cannot save checkpoint {run / 'step_000001'}: No space left on device")
     assert not list(run.glob("*step_*")) and not (run / LOCK_NAME).exists()
+
+
+# --------------------------------------------------------------------------- seeding
+
+
+class _Seen(Exception):
+    """Stops a command right after the global RNGs were drawn from."""
+
+
+def _draw_and_stop(draws: list, *args, **kwargs):
+    draws.append((random.random(), float(np.random.rand()), float(torch.rand(1))))
+    raise _Seen
+
+
+def _fresh_draws(seed: int) -> tuple[float, float, float]:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    return random.random(), float(np.random.rand()), float(torch.rand(1))
+
+
+def test_sft_and_datagen_seed_python_numpy_and_torch_as_documented(tiny_av_dir, toy_datasets, tmp_path, monkeypatch):
+    draws: list = []
+    hook = lambda *a, **k: _draw_and_stop(draws, *a, **k)  # noqa: E731
+    monkeypatch.setattr(sft_module, "load_actor", hook)  # the first thing drawn from: the LoRA init
+    monkeypatch.setattr(datagen_module, "resolve_device", hook)
+    for seed in (3, 4):
+        random.seed(99), np.random.seed(99), torch.manual_seed(99)  # whatever state the caller left
+        with pytest.raises(_Seen):
+            sft_module.sft(fixtures.sft_config("av", tiny_av_dir, toy_datasets, tmp_path / f"sft{seed}", seed=seed))
+        with pytest.raises(_Seen):
+            datagen_module.datagen(fixtures.datagen_config(tiny_av_dir, toy_datasets / "corpus.jsonl",
+                                                           tmp_path / f"data{seed}", seed=seed))
+    assert draws == [_fresh_draws(3)] * 2 + [_fresh_draws(4)] * 2

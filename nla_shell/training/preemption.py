@@ -79,7 +79,8 @@ class StopSignals:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         for sig, handler in self._previous.items():
-            signal.signal(sig, handler)  # type: ignore[arg-type]
+            if handler is not None:  # None: a handler installed outside Python, which cannot be put back
+                signal.signal(sig, handler)  # type: ignore[arg-type]
         self._previous.clear()
         if isinstance(exc, _AbandonStep):
             raise RunStopped(

@@ -32,21 +32,17 @@ TIMING_KEYS = {"time_rollout", "time_score", "time_update", "time_critic", "time
                "tokens_per_s", "peak_mem_gb"}
 
 
+CRASH_RUN = dict(num_steps=4, group_size=2, max_new_tokens=8, train_critic="true", critic_lr=1e-3,
+                 critic_micro_batch=2, eval_n_prompts=2, save_every=1)
+"""A 4-step run with the critic co-trained, a checkpoint per step and eval at steps 0 and 2."""
+
+
 def _train_args(inputs, save_dir: Path, **overrides) -> list[str]:
-    av, ar, parquet = inputs
-    settings = dict(
-        av_ckpt=av, ar_ckpt=ar, rl_parquet=parquet, save_dir=save_dir, num_steps=4, batch_prompts=2,
-        group_size=2, max_new_tokens=8, lora_r=4, lora_alpha=8, lr=1e-3, logp_micro_batch=2,
-        train_critic="true", critic_lr=1e-3, critic_micro_batch=2, eval_every=2, eval_n_prompts=2,
-        eval_skip_rows=32, max_rows=32, save_every=1, device="cpu", logger="jsonl",
-    )
-    settings.update(overrides)
-    return ["train", *(f"{k}={v}" for k, v in settings.items())]
+    return fixtures.train_argv(inputs, save_dir, **{**CRASH_RUN, **overrides})
 
 
 def _metrics(save_dir: Path) -> list[dict]:
-    lines = [json.loads(line) for line in (save_dir / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in line.items() if k not in TIMING_KEYS} for line in lines]
+    return [{k: v for k, v in line.items() if k not in TIMING_KEYS} for line in fixtures.read_metrics(save_dir)]
 
 
 def _tensors(path: Path) -> dict[str, torch.Tensor]:

@@ -158,10 +158,22 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser, commands = build_parser(argv)
     args = parser.parse_args(argv)
+    from nla_shell.training.distributed import rank_info
+    from nla_shell.training.preemption import RunStopped
+
     try:
         commands[args.command](args)
-    except (ConfigError, ValueError, FileNotFoundError, ImportError) as err:
-        # Bad input: one clear line, not a stack trace from deep inside a library.
+    except RunStopped as stopped:
+        # A signal stopped the run cleanly: say where to resume (rank 0 already did under torchrun).
+        if not stopped.announced and rank_info().is_main:
+            print(f"nla {args.command}: {stopped}", file=sys.stderr, flush=True)
+        return stopped.exit_code
+    except KeyboardInterrupt:
+        print(f"nla {args.command}: interrupted", file=sys.stderr, flush=True)
+        return 130
+    except (ConfigError, ValueError, OSError, ImportError) as err:
+        # Bad input or a failed write (disk full, permission denied): one clear line naming
+        # the path, not a stack trace from deep inside a library.
         print(f"nla {args.command}: error: {err}", file=sys.stderr)
         return 2
     return 0

@@ -8,6 +8,9 @@ the same code `nla demo` uses.
 from __future__ import annotations
 
 import functools
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -335,3 +338,23 @@ def build_two_concept_nla(directory: Path, av_dir: Path) -> tuple[Path, Path, Pa
         sft(sft_config("av", av_dir, directory / "data", directory / "av", lr=1e-2, **settings))
         sft(sft_config("ar", av_dir, directory / "data", directory / "ar", lr=3e-3, **settings))
     return av, ar, directory / "data" / "eval.parquet"
+
+
+_LOCK_HOLDER = """
+import sys, time
+from nla_shell.training.runlock import RunDirLock
+with RunDirLock(sys.argv[1]):
+    print("held", flush=True)
+    time.sleep(300)
+"""
+
+
+def hold_run_dir_lock(save_dir: Path) -> subprocess.Popen:
+    """Another process that holds `save_dir`'s run lock (as a running `nla train` would) until killed."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    proc = subprocess.Popen([sys.executable, "-c", _LOCK_HOLDER, str(save_dir)], stdout=subprocess.PIPE, text=True,
+                            env=env)
+    if proc.stdout.readline().strip() != "held":
+        proc.kill()
+        raise RuntimeError(f"the lock holder for {save_dir} did not start")
+    return proc

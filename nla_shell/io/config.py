@@ -182,6 +182,13 @@ class TrainConfig:
     # Bookkeeping.
     save_every: int = 50
     """Checkpoint every N steps (and always at the end)."""
+    keep_last: int | None = None
+    """Keep only the newest N checkpoints, plus the one with the best held-out eval/fve (EasyNLA's
+    advice for the volatile co-trained AR); older ones are deleted once a new checkpoint is saved
+    and verified. None keeps every checkpoint. Not in the reference."""
+    save_on_signal: bool = True
+    """On SIGTERM / SIGINT, finish the current step and save a checkpoint before exiting (143 / 130).
+    Not in the reference."""
     resume: Literal["auto", "never"] = "auto"
     """"auto" continues from the newest complete checkpoint in save_dir; "never" starts fresh."""
     overwrite: bool = False
@@ -210,7 +217,7 @@ class TrainConfig:
 RESUME_MUTABLE_KEYS: frozenset[str] = frozenset(
     {
         # How long and how often: extending a run or changing its cadence is a resume.
-        "num_steps", "save_every", "eval_every",
+        "num_steps", "save_every", "eval_every", "keep_last", "save_on_signal",
         # Where it runs and where it reports, not what it computes.
         "save_dir", "resume", "overwrite", "logger", "wandb_project", "wandb_name", "device",
         # Memory/speed knobs: mathematically neutral (not bit-exact: summation order moves).
@@ -239,7 +246,7 @@ def _check_train_config(cfg: TrainConfig) -> None:
         "vllm_max_len", "vllm_tp", "save_every",
     ):
         _require(getattr(cfg, key) >= 1, key, getattr(cfg, key), "use an integer >= 1")
-    for key in ("max_rows", "eval_max_new_tokens"):
+    for key in ("max_rows", "eval_max_new_tokens", "keep_last"):
         value = getattr(cfg, key)
         _require(value is None or value >= 1, key, value, "use an integer >= 1 or null")
     for key in ("start_step", "eval_every", "eval_n_prompts", "eval_skip_rows", "vllm_sync_every", "length_margin"):

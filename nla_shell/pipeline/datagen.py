@@ -46,7 +46,7 @@ from nla_shell import families
 from nla_shell.io.data import DataError, av_prompt_messages, chat_prompt_ids, check_tokenizer
 from nla_shell.io.sidecars import DEFAULT_AR_TEMPLATE, DEFAULT_AV_TEMPLATE, dataset_sidecar, write_sidecar
 from nla_shell.models import pad_right
-from nla_shell.training.train import resolve_device
+from nla_shell.training.train import resolve_device, seed_everything
 
 SPLITS = ("rl", "av_sft", "ar_sft", "eval")
 """Every split datagen can write, in file order."""
@@ -140,7 +140,8 @@ class DatagenConfig:
     row_group_size: int = 1024
     """Parquet row-group size."""
     seed: int = 0
-    """Seed of the position sampling and of the document split."""
+    """Seed of the position sampling, of the document split, and of python's, numpy's and torch's global
+    RNGs (which a sampling explainer draws from)."""
     device: str = "auto"
     """"auto", "cpu", "cuda" or "cuda:N"."""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
@@ -508,6 +509,7 @@ def datagen(cfg: DatagenConfig) -> DatagenResult | Path:
     from transformers import AutoModelForCausalLM
 
     # --- validate before anything is written ---------------------------------------------
+    seed_everything(cfg.seed)
     tokenizer = families.load_tokenizer(cfg.model)
     if cfg.write_sites is not None:
         return datagen_sites(cfg, tokenizer)

@@ -35,7 +35,9 @@ from nla_shell.io.logging import make_logger
 from nla_shell.models import ARModel, Injector, load_actor, response_logprobs, trainable_parameters
 from nla_shell.quant import require_quant
 from nla_shell.training.scoring import critic_step
-from nla_shell.training.train import DataOrder, make_optimizer, resolve_device
+from nla_shell.training.preemption import StopSignals
+from nla_shell.training.runlock import RunDirLock
+from nla_shell.training.train import DataOrder, make_optimizer, resolve_device, seed_everything
 from nla_shell.training.update import response_batch
 
 
@@ -93,8 +95,10 @@ class SFTConfig:
     """"auto" continues from the newest complete checkpoint in save_dir."""
     overwrite: bool = False
     """Allow deleting a save_dir that holds a different run."""
+    save_on_signal: bool = True
+    """On SIGTERM / SIGINT, finish the current step and save a checkpoint before exiting (143 / 130)."""
     seed: int = 0
-    """Seed of data order, LoRA init and torch RNGs."""
+    """Seed of the data order, the LoRA init, and python's, numpy's and torch's RNGs."""
     device: str = "auto"
     """"auto", "cpu", "cuda" or "cuda:N"."""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
@@ -120,7 +124,7 @@ class SFTConfig:
 
 SFT_RESUME_MUTABLE_KEYS = frozenset(
     {"num_steps", "save_every", "log_every", "save_dir", "resume", "overwrite", "logger", "wandb_project", "device",
-     "micro_batch"}
+     "micro_batch", "save_on_signal"}
 )
 """SFTConfig keys a resumed run may change (with cosine, a new num_steps reshapes the rest of the decay)."""
 
@@ -173,7 +177,16 @@ def av_response_nll(
 
 
 def sft(cfg: SFTConfig) -> Path:
-    """Run (or resume) AV or AR warm-start training; returns the final checkpoint dir."""
+    """Run (or resume) AV or AR warm-start training; returns the final checkpoint dir.
+
+    Holds save_dir's lock throughout; raises preemption.RunStopped when a signal stops it
+    (after saving, if save_on_signal).
+    """
+    with RunDirLock(cfg.save_dir), StopSignals(cfg.save_dir) as stop:
+        return _run_sft(cfg, stop)
+
+
+def _run_sft(cfg: SFTConfig, stop: StopSignals) -> Path:
     # --- validate every input before anything is written ---------------------------------
     device, dtype = resolve_device(cfg.device, cfg.dtype)
     require_quant(cfg.quant, device, trains_ar=cfg.mode == "ar")
@@ -218,10 +231,11 @@ def sft(cfg: SFTConfig) -> Path:
     config_dict = config_to_dict(cfg)
     ckpt.claim_save_dir(save_dir, config_dict, overwrite=cfg.overwrite, resume=cfg.resume,
                         mutable_keys=SFT_RESUME_MUTABLE_KEYS)
-    resume_from = ckpt.latest_checkpoint(save_dir) if cfg.resume == "auto" else None
+    ckpt.remove_stale_entries(save_dir)  # under the lock: no other run's save is in flight
+    resume_from = ckpt.latest_verified_checkpoint(save_dir) if cfg.resume == "auto" else None
 
     # --- model and optimizer ---------------------------------------------------------------
-    torch.manual_seed(cfg.seed)
+    seed_everything(cfg.seed)
     if cfg.mode == "av":
         model = load_actor(
             model_dir, lora_r=cfg.lora_r, lora_alpha=cfg.lora_alpha, use_rslora=cfg.use_rslora,
@@ -273,6 +287,13 @@ def sft(cfg: SFTConfig) -> Path:
     # --- steps -------------------------------------------------------------------------------
     final = resume_from
     for step in range(start_step, cfg.num_steps):
+        # --- preemption: a signal ends the run here, between steps -----------------------------
+        if stop.should_stop(step):
+            if cfg.save_on_signal and step > start_step and step % cfg.save_every != 0:
+                save(step)
+            logger.close()
+            raise stop.stopped(ckpt.latest_checkpoint(save_dir), command="sft")
+
         t0 = time.perf_counter()
         lr = cfg.lr * lr_factor(step, num_steps=cfg.num_steps, warmup_steps=cfg.warmup_steps, schedule=cfg.lr_schedule)
         for group in optimizer.param_groups:

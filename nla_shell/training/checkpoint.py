@@ -1,24 +1,34 @@
-"""Atomic checkpoints, exact-resume state (RNGs, optimizers, data cursor), run-dir claims.
+"""Atomic, verified checkpoints, exact-resume state (RNGs, optimizers, data cursor), run-dir claims.
 
 Layout of a run directory:
 
-    save_dir/config.yaml            the resolved config (written by claim_save_dir)
-    save_dir/step_000050/COMPLETE   a checkpoint after 50 finished steps; COMPLETE is written last
-    save_dir/.tmp_step_000100/      a save in progress (or killed mid-way): never counted
+    save_dir/config.yaml                 the resolved config (written by claim_save_dir)
+    save_dir/step_000050/MANIFEST.json   size and sha256 of every file of the checkpoint
+    save_dir/step_000050/COMPLETE        a checkpoint after 50 finished steps; written last
+    save_dir/.tmp_step_000100/           a save in progress (or killed mid-way): never counted
+    save_dir/.old_step_000050/           a checkpoint being replaced by a new save of its step
+    save_dir/.deleting_step_000010/      a checkpoint being pruned (keep_last)
 
-A checkpoint is built in the temp dir by a caller-supplied callback, fsynced, marked
-COMPLETE, then renamed into place: a crash at any point leaves every earlier checkpoint
-whole and `latest_checkpoint` pointing at the newest whole one. All checkpoints are kept.
+A checkpoint is built in the temp dir by a caller-supplied callback; its files are then
+hashed and fsynced in one pass (read back from the page cache they were just written to),
+the manifest and COMPLETE are written, and the dir is renamed into place: a crash at any
+point leaves every earlier checkpoint whole. Resuming verifies the manifest (sizes, then
+hashes) and falls back past a damaged checkpoint to the newest verified one.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import math
 import os
 import random
 import re
 import shutil
+import sys
 import warnings
 from collections.abc import Callable, Collection, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,15 +38,23 @@ import torch
 import yaml
 
 from nla_shell.io.config import RESUME_MUTABLE_KEYS, ConfigError
+from nla_shell.training.runlock import LOCK_NAME
 
 COMPLETE = "COMPLETE"
+MANIFEST_NAME = "MANIFEST.json"
 CONFIG_NAME = "config.yaml"
 TRAINING_STATE_NAME = "training_state.pt"
 _STEP_DIR = re.compile(r"step_(\d+)")
+_STALE = re.compile(r"\.(tmp|old|deleting)_(step_\d+)")
+_HASH_CHUNK = 8 * 2**20
 _UNSET = object()  # a config key absent from one side of a comparison
 
 
 # --------------------------------------------------------------------------- atomic saves
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be saved, verified or loaded; the message names its path and the cause."""
 
 
 def checkpoint_dir(save_dir: str | os.PathLike[str], step: int) -> Path:
@@ -45,65 +63,112 @@ def checkpoint_dir(save_dir: str | os.PathLike[str], step: int) -> Path:
 
 
 def save_checkpoint(
-    save_dir: str | os.PathLike[str], step: int, *, write: Callable[[Path], None]
+    save_dir: str | os.PathLike[str],
+    step: int,
+    *,
+    write: Callable[[Path], None],
+    metrics: Mapping[str, Any] | None = None,
 ) -> Path:
     """Save a checkpoint atomically: `write(tmp_dir)` fills a temp dir that is then renamed.
 
-    Returns the final `save_dir/step_NNNNNN`. If `write` raises, the temp dir is removed
-    and the exception propagates; a checkpoint already at this step is replaced only once
-    the new one is complete.
+    Returns the final `save_dir/step_NNNNNN`. Its MANIFEST.json records each file's size
+    and sha256, and those of `metrics` that are finite numbers (e.g. the held-out score by
+    which keep_last protects the best checkpoint; None or NaN where a step had none). If anything fails, the temp dir is removed and a CheckpointError names
+    the checkpoint and the cause (disk full, permission denied, ...); every earlier
+    checkpoint is untouched, and one already at this step is replaced only once the new
+    one is complete.
     """
     final = checkpoint_dir(save_dir, step)
     tmp = final.with_name(f".tmp_{final.name}")
-    if tmp.exists():  # left by a run killed mid-save
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
     try:
+        if tmp.exists():  # left by a run killed mid-save
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
         write(tmp)
-        (tmp / COMPLETE).write_text(f"{step}\n")
-        _fsync_tree(tmp)
-    except BaseException:
+        files = _hash_and_fsync(tmp)
+        scores = {k: float(v) for k, v in (metrics or {}).items() if isinstance(v, (int, float)) and math.isfinite(v)}
+        manifest = {"step": step, "files": files, "metrics": scores}
+        _write_synced(tmp / MANIFEST_NAME, json.dumps(manifest, indent=1, allow_nan=False))
+        _write_synced(tmp / COMPLETE, f"{step}\n")
+        _fsync_dir(tmp)
+        if final.exists():
+            # rename() cannot replace a non-empty directory; move the old one aside first.
+            # A crash between the two renames leaves .old_step_N, which the next start-up
+            # (remove_stale_entries) renames back.
+            old = final.with_name(f".old_{final.name}")
+            if old.exists():
+                shutil.rmtree(old)
+            os.replace(final, old)
+            os.replace(tmp, final)
+            shutil.rmtree(old)
+        else:
+            os.replace(tmp, final)
+        _fsync_dir(final.parent)
+    except Exception as error:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(
+            f"cannot save checkpoint {final}: {describe_error(error)}; the earlier checkpoints are intact"
+        ) from error
+    except BaseException:  # e.g. an abandoned step: leave nothing half-written
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if final.exists():
-        # rename() cannot replace a non-empty directory; move the old one aside first.
-        # A crash between the two renames loses only this step's (hidden) copy.
-        old = final.with_name(f".old_{final.name}")
-        if old.exists():
-            shutil.rmtree(old)
-        os.replace(final, old)
-        os.replace(tmp, final)
-        shutil.rmtree(old)
-    else:
-        os.replace(tmp, final)
-    _fsync_dir(final.parent)
     return final
 
 
-def latest_checkpoint(save_dir: str | os.PathLike[str]) -> Path | None:
-    """The complete checkpoint with the highest step in `save_dir`, or None."""
+def describe_error(error: BaseException) -> str:
+    """One line: an OSError's cause and path, or another error's type and first message line."""
+    if isinstance(error, OSError) and error.strerror:
+        return f"{error.strerror} ({error.filename})" if error.filename else error.strerror
+    first_line = next(iter(str(error).splitlines()), "")
+    return f"{type(error).__name__}: {first_line}" if first_line else type(error).__name__
+
+
+def complete_checkpoints(save_dir: str | os.PathLike[str]) -> list[Path]:
+    """The checkpoints of `save_dir` marked COMPLETE, newest (highest step) first."""
     save_dir = Path(save_dir)
     if not save_dir.is_dir():
-        return None
-    best: tuple[int, Path] | None = None
-    for entry in save_dir.iterdir():
-        match = _STEP_DIR.fullmatch(entry.name)
-        if match and (entry / COMPLETE).is_file():
-            step = int(match.group(1))
-            if best is None or step > best[0]:
-                best = (step, entry)
-    return None if best is None else best[1]
+        return []
+    found = [
+        (int(match.group(1)), entry)
+        for entry in save_dir.iterdir()
+        if (match := _STEP_DIR.fullmatch(entry.name)) and (entry / COMPLETE).is_file()
+    ]
+    return [path for _, path in sorted(found, reverse=True)]
 
 
-def _fsync_tree(root: Path) -> None:
-    for dirpath, _, filenames in os.walk(root):
-        for name in filenames:
-            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        _fsync_dir(Path(dirpath))
+def latest_checkpoint(save_dir: str | os.PathLike[str]) -> Path | None:
+    """The complete checkpoint with the highest step in `save_dir`, or None (not verified)."""
+    return next(iter(complete_checkpoints(save_dir)), None)
+
+
+def _hash_and_fsync(root: Path) -> dict[str, dict[str, Any]]:
+    """{relative path: {"bytes", "sha256"}} of every file under `root`, each fsynced on the way.
+
+    Files are hashed in parallel threads (hashlib releases the GIL), straight after they
+    were written, so the data comes from the page cache: the one extra pass costs hashing
+    time, not disk reads.
+    """
+    paths = sorted(p for p in root.rglob("*") if p.is_file())
+
+    def one(path: Path) -> tuple[str, dict[str, Any]]:
+        return path.relative_to(root).as_posix(), {"bytes": path.stat().st_size, "sha256": _sha256(path, fsync=True)}
+
+    with ThreadPoolExecutor(max_workers=_hash_workers()) as pool:
+        files = dict(pool.map(one, paths))
+    for directory in {p.parent for p in paths} | {root}:
+        _fsync_dir(directory)
+    return files
+
+
+def _hash_workers() -> int:
+    return max(1, min(8, os.cpu_count() or 1))
+
+
+def _write_synced(path: Path, text: str) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def _fsync_dir(path: Path) -> None:
@@ -113,6 +178,155 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+# --------------------------------------------------------------------------- verification
+
+
+def checkpoint_problem(path: str | os.PathLike[str], *, hashes: bool = True) -> str | None:
+    """Why the checkpoint at `path` fails verification against its manifest, or None if it passes.
+
+    Checks COMPLETE, then every manifest entry's presence and size, then (with `hashes`)
+    its sha256, so truncation, deletion and bit flips are all caught. A checkpoint written
+    before manifests existed has none: it passes unverified (`has_manifest` tells).
+    """
+    path = Path(path)
+    if not (path / COMPLETE).is_file():
+        return f"no {COMPLETE} marker"
+    if not has_manifest(path):
+        return None
+    try:
+        files = json.loads((path / MANIFEST_NAME).read_text(encoding="utf-8"))["files"]
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        return f"unreadable {MANIFEST_NAME} ({describe_error(error)})"
+    for name, entry in files.items():
+        file = path / name
+        if not file.is_file():
+            return f"{name} is missing"
+        if file.stat().st_size != entry["bytes"]:
+            return f"{name} has {file.stat().st_size} bytes, the manifest says {entry['bytes']}"
+    if hashes:
+        with ThreadPoolExecutor(max_workers=_hash_workers()) as pool:
+            digests = dict(zip(files, pool.map(_sha256, [path / name for name in files])))
+        for name, entry in files.items():
+            if digests[name] != entry["sha256"]:
+                return f"{name} does not match its sha256 in {MANIFEST_NAME} (corrupted)"
+    return None
+
+
+def has_manifest(path: Path) -> bool:
+    return (path / MANIFEST_NAME).is_file()
+
+
+def _sha256(path: Path, *, fsync: bool = False) -> str:
+    """The file's sha256 (hex); with `fsync`, also flush it to disk through the same descriptor."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_HASH_CHUNK):
+            digest.update(chunk)
+        if fsync:
+            os.fsync(f.fileno())
+    return digest.hexdigest()
+
+
+def latest_verified_checkpoint(
+    save_dir: str | os.PathLike[str], *, required: Collection[str] = ()
+) -> Path | None:
+    """The newest checkpoint that passes `checkpoint_problem`, or None when there is none at all.
+
+    A newer checkpoint that fails is reported on stderr by path and cause and skipped. The
+    one chosen must hold every entry of `required` (paths relative to it, e.g. "critic"):
+    a part the config needs but the checkpoint never had is a CheckpointError, not
+    something to replace silently. So is a save_dir whose checkpoints all fail.
+    """
+    failures: list[str] = []
+    for path in complete_checkpoints(save_dir):
+        problem = checkpoint_problem(path)
+        if problem is not None:
+            failures.append(f"{path} ({problem})")
+            continue
+        for failure in failures:
+            print(f"[warn] checkpoint {failure} failed verification; resuming from {path.name}, "
+                  "the newest verified checkpoint", file=sys.stderr, flush=True)
+        if not has_manifest(path):
+            print(f"[warn] checkpoint {path} has no {MANIFEST_NAME} (saved by an older nla): resuming from it "
+                  "unverified", file=sys.stderr, flush=True)
+        missing = [part for part in required if not (path / part).exists()]
+        if missing:
+            raise CheckpointError(
+                f"checkpoint {path} has no {', '.join(missing)}, which this config needs; restore it, "
+                "or delete this step_* dir to resume from an earlier checkpoint"
+            )
+        return path
+    if failures:
+        raise CheckpointError(
+            f"no checkpoint in {save_dir} passes verification: {'; '.join(failures)}; delete the damaged "
+            "step_* dirs to start over, or set overwrite=true"
+        )
+    return None
+
+
+# --------------------------------------------------------------------------- housekeeping
+
+
+def remove_stale_entries(save_dir: str | os.PathLike[str]) -> None:
+    """Finish what a killed run left half-done; call it holding the run-dir lock.
+
+    A `.old_step_N` whose `step_N` is missing was moved aside by a re-save killed between
+    its two renames: it is a whole checkpoint and goes back into place. Every other
+    `.tmp_*` / `.old_*` / `.deleting_*` step dir is an unfinished save, replace or prune,
+    and is deleted.
+    """
+    save_dir = Path(save_dir)
+    if not save_dir.is_dir():
+        return
+    for entry in sorted(save_dir.iterdir()):
+        match = _STALE.fullmatch(entry.name)
+        if not match:
+            continue
+        final = save_dir / match.group(2)
+        if match.group(1) == "old" and not final.exists() and (entry / COMPLETE).is_file():
+            os.replace(entry, final)
+        else:
+            shutil.rmtree(entry)
+
+
+def prune_checkpoints(
+    save_dir: str | os.PathLike[str], *, keep_last: int, best_by: str | None = None
+) -> list[Path]:
+    """Delete all but the newest `keep_last` complete checkpoints, and the best one; returns those deleted.
+
+    The best is the checkpoint whose manifest's `metrics[best_by]` is highest (finite
+    values only), kept whatever its age. Nothing is deleted unless the newest checkpoint
+    passes full verification (CheckpointError otherwise). Each deletion first renames the
+    dir to `.deleting_step_N`, so a kill mid-way never leaves a half-deleted step_N that
+    looks complete.
+    """
+    checkpoints = complete_checkpoints(save_dir)
+    if checkpoints and (problem := checkpoint_problem(checkpoints[0])) is not None:
+        raise CheckpointError(f"checkpoint {checkpoints[0]} fails verification right after saving ({problem}); "
+                              "nothing pruned: check the disk")
+    keep = set(checkpoints[:keep_last])
+    if best_by is not None:
+        scored = [(score, path) for path in checkpoints if (score := _manifest_metric(path, best_by)) is not None]
+        if scored:
+            keep.add(max(scored, key=lambda item: item[0])[1])
+    deleted = []
+    for path in checkpoints:
+        if path not in keep:
+            trash = path.with_name(f".deleting_{path.name}")
+            os.replace(path, trash)
+            shutil.rmtree(trash)
+            deleted.append(path)
+    return deleted
+
+
+def _manifest_metric(path: Path, key: str) -> float | None:
+    try:
+        value = json.loads((path / MANIFEST_NAME).read_text(encoding="utf-8"))["metrics"].get(key)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else None
 
 
 # --------------------------------------------------------------------------- RNG state
@@ -206,23 +420,31 @@ def save_training_state(
     Everything must be tensors and plain Python values (it is loaded with weights_only=True).
     """
     path = Path(directory) / TRAINING_STATE_NAME
-    torch.save(
-        {
-            "step": step,
-            "data_cursor": dict(data_cursor),
-            "optimizer_states": {k: dict(v) for k, v in optimizer_states.items()},
-            "rng": dict(rng),
-            "extra": dict(extra or {}),
-        },
-        path,
-    )
+    blob = {
+        "step": step,
+        "data_cursor": dict(data_cursor),
+        "optimizer_states": {k: dict(v) for k, v in optimizer_states.items()},
+        "rng": dict(rng),
+        "extra": dict(extra or {}),
+    }
+    try:
+        # Through a Python file: a failed write is an OSError with its errno (torch's own
+        # writer reports only "iostream error").
+        with open(path, "wb") as f:
+            torch.save(blob, f)
+    except OSError as error:
+        raise OSError(error.errno, error.strerror, str(path)) from error
     return path
 
 
 def load_training_state(directory: str | os.PathLike[str]) -> TrainingState:
     """Read what `save_training_state` wrote (tensors on CPU)."""
-    # weights_only: a checkpoint is data, and must not be able to run code when loaded.
-    blob = torch.load(Path(directory) / TRAINING_STATE_NAME, map_location="cpu", weights_only=True)
+    path = Path(directory) / TRAINING_STATE_NAME
+    try:
+        # weights_only: a checkpoint is data, and must not be able to run code when loaded.
+        blob = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:
+        raise CheckpointError(f"cannot load {path}: {describe_error(error)}") from error
     return TrainingState(**blob)
 
 
@@ -252,7 +474,8 @@ def claim_save_dir(
     config_path = save_dir / CONFIG_NAME
     if save_dir.exists() and not save_dir.is_dir():
         raise ConfigError(f"config key 'save_dir' = {str(save_dir)!r} is a file; give a directory")
-    if save_dir.is_dir() and any(save_dir.iterdir()):
+    # The run-dir lock file is the claiming run's own (see runlock), not someone else's file.
+    if save_dir.is_dir() and any(child.name != LOCK_NAME for child in save_dir.iterdir()):
         if not config_path.is_file():
             raise ConfigError(
                 f"config key 'save_dir' = {str(save_dir)!r} is a non-empty directory without "
@@ -267,6 +490,8 @@ def claim_save_dir(
                     f"save_dir, or set overwrite=true to delete its contents and start over"
                 )
             for child in save_dir.iterdir():
+                if child.name == LOCK_NAME:
+                    continue
                 if child.is_dir() and not child.is_symlink():
                     shutil.rmtree(child)
                 else:

@@ -13,7 +13,10 @@ evaluates, logs and saves.
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import random
 import resource
 import sys
 import time
@@ -33,6 +36,8 @@ from nla_shell.io.data import build_prompt_ids, check_tokenizer, load_eval_rows,
 from nla_shell.io.sidecars import MODEL_SIDECAR, injection_settings, load_sidecar, model_sidecar, write_sidecar
 from nla_shell.engines.base import RolloutEngine, RolloutRequest, sample_explanations
 from nla_shell.training.distributed import RankInfo
+from nla_shell.training.preemption import StopSignals
+from nla_shell.training.runlock import RunDirLock
 from nla_shell.io.logging import NullLogger, make_logger
 from nla_shell.metrics import cjk_fraction, finite_mean, fve_metrics, token_lengths
 from nla_shell.models import (
@@ -122,7 +127,8 @@ def say(message: str, *, error: bool = False) -> None:
 
 
 def seed_everything(seed: int) -> None:
-    """Seed torch's (CPU and CUDA) and numpy's global RNGs."""
+    """Seed python's, numpy's and torch's (CPU and CUDA) global RNGs."""
+    random.seed(seed)
     torch.manual_seed(seed)
     np.random.seed(seed)
 
@@ -188,12 +194,16 @@ def train(cfg: TrainConfig) -> Path:
             f"config key 'vllm_tp' = {cfg.vllm_tp} is invalid under torchrun: each rank runs its own "
             "vLLM engine on its own GPU; use vllm_tp=1 with torchrun, or vllm_tp>1 in one process"
         )
-    with distributed.process_group(rank, device):
-        return run_ranked(cfg, rank, device, dtype)
+    # Rank 0 holds the run dir's lock for the whole run; a signal stops every rank at one step.
+    with distributed.process_group(rank, device), RunDirLock(cfg.save_dir), StopSignals(cfg.save_dir) as stop:
+        return run_ranked(cfg, rank, device, dtype, stop)
 
 
-def run_ranked(cfg: TrainConfig, rank: RankInfo, device: torch.device, dtype: torch.dtype) -> Path:
-    """The training run as seen by one rank (the only one, outside torchrun)."""
+def run_ranked(cfg: TrainConfig, rank: RankInfo, device: torch.device, dtype: torch.dtype, stop: StopSignals) -> Path:
+    """The training run as seen by one rank (the only one, outside torchrun).
+
+    Raises preemption.RunStopped when a signal stops it (after saving, if save_on_signal).
+    """
     # --- validate every input before anything is written ------------------------------
     tokenizer = families.load_tokenizer(cfg.av_ckpt)
     nla = load_sidecar(cfg.sidecar or cfg.rl_parquet)
@@ -221,7 +231,11 @@ def run_ranked(cfg: TrainConfig, rank: RankInfo, device: torch.device, dtype: to
 
     def claim() -> Path | None:
         ckpt.claim_save_dir(save_dir, config_dict, overwrite=cfg.overwrite, resume=cfg.resume, mutable_keys=mutable_keys)
-        return ckpt.latest_checkpoint(save_dir) if cfg.resume == "auto" else None
+        ckpt.remove_stale_entries(save_dir)  # under the lock: no other run's save is in flight
+        if cfg.resume != "auto":
+            return None
+        needed = ("adapter", ckpt.TRAINING_STATE_NAME, *(("critic",) if cfg.train_critic else ()))
+        return ckpt.latest_verified_checkpoint(save_dir, required=needed)
 
     # Rank 0 claims the directory and picks the checkpoint; every rank resumes from that one.
     resume_from = distributed.on_main(claim)
@@ -251,7 +265,7 @@ def run_ranked(cfg: TrainConfig, rank: RankInfo, device: torch.device, dtype: to
         style=style,
         injection_norm=injection_norm,
     )
-    if resume_from is not None and cfg.train_critic and (resume_from / "critic").exists():
+    if resume_from is not None and cfg.train_critic:
         critic = ARModel.from_pretrained(resume_from / "critic", mse_scale=mse_scale, dtype=dtype, device=device)
     critic.requires_grad_(cfg.train_critic)
     critic.eval()  # Qwen3 has no dropout: eval mode serves the gradient steps too
@@ -332,8 +346,12 @@ def run_ranked(cfg: TrainConfig, rank: RankInfo, device: torch.device, dtype: to
             )
             (tmp / ckpt.CONFIG_NAME).write_text((save_dir / ckpt.CONFIG_NAME).read_text())
 
-        path = ckpt.save_checkpoint(save_dir, step_done, write=write)
+        # keep_last protects the checkpoint with the best held-out score; this step's eval scored these weights.
+        path = ckpt.save_checkpoint(save_dir, step_done, write=write, metrics={"eval/fve": last_record.get("eval/fve")})
         say(f"[save] {path}")
+        if cfg.keep_last is not None:
+            for pruned in ckpt.prune_checkpoints(save_dir, keep_last=cfg.keep_last, best_by="eval/fve"):
+                say(f"[save] pruned {pruned.name} (keep_last={cfg.keep_last})")
 
     loss_options = LossOptions(
         clip_eps=cfg.clip_eps, clip_eps_high=cfg.clip_eps_high, kl_beta=cfg.kl_beta, kl_clamp=cfg.kl_clamp,
@@ -348,6 +366,16 @@ def run_ranked(cfg: TrainConfig, rank: RankInfo, device: torch.device, dtype: to
     last_record: dict[str, Any] = {}
 
     for step in range(start_step, cfg.num_steps):
+        # --- preemption: a signal ends the run here, between steps, on every rank at once ----
+        if stop.should_stop(step):
+            if cfg.save_on_signal and step > start_step and step % cfg.save_every != 0:
+                save(step)
+            engine.close()
+            logger.close()
+            if rank.is_main:
+                write_summary(save_dir, steps_done=step, rawvar=rawvar, meannorm=meannorm)
+            raise stop.stopped(ckpt.latest_checkpoint(save_dir), command="train")
+
         t_step = time.perf_counter()
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
@@ -501,7 +529,8 @@ def run_ranked(cfg: TrainConfig, rank: RankInfo, device: torch.device, dtype: to
     engine.close()
     logger.close()
     if rank.is_main:
-        write_summary(save_dir, last_record, rawvar=rawvar, meannorm=meannorm, final_eval=final_eval)
+        write_summary(save_dir, steps_done=max(start_step, cfg.num_steps), rawvar=rawvar, meannorm=meannorm,
+                      final_eval=final_eval)
     return save_dir
 
 
@@ -602,19 +631,47 @@ def evaluate_rows(
     }
 
 
-def write_summary(save_dir: Path, last: dict[str, Any], *, rawvar: float, meannorm: float,
-                  final_eval: dict[str, Any] | None = None) -> None:
-    """save_dir/summary.json: the final step's metrics, the FVE baselines, and the final held-out point.
+def write_summary(
+    save_dir: Path, *, steps_done: int, rawvar: float, meannorm: float, final_eval: dict[str, Any] | None = None
+) -> None:
+    """save_dir/summary.json: the last completed step's metrics, its checkpoint, the FVE baselines.
 
-    final_eval is the held-out eval run after the last step when that step was not an
-    eval step (`nla plot` draws it as the held-out series' last point); None otherwise.
+    `steps_done` counts finished steps, like the step_NNNNNN dir names; "final" is the
+    metrics.jsonl record of the last of them (its "step" is the 0-based index, steps_done
+    - 1), read back from the file, so a rerun that has nothing left to do (or follows a
+    kill before the summary was written) writes the same summary as the run that did the
+    work. final_eval is the held-out eval run after the last step when that step was not
+    an eval step (`nla plot` draws it as the held-out series' last point); a rerun that
+    ran no step keeps the one already in summary.json. Written to a temp file and
+    renamed: never torn.
     """
-    import json
-
-    def json_safe(record: dict[str, Any]) -> dict[str, Any]:
-        return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
-
-    summary = {"final": json_safe(last), "baselines": {"rawvar": rawvar, "meannorm": meannorm}}
+    final: dict[str, Any] = {}
+    metrics_path = save_dir / "metrics.jsonl"
+    if metrics_path.exists():
+        for line in metrics_path.read_text(encoding="utf-8").splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line torn by a kill mid-write
+            if record.get("step") == steps_done - 1:
+                final = record
+    summary_path = save_dir / "summary.json"
+    if final_eval is None and summary_path.exists():
+        try:
+            kept = json.loads(summary_path.read_text(encoding="utf-8")).get("final_eval")
+        except (json.JSONDecodeError, AttributeError):
+            kept = None
+        final_eval = kept if isinstance(kept, dict) and kept.get("step") == steps_done - 1 else None
+    checkpoint = ckpt.checkpoint_dir(save_dir, steps_done)
+    summary: dict[str, Any] = {
+        "steps_done": steps_done,
+        "checkpoint": checkpoint.name if (checkpoint / ckpt.COMPLETE).is_file() else None,
+        "final": final,
+        "baselines": {"rawvar": rawvar, "meannorm": meannorm},
+    }
     if final_eval is not None:
-        summary["final_eval"] = json_safe(final_eval)
-    (save_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        summary["final_eval"] = {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+                                 for k, v in final_eval.items()}
+    tmp = save_dir / ".summary.json.tmp"
+    tmp.write_text(json.dumps(summary, indent=2))
+    os.replace(tmp, summary_path)

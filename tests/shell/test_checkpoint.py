@@ -1,23 +1,35 @@
-"""Checkpoints: atomic saves, RNG round trips, exact-resume state, run-dir claims."""
+"""Checkpoints: atomic verified saves, fallback past damage, pruning, RNG round trips, exact-resume state,
+run-dir claims and locks."""
 
 from __future__ import annotations
 
+import json
+import os
 import random
+import signal
 
 import numpy as np
 import pytest
 import torch
 import yaml
 
+import fixtures
 from nla_shell.training.checkpoint import (
+    CheckpointError,
+    checkpoint_problem,
     claim_save_dir,
     latest_checkpoint,
+    latest_verified_checkpoint,
     load_training_state,
+    prune_checkpoints,
+    remove_stale_entries,
     rng_state,
     save_checkpoint,
     save_training_state,
     set_rng_state,
 )
+from nla_shell.training.runlock import LOCK_NAME, RunDirBusy, RunDirLock
+from nla_shell.training.train import seed_everything
 from nla_shell.io.config import ConfigError, TrainConfig, config_to_dict
 
 
@@ -43,7 +55,7 @@ def test_a_save_that_fails_midway_leaves_the_previous_checkpoint_latest(tmp_path
         (path / "half_written").write_text("x")
         raise RuntimeError("disk full")
 
-    with pytest.raises(RuntimeError, match="disk full"):
+    with pytest.raises(CheckpointError, match="step_000002: RuntimeError: disk full"):
         save_checkpoint(tmp_path, 2, write=crash)
     assert latest_checkpoint(tmp_path) == first
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000001"]
@@ -63,7 +75,7 @@ def test_leftovers_of_a_killed_save_are_never_counted(tmp_path):
 def test_saving_the_same_step_again_replaces_it_whole(tmp_path):
     save_checkpoint(tmp_path, 4, write=write_files("old"))
     path = save_checkpoint(tmp_path, 4, write=write_files("new"))
-    assert sorted(p.name for p in path.iterdir()) == ["COMPLETE", "new"]
+    assert sorted(p.name for p in path.iterdir()) == ["COMPLETE", "MANIFEST.json", "new"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000004"]
 
 
@@ -178,3 +190,157 @@ def test_claim_never_deletes_a_directory_nla_did_not_make(tmp_path):
         with pytest.raises(ConfigError, match="no nla run"):
             claim_save_dir(tmp_path, config(), overwrite=overwrite, resume="auto")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["thesis.tex"]
+
+
+# --------------------------------------------------------------------------- manifests and verification
+
+
+def weights_and_state(path):
+    (path / "adapter").mkdir()
+    torch.save({"w": torch.arange(4096, dtype=torch.float32)}, path / "adapter" / "weights.pt")
+    save_training_state(path, step=1, data_cursor={"epoch": 0, "offset": 2}, optimizer_states={}, rng=rng_state())
+
+
+def test_manifest_records_every_file_size_and_sha256(tmp_path):
+    path = save_checkpoint(tmp_path, 1, write=weights_and_state, metrics={"eval/fve": 0.5})
+    manifest = json.loads((path / "MANIFEST.json").read_text())
+    assert sorted(manifest["files"]) == ["adapter/weights.pt", "training_state.pt"]
+    import hashlib
+
+    for name, entry in manifest["files"].items():
+        data = (path / name).read_bytes()
+        assert entry == {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    assert manifest["metrics"] == {"eval/fve": 0.5} and checkpoint_problem(path) is None
+
+
+def truncate(path):
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+def flip_one_bit(path):
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize(
+    "damage, expected",
+    [
+        (lambda p: truncate(p / "adapter" / "weights.pt"), "adapter/weights.pt has"),
+        (lambda p: flip_one_bit(p / "training_state.pt"), "training_state.pt does not match its sha256"),
+        (lambda p: (p / "adapter" / "weights.pt").unlink(), "adapter/weights.pt is missing"),
+        (lambda p: (p / "training_state.pt").write_bytes(b""), "training_state.pt has 0 bytes"),
+    ],
+    ids=["truncated", "bit_flip", "deleted", "emptied"],
+)
+def test_a_damaged_newest_checkpoint_is_named_and_skipped_for_the_previous_one(tmp_path, capsys, damage, expected):
+    first = save_checkpoint(tmp_path, 1, write=weights_and_state)
+    second = save_checkpoint(tmp_path, 2, write=weights_and_state)
+    damage(second)
+    assert latest_checkpoint(tmp_path) == second  # still marked COMPLETE: only the manifest tells
+    assert expected in checkpoint_problem(second)
+    assert latest_verified_checkpoint(tmp_path) == first
+    warning = capsys.readouterr().err
+    assert str(second) in warning and expected in warning and "resuming from step_000001" in warning
+
+
+def test_no_verified_checkpoint_at_all_is_an_error_naming_each(tmp_path):
+    assert latest_verified_checkpoint(tmp_path) is None  # nothing saved yet: a fresh start
+    only = save_checkpoint(tmp_path, 1, write=weights_and_state)
+    flip_one_bit(only / "adapter" / "weights.pt")
+    with pytest.raises(CheckpointError, match=r"no checkpoint in .* passes verification: .*step_000001 \(adapter"):
+        latest_verified_checkpoint(tmp_path)
+
+
+def test_a_part_the_config_needs_but_the_checkpoint_never_had_is_an_error(tmp_path):
+    save_checkpoint(tmp_path, 1, write=weights_and_state)  # verified, but holds no critic/
+    with pytest.raises(CheckpointError, match=r"step_000001 has no critic, which this config needs"):
+        latest_verified_checkpoint(tmp_path, required=("adapter", "critic"))
+
+
+def test_a_corrupt_training_state_fails_with_its_path_not_a_library_error(tmp_path):
+    path = save_checkpoint(tmp_path, 1, write=weights_and_state)
+    truncate(path / "training_state.pt")
+    with pytest.raises(CheckpointError, match=f"cannot load {path / 'training_state.pt'}"):
+        load_training_state(path)
+
+
+def test_a_disk_full_save_names_the_checkpoint_and_leaves_the_earlier_ones_intact(tmp_path):
+    first = save_checkpoint(tmp_path, 1, write=weights_and_state)
+
+    def onto_a_full_disk(path):
+        (path / "training_state.pt").symlink_to("/dev/full")  # every write there fails with ENOSPC
+        weights_and_state(path)
+
+    with pytest.raises(CheckpointError) as err:
+        save_checkpoint(tmp_path, 2, write=onto_a_full_disk)
+    assert f"cannot save checkpoint {tmp_path / 'step_000002'}: No space left on device (" in str(err.value)
+    assert "\n" not in str(err.value) and "earlier checkpoints are intact" in str(err.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000001"]
+    assert latest_verified_checkpoint(tmp_path) == first
+
+
+def test_stale_entries_are_removed_and_a_checkpoint_moved_aside_comes_back(tmp_path):
+    kept = save_checkpoint(tmp_path, 1, write=weights_and_state)
+    moved = save_checkpoint(tmp_path, 2, write=weights_and_state)
+    os.replace(moved, tmp_path / ".old_step_000002")  # a re-save killed between its two renames
+    for stale in (".tmp_step_000003", ".old_step_000001", ".deleting_step_000000"):
+        (tmp_path / stale).mkdir()
+        (tmp_path / stale / "COMPLETE").write_text("")
+    remove_stale_entries(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000001", "step_000002"]
+    assert checkpoint_problem(moved) is None and checkpoint_problem(kept) is None
+
+
+def test_pruning_keeps_the_newest_and_the_best_scored(tmp_path):
+    scores = {1: 0.2, 2: 0.9, 3: None, 4: 0.5, 5: float("nan")}
+    for step, score in scores.items():
+        save_checkpoint(tmp_path, step, write=write_files("w"), metrics={} if score is None else {"eval/fve": score})
+    assert json.loads((tmp_path / "step_000005" / "MANIFEST.json").read_text())["metrics"] == {}  # NaN: no score
+    deleted = prune_checkpoints(tmp_path, keep_last=2, best_by="eval/fve")
+    assert sorted(p.name for p in deleted) == ["step_000001", "step_000003"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000002", "step_000004", "step_000005"]
+    flip_one_bit(tmp_path / "step_000005" / "w")
+    with pytest.raises(CheckpointError, match="step_000005 fails verification right after saving"):
+        prune_checkpoints(tmp_path, keep_last=1)
+    assert len(list(tmp_path.iterdir())) == 3
+
+
+def test_seed_everything_seeds_python_numpy_and_torch():
+    seed_everything(11)
+    first = (random.random(), np.random.rand(), torch.rand(1).item())
+    random.random(), np.random.rand(), torch.rand(1)
+    seed_everything(11)
+    assert (random.random(), np.random.rand(), torch.rand(1).item()) == first
+
+
+# --------------------------------------------------------------------------- the run-dir lock
+
+def test_a_second_process_is_refused_with_the_holders_pid_until_it_dies(tmp_path):
+    save_dir = tmp_path / "run"
+    holder = fixtures.hold_run_dir_lock(save_dir)
+    try:
+        with pytest.raises(RunDirBusy) as err:
+            with RunDirLock(save_dir):
+                pass
+        message = str(err.value)
+        assert f"pid {holder.pid} on " in message and " since 20" in message and "'save_dir'" in message
+        assert "\n" not in message
+    finally:
+        holder.send_signal(signal.SIGKILL)  # dies without cleaning up: the kernel drops the lock
+        holder.wait()
+    assert (save_dir / LOCK_NAME).exists()
+    with RunDirLock(save_dir):
+        assert f"pid {os.getpid()} " in (save_dir / LOCK_NAME).read_text()
+    assert not (save_dir / LOCK_NAME).exists()
+
+
+def test_a_lock_on_a_new_dir_leaves_nothing_when_the_run_writes_nothing(tmp_path):
+    with pytest.raises(RuntimeError):
+        with RunDirLock(tmp_path / "a" / "run"):
+            raise RuntimeError("bad input")
+    assert sorted(p.name for p in (tmp_path / "a").iterdir()) == []
+    with RunDirLock(tmp_path / "kept"):
+        claim_save_dir(tmp_path / "kept", config(), overwrite=False, resume="auto")
+    assert sorted(p.name for p in (tmp_path / "kept").iterdir()) == ["config.yaml"]

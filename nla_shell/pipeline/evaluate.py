@@ -25,6 +25,8 @@ from nla_shell.io.config import ConfigError, normalize_fields
 from nla_shell.io.data import DataError, RLRow, build_prompt_ids, check_tokenizer, stream_rows
 from nla_shell.io.sidecars import injection_settings, load_sidecar
 from nla_shell.engines.hf import HFRolloutEngine
+from nla_shell.io.paths import require_file, require_model
+from nla_shell.io.progress import progress_bar
 from nla_shell.metrics import finite_mean
 from nla_shell.models import ARModel, Injector, base_model_dir, load_actor
 from nla_shell.training.scoring import score_explanations
@@ -127,6 +129,11 @@ def evaluate(cfg: EvalConfig) -> EvalResult:
     from transformers import AutoTokenizer
 
     # --- inputs ----------------------------------------------------------------------------
+    require_model("ar", cfg.ar, hub_ok=False)
+    require_model("av", cfg.av)
+    require_model("tokenizer", cfg.tokenizer)
+    require_file("parquet", cfg.parquet)
+    require_file("sidecar", cfg.sidecar)
     device, dtype = resolve_device(cfg.device, cfg.dtype)
     tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer or tokenizer_dir(cfg.av, cfg.ar))
     nla = load_sidecar(cfg.sidecar or cfg.parquet)
@@ -134,7 +141,7 @@ def evaluate(cfg: EvalConfig) -> EvalResult:
     mse_scale = nla_core.resolve_target_scale(nla.mse_scale, nla.d_model)
     present = set(pq.ParquetFile(cfg.parquet).schema_arrow.names)
     rows: list[RLRow] = list(stream_rows(
-        cfg.parquet, nla, stop=cfg.n_rows, extra_columns=[c for c in OPTIONAL_COLUMNS if c in present]
+        cfg.parquet, nla, stop=cfg.n_rows, extra_columns=[c for c in OPTIONAL_COLUMNS if c in present], key="parquet",
     ))
     if not rows:
         raise DataError(f"parquet: {cfg.parquet} has no rows to evaluate")
@@ -170,10 +177,12 @@ def evaluate(cfg: EvalConfig) -> EvalResult:
         prompt_ids = [build_prompt_ids(r.prompt, nla, tokenizer, row=r.index) for r in rows]
         collector = _TableCollector()
         torch.manual_seed(cfg.seed)
-        result = evaluate_rows(
-            HFRolloutEngine(actor, injector, tokenizer), critic, tokenizer, rows, prompt_ids, logger=collector,
-            step=0, max_new_tokens=cfg.max_new_tokens, rawvar=rawvar, meannorm=meannorm, score_kwargs=score_kwargs,
-        )
+        with progress_bar(total=len(rows), desc="eval", unit="row") as bar:
+            result = evaluate_rows(
+                HFRolloutEngine(actor, injector, tokenizer), critic, tokenizer, rows, prompt_ids, logger=collector,
+                step=0, max_new_tokens=cfg.max_new_tokens, rawvar=rawvar, meannorm=meannorm,
+                score_kwargs=score_kwargs, chunk=cfg.micro_batch, bar=bar,
+            )
         metrics.update({k.replace("eval/", "av/"): v for k, v in result.items()})
         for sample, scored in zip(samples, collector.tables["eval_samples"]):
             sample.update(explanation=scored["explanation"] if scored["extracted"] else None,
@@ -207,6 +216,9 @@ def markdown_table(samples: Sequence[dict[str, Any]], *, context_chars: int = 40
             if isinstance(value, float):
                 cells.append(f"{value:.2f}")
             elif key == "context" and isinstance(value, str):
+                # A context decoded from a token prefix can end inside a multi-byte character (the
+                # sampled token is its first byte): decoders then end it in U+FFFD. Cut on characters.
+                value = value.rstrip("\ufffd")
                 cells.append(("…" if len(value) > context_chars else "") + value[-context_chars:])
             else:
                 cells.append("—" if value is None else str(value))

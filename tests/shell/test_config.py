@@ -113,7 +113,7 @@ def test_unknown_yaml_key_is_an_error(tmp_path):
         ("lr=nan", "a finite number"),
         ("use_rslora=maybe", "true or false"),
         ("engine=tgi", "'hf', 'vllm', 'native'"),
-        ("logger=console,tensorboard", "'console', 'jsonl', 'wandb'"),
+        ("logger=console,mlflow", "'console', 'jsonl', 'wandb', 'tensorboard'"),
         ("max_rows=lots", "an integer, or null"),
     ],
 )

@@ -168,6 +168,6 @@ def test_loggers_satisfy_the_protocol(tmp_path):
 
 
 def test_make_logger_refuses_unknown_names(tmp_path):
-    with pytest.raises(ValueError, match="tensorboard"):
-        make_logger(["tensorboard"], save_dir=tmp_path, config_dict={})
+    with pytest.raises(ValueError, match="'mlflow'; choose from console, jsonl, wandb, tensorboard"):
+        make_logger(["mlflow"], save_dir=tmp_path, config_dict={})
 

@@ -8,6 +8,7 @@ import difflib
 import importlib
 import re
 import sys
+import types
 import typing
 from typing import Any, Callable, Mapping, Sequence
 
@@ -58,7 +59,7 @@ def _add_config_flags(parser: argparse.ArgumentParser, cls: type, *, config_file
 
 def _default_and_choices(f: dataclasses.Field, hint: Any) -> str:
     """" [required]" or " [default: X]", plus " [choices: a, b]" for a Literal (or a tuple of one)."""
-    inner = typing.get_args(hint)[0] if typing.get_origin(hint) is tuple else hint
+    inner = typing.get_args(hint)[0] if typing.get_origin(hint) in (tuple, typing.Union, types.UnionType) else hint
     choices = typing.get_args(inner) if typing.get_origin(inner) is typing.Literal else ()
     if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
         text = " [required]"

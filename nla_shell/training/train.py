@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import math
 import resource
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path

@@ -71,7 +71,8 @@ def test_train_takes_key_value_flags_like_every_command():
 def test_boolean_flags_can_be_turned_off():
     from nla_shell.pipeline.datagen import DatagenConfig
 
-    argv = ["datagen", "--model", "m", "--corpus", "c.jsonl", "--layer", "1", "--out-dir", "o", "--no-progress"]
+    argv = ["datagen", "--model", "m", "--corpus", "c.jsonl", "--layer", "1", "--out-dir", "o", "--explainer", "rule",
+            "--no-progress"]
     parser, _ = cli.build_parser(argv)
     assert cli._load_config(DatagenConfig, parser.parse_args(argv)).progress is False
     parser, _ = cli.build_parser(argv[:-1])

@@ -65,7 +65,6 @@ def test_pipeline_walkthrough_runs_as_written(tmp_path, tiny_av_dir, monkeypatch
         "explain": ["max_new_tokens=8", "device=cpu"],
         "datagen": ["device=cpu", "--no-progress"],
         "plot": [],
-        "export": [],
     }
     monkeypatch.chdir(tmp_path)
     for line in lines[2:]:
@@ -92,4 +91,3 @@ def test_pipeline_walkthrough_runs_as_written(tmp_path, tiny_av_dir, monkeypatch
     assert summary["n_rows"] > 0 and "av/fve" in summary and "gold/fve" in summary
     assert (tmp_path / "rl" / "curves.png").is_file() and (tmp_path / "rl" / "step_000010" / "adapter").is_dir()
     assert "[nla train] done: 10 steps" in out and "The river" in out
-    assert (tmp_path / "release").is_dir()

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import importlib
+import re
 import sys
+import types
 import typing
 from typing import Any, Callable, Mapping, Sequence
 
@@ -13,49 +16,74 @@ from nla_shell.io.config import ConfigError
 
 
 def _train(args: argparse.Namespace) -> None:
-    from nla_shell.io.config import TrainConfig, load_config
+    from nla_shell.io.config import TrainConfig
     from nla_shell.training.train import train
 
-    cfg = load_config(args.config, args.overrides, cls=TrainConfig)
+    items = _config_items(TrainConfig, args)
+    cfg = _load_config(TrainConfig, args)
     if args.nproc > 1:
         from nla_shell.training.distributed import exec_torchrun
 
         # Checked here first, so a bad config fails once instead of once per rank.
-        exec_torchrun(args.nproc, ["train", *(["--config", args.config] if args.config else []), *args.overrides])
+        exec_torchrun(args.nproc, ["train", *(["--config", args.config] if args.config else []), *items])
     print(f"[nla train] save_dir {cfg.save_dir}", flush=True)
     train(cfg)
 
 
 def _add_config_flags(parser: argparse.ArgumentParser, cls: type, *, config_file: bool = True) -> None:
-    """One `--key` flag per field of the config dataclass `cls` (help = the field's docstring).
+    """One `--key` flag per field of the config dataclass `cls`: help = docstring, default, choices.
 
-    Booleans are bare switches (`--overwrite`); every other value is parsed by the config
-    loader, like a `key=value` override. Also adds `--config FILE` and positional overrides.
+    Booleans are switches (`--overwrite` / `--no-overwrite`); every other value is parsed by
+    the config loader, like a `key=value` override. Also adds `--config FILE` and
+    positional `key=value` overrides.
     """
     from nla_shell.io.config import field_docs
 
     docs = field_docs(cls)
     hints = typing.get_type_hints(cls)
+    group = parser.add_argument_group(f"{cls.__name__} keys (as --key VALUE, key=VALUE or in --config YAML)")
     for f in dataclasses.fields(cls):
-        flags = dict.fromkeys(["--" + f.name.replace("_", "-"), "--" + f.name])
-        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-        help_text = docs.get(f.name, "") + (" (required)" if required else "")
+        flags = list(dict.fromkeys(["--" + f.name.replace("_", "-"), "--" + f.name]))
+        help_text = (docs.get(f.name, "") + _default_and_choices(f, hints[f.name])).replace("%", "%%")
         if hints[f.name] is bool:
-            parser.add_argument(*flags, dest=f"cfg_{f.name}", action="store_const", const="true", help=help_text)
+            group.add_argument(*flags, dest=f"cfg_{f.name}", action="store_const", const="true", help=help_text)
+            negated = list(dict.fromkeys(["--no-" + f.name.replace("_", "-"), "--no_" + f.name]))
+            group.add_argument(*negated, dest=f"cfg_{f.name}", action="store_const", const="false",
+                               help=argparse.SUPPRESS)
         else:
-            parser.add_argument(*flags, dest=f"cfg_{f.name}", metavar=f.name.upper(), help=help_text)
+            group.add_argument(*flags, dest=f"cfg_{f.name}", metavar=f.name.upper(), help=help_text)
     if config_file:
         parser.add_argument("--config", help=f"YAML file of {cls.__name__} keys (flags and overrides win)")
-    parser.add_argument("overrides", nargs="*", help="key=value overrides")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides (win over --config and flags)")
+
+
+def _default_and_choices(f: dataclasses.Field, hint: Any) -> str:
+    """" [required]" or " [default: X]", plus " [choices: a, b]" for a Literal (or a tuple of one)."""
+    inner = typing.get_args(hint)[0] if typing.get_origin(hint) in (tuple, typing.Union, types.UnionType) else hint
+    choices = typing.get_args(inner) if typing.get_origin(inner) is typing.Literal else ()
+    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+        text = " [required]"
+    else:
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        shown = ",".join(map(str, default)) if isinstance(default, tuple) else ("null" if default is None else default)
+        text = f" [default: {shown}]"
+    if hint is bool:
+        text += f" [--no-{f.name.replace('_', '-')} turns it off]"
+    return text + (f" [choices: {', '.join(map(str, choices))}]" if choices else "")
+
+
+def _config_items(cls: type, args: argparse.Namespace) -> list[str]:
+    """The flags given on the command line as `key=value` items, then the positional overrides."""
+    flags = [f"{f.name}={value}" for f in dataclasses.fields(cls) if (value := getattr(args, f"cfg_{f.name}")) is not None]
+    return [*flags, *args.overrides]
 
 
 def _load_config(cls: type, args: argparse.Namespace, preset: Mapping[str, Any] | None = None) -> Any:
     """The config from (lowest to highest) a preset, --config, the flags, and key=value overrides."""
     from nla_shell.io.config import load_config
 
-    flags = [f"{f.name}={value}" for f in dataclasses.fields(cls) if (value := getattr(args, f"cfg_{f.name}")) is not None]
     preset_items = [f"{k}={v}" for k, v in (preset or {}).items()]
-    return load_config(getattr(args, "config", None), [*preset_items, *flags, *args.overrides], cls=cls)
+    return load_config(getattr(args, "config", None), [*preset_items, *_config_items(cls, args)], cls=cls)
 
 
 def _datagen(args: argparse.Namespace) -> None:
@@ -75,8 +103,8 @@ def _eval(args: argparse.Namespace) -> None:
 
     cfg = _load_config(EvalConfig, args)
     result = evaluate(cfg)
-    print(f"[nla eval] wrote {result.out_dir}/eval_summary.json, eval_controls.md, eval_samples.jsonl, eval_table.md",
-          flush=True)
+    print(f"[nla eval] done: wrote {result.out_dir}/eval_summary.json, eval_controls.md, eval_samples.jsonl, "
+          "eval_table.md", flush=True)
 
 
 def _explain(args: argparse.Namespace) -> None:
@@ -105,6 +133,8 @@ def _demo(args: argparse.Namespace) -> None:
 
 
 CONFIG_COMMANDS: dict[str, tuple[Callable[[argparse.Namespace], None], str, str, str]] = {
+    "train": (_train, "nla_shell.io.config", "TrainConfig",
+              "GRPO-train the activation verbaliser (AV) against the reconstructor (AR)"),
     "datagen": (_datagen, "nla_shell.pipeline.datagen", "DatagenConfig",
                 "capture activations at block K of a model over a corpus: rl/av_sft/ar_sft/eval parquets"),
     "sft": (_sft, "nla_shell.pipeline.sft", "SFTConfig",
@@ -122,27 +152,40 @@ CONFIG_COMMANDS: dict[str, tuple[Callable[[argparse.Namespace], None], str, str,
 """Subcommands configured by a dataclass: handler, module, config class (its fields become flags), help line."""
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors, and a "did you mean" for a mistyped flag."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        unknown = re.match(r"unrecognized arguments: (.*)", message)
+        if unknown:
+            known = [s for action in self._actions for s in action.option_strings]
+            for token in unknown.group(1).split():
+                if token.startswith("-"):
+                    close = difflib.get_close_matches(token.split("=")[0], known, n=1, cutoff=0.6)
+                    hint = f"; did you mean {close[0]}?" if close else ""
+                    message = f"unknown flag {token}{hint} ({self.prog} --help lists them)"
+                    break
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def build_parser(argv: Sequence[str] = ()) -> tuple[argparse.ArgumentParser, dict[str, Callable[[argparse.Namespace], None]]]:
     """The parser; the config flags of the command named by argv[0] (if any) are added too."""
-    parser = argparse.ArgumentParser(prog="nla", description="Natural Language Autoencoders: train and use NLAs.")
+    parser = _Parser(prog="nla", description="Natural Language Autoencoders: train and use NLAs.")
     sub = parser.add_subparsers(dest="command", required=True)
     commands: dict[str, Callable[[argparse.Namespace], None]] = {}
 
-    p = sub.add_parser("train", help="GRPO-train the activation verbaliser (AV) against the reconstructor (AR)")
-    p.add_argument("--config", help="YAML file of TrainConfig keys")
-    p.add_argument(
-        "--nproc", type=int, default=1,
-        help="data-parallel ranks on this machine: re-launches itself under torchrun (one GPU per rank)",
-    )
-    p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. num_steps=3 engine=hf")
-    commands["train"] = _train
-
     for name, (handler, module, cls_name, help_text) in CONFIG_COMMANDS.items():
-        p = sub.add_parser(name, help=help_text)
+        p = sub.add_parser(name, help=help_text, description=help_text,
+                           usage=f"nla {name} [-h] [--KEY VALUE ...] [key=value ...]  (--help lists every key)")
         if argv[:1] == [name]:
             # Only the invoked command imports its module (torch, transformers) to build its flags,
             # so `nla --help` and the other commands stay fast.
             _add_config_flags(p, getattr(importlib.import_module(module), cls_name), config_file=name != "explain")
+        if name == "train":
+            p.add_argument(
+                "--nproc", type=int, default=1,
+                help="data-parallel ranks on this machine: re-launches itself under torchrun (one GPU per rank)",
+            )
         if name == "demo":
             p.add_argument("--tiny", action="store_true", help="a seconds-long smoke run of every stage (learns nothing)")
         commands[name] = handler
@@ -151,17 +194,24 @@ def build_parser(argv: Sequence[str] = ()) -> tuple[argparse.ArgumentParser, dic
     p.add_argument("run_dir", help="an nla train save_dir (holding metrics.jsonl)")
     p.add_argument("--out", help="PNG path (default RUN_DIR/curves.png)")
     commands["plot"] = _plot
+    parser.subcommand_parsers = dict(sub.choices)  # type: ignore[attr-defined]  (main reports flag typos with them)
     return parser, commands
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser, commands = build_parser(argv)
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        parser.subcommand_parsers[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     from nla_shell.training.distributed import rank_info
     from nla_shell.training.preemption import RunStopped
 
     try:
+        if args.command != "plot":
+            from nla_shell.io.progress import quiet_libraries
+
+            quiet_libraries()
         commands[args.command](args)
     except RunStopped as stopped:
         # A signal stopped the run cleanly: say where to resume (rank 0 already did under torchrun).

@@ -359,9 +359,10 @@ class ARModel(nn.Module):
         path = Path(path)
         head_file = path / VALUE_HEAD_FILE
         if not head_file.exists() and not create_head:
+            what = "an AV adapter" if (path / "adapter_config.json").exists() else "not an AR checkpoint"
             raise FileNotFoundError(
-                f"ar_ckpt {path} has no {VALUE_HEAD_FILE}: it is not a trained AR. Train one with "
-                "`nla sft --mode ar`, or pass create_head=True to start from an identity head."
+                f"the AR dir {path} has no {VALUE_HEAD_FILE}: it is {what}. Give a checkpoint of "
+                "`nla sft --mode ar` (its save_dir/step_NNNNNN) or a co-trained critic (an nla train run's step_NNNNNN/critic)"
             )
         lm = AutoModelForCausalLM.from_pretrained(
             path, dtype=dtype, **quantization.load_kwargs(quant, dtype=dtype, device=torch.device(device))

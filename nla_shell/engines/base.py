@@ -10,7 +10,7 @@ for engine/trainer mismatch (TIS).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, Sequence, runtime_checkable
+from typing import Any, Protocol, Sequence, runtime_checkable
 
 import torch
 
@@ -71,12 +71,21 @@ class RolloutEngine(Protocol):
 
 
 def sample_explanations(
-    engine: RolloutEngine, prompt_ids: Sequence[Sequence[int]], vectors: torch.Tensor, *, max_new_tokens: int
+    engine: RolloutEngine, prompt_ids: Sequence[Sequence[int]], vectors: torch.Tensor, *, max_new_tokens: int,
+    chunk: int | None = None, bar: Any = None,
 ) -> list[str | None]:
     """One explanation per (prompt, vector): the engine's sample, <explanation> extracted (None when absent).
 
-    Args: prompt_ids: N prompts; vectors: [N, D] injected at each prompt's marker.
+    Args: prompt_ids: N prompts; vectors: [N, D] injected at each prompt's marker. The engine
+    samples `chunk` prompts per call (all N at once when None), advancing the progress `bar`
+    (anything with `update(n)`) by each.
     """
     requests = [RolloutRequest(tuple(ids), v) for ids, v in zip(prompt_ids, vectors, strict=True)]
-    rollouts = engine.generate(requests, group_size=1, max_new_tokens=max_new_tokens)
+    step = chunk or max(len(requests), 1)
+    rollouts = []
+    for start in range(0, len(requests), step):
+        part = requests[start : start + step]
+        rollouts.extend(engine.generate(part, group_size=1, max_new_tokens=max_new_tokens))
+        if bar is not None:
+            bar.update(len(part))
     return [nla_core.extract_explanation(r.text) for r in rollouts]

@@ -37,10 +37,8 @@ from nla_shell.models import eos_token_ids, load_generation_config
 STEERING_BACKENDS = ("nla", "vllm_lens")
 
 INSTALL_HINT = (
-    "the vLLM engine needs vLLM: pip install 'nla[vllm]' (vllm==0.24.0, vllm-lens==1.2.1). "
-    "On the lent H200, which reaches no package registry, follow shared/device/vllm/README.md: "
-    "run shared/device/vllm/prepare.sh here, bring .device-carry/vllm/p1..pN over, run "
-    "/tmp/parts/install.sh there, then `source /tmp/vllm_env.sh`."
+    "engine=vllm needs vLLM, which is not installed: pip install 'nla[vllm]' (vllm==0.24.0, vllm-lens==1.2.1), "
+    "or choose engine=native (one GPU) or engine=hf"
 )
 
 

@@ -156,12 +156,17 @@ class TrainConfig:
     """Run the held-out eval every N steps; 0 disables it."""
     eval_n_prompts: int = 20
     """Fixed held-out prompts per eval; 0 disables eval."""
-    eval_skip_rows: int = 30000
-    """Eval prompts come from rows at or past this index (must not overlap the training rows)."""
+    eval_parquet: str | None = None
+    """Held-out parquet for the eval, e.g. datagen's eval.parquet (its rows from documents seen in training are
+    dropped); None holds rows of rl_parquet out (see eval_skip_rows). An nla addition."""
+    eval_skip_rows: int | None = None
+    """Without eval_parquet: eval rows come from rl_parquet rows at or past this index (the reference's window,
+    30000 there); None holds out the last tenth of the rows (at least eval_n_prompts, at most half), for any size."""
     eval_max_new_tokens: int | None = None
     """Longest eval rollout; None uses max_new_tokens."""
     max_rows: int | None = None
-    """Cap on training rows read from the parquet; None reads them all."""
+    """Cap on training rows read from rl_parquet; None reads every row before the held-out ones (all of them
+    with eval_parquet or without eval)."""
 
     # Rollout engine.
     engine: Literal["hf", "vllm", "native"] = "hf"
@@ -193,8 +198,9 @@ class TrainConfig:
     """"auto" continues from the newest complete checkpoint in save_dir; "never" starts fresh."""
     overwrite: bool = False
     """Allow deleting a save_dir that holds a different run (or any run, with resume=never)."""
-    logger: tuple[Literal["console", "jsonl", "wandb"], ...] = ("console",)
-    """Metric sinks; save_dir/metrics.jsonl is written whatever this says."""
+    logger: tuple[Literal["console", "jsonl", "wandb", "tensorboard"], ...] = ("console",)
+    """Metric sinks (comma-separated); save_dir/metrics.jsonl is written whatever this says. wandb runs offline
+    unless WANDB_API_KEY is set; tensorboard writes save_dir/tensorboard. The progress bar shows with console."""
     wandb_project: str = "nla"
     """wandb project (reference: nla-qwen3-8b)."""
     wandb_name: str | None = None
@@ -249,8 +255,13 @@ def _check_train_config(cfg: TrainConfig) -> None:
     for key in ("max_rows", "eval_max_new_tokens", "keep_last"):
         value = getattr(cfg, key)
         _require(value is None or value >= 1, key, value, "use an integer >= 1 or null")
-    for key in ("start_step", "eval_every", "eval_n_prompts", "eval_skip_rows", "vllm_sync_every", "length_margin"):
+    for key in ("start_step", "eval_every", "eval_n_prompts", "vllm_sync_every", "length_margin"):
         _require(getattr(cfg, key) >= 0, key, getattr(cfg, key), "use an integer >= 0")
+    _require(cfg.eval_skip_rows is None or cfg.eval_skip_rows >= 0, "eval_skip_rows", cfg.eval_skip_rows,
+             "use an integer >= 0 or null")
+    if cfg.eval_parquet is not None:
+        _require(cfg.eval_skip_rows is None, "eval_skip_rows", cfg.eval_skip_rows,
+                 "leave it unset with eval_parquet (held-out rows then come from that file)")
     _require(
         cfg.group_size >= 2, "group_size", cfg.group_size,
         "use an integer >= 2: a group of one has no baseline to compare against",
@@ -277,7 +288,7 @@ def _check_train_config(cfg: TrainConfig) -> None:
     )
     # Only the window the config itself fixes is checked here; with max_rows unset the
     # data loader checks the parquet's length against eval_skip_rows.
-    if cfg.eval_every > 0 and cfg.eval_n_prompts > 0 and cfg.max_rows is not None:
+    if cfg.eval_every > 0 and cfg.eval_n_prompts > 0 and None not in (cfg.max_rows, cfg.eval_skip_rows):
         _require(
             cfg.max_rows <= cfg.eval_skip_rows, "max_rows", cfg.max_rows,
             f"training rows would overlap the eval rows starting at eval_skip_rows="

@@ -32,8 +32,11 @@ __all__ = [
     "build_prompt_ids",
     "chat_prompt_ids",
     "check_tokenizer",
+    "RowWindows",
     "load_eval_rows",
     "load_rows",
+    "parquet_num_rows",
+    "row_windows",
     "stream_rows",
     "validate_parquet_schema",
 ]
@@ -181,24 +184,27 @@ class RLRow:
     """Values of the `extra_columns` asked for (e.g. position, context)."""
 
 
-def validate_parquet_schema(path: str | Path, *, d_model: int, text_prompt: bool = False) -> pq.ParquetFile:
+def validate_parquet_schema(
+    path: str | Path, *, d_model: int, text_prompt: bool = False, key: str = "rl_parquet"
+) -> pq.ParquetFile:
     """Check the required columns and the activation width D; return the open file.
 
     `prompt` holds chat messages, or with text_prompt a string (an AR-SFT parquet: the
-    filled AR template, as upstream nla/datagen/stage3_build.py writes it).
+    filled AR template, as upstream nla/datagen/stage3_build.py writes it). `key` is the
+    config key that named the file, for the messages.
     Fixed-size activation lists are checked from the schema alone; variable-length lists
     by the lengths in the first row group (stream_rows checks every row).
     """
     try:
         pf = pq.ParquetFile(path)
     except (OSError, pa.ArrowException) as err:
-        raise DataError(f"rl_parquet: cannot open {path} as parquet: {err}") from None
+        raise DataError(f"{key}: cannot open {path} as parquet: {err}") from None
     schema = pf.schema_arrow
     for name in REQUIRED_COLUMNS:
         if name not in schema.names:
             raise DataError(
-                f"{name}: column missing from {path} (columns present: {schema.names}); "
-                f"an RL parquet needs {list(REQUIRED_COLUMNS)}"
+                f"{key}: {path} has no column {name!r} (columns present: {schema.names}); every nla parquet "
+                f"(rl, av_sft, ar_sft, eval) needs {list(REQUIRED_COLUMNS)}: give a parquet written by nla datagen"
             )
     prompt_type = schema.field("prompt").type
     is_text = pa.types.is_string(prompt_type) or pa.types.is_large_string(prompt_type)
@@ -285,7 +291,10 @@ def _stream(
     """Validated rows [start, stop) (only those in `keep`, when given), row group by row group."""
     missing = [c for c in extra_columns if c not in pf.schema_arrow.names]
     if missing:
-        raise DataError(f"{missing[0]}: column missing (columns present: {pf.schema_arrow.names})")
+        raise DataError(
+            f"{missing[0]}: column missing (columns present: {pf.schema_arrow.names}); nla sft --mode av reads "
+            "datagen's av_sft.parquet (response), --mode ar its ar_sft.parquet (ar_prompt)"
+        )
     stop = pf.metadata.num_rows if stop is None else min(stop, pf.metadata.num_rows)
     columns = [*REQUIRED_COLUMNS, *extra_columns]
     group_start = 0
@@ -325,6 +334,7 @@ def stream_rows(
     stop: int | None = None,
     extra_columns: Sequence[str] = (),
     text_prompt: bool = False,
+    key: str = "rl_parquet",
 ) -> Iterator[RLRow]:
     """Validated rows [start, stop) of an RL/SFT parquet, read one row group at a time.
 
@@ -332,9 +342,9 @@ def stream_rows(
     (their values land in RLRow.extras). Each activation must have length cfg.d_model, be
     finite and be non-zero; each prompt must hold one `<INJECT>` (with text_prompt: be a
     non-empty string, the filled AR template). Raises DataError naming the row and its
-    doc_id otherwise.
+    doc_id otherwise; `key` names the config key of the file in messages.
     """
-    pf = validate_parquet_schema(path, d_model=cfg.d_model, text_prompt=text_prompt)
+    pf = validate_parquet_schema(path, d_model=cfg.d_model, text_prompt=text_prompt, key=key)
     return _stream(pf, cfg, start, stop, None, extra_columns)
 
 
@@ -349,27 +359,75 @@ def load_rows(path: str | Path, cfg: NLAConfig, *, max_rows: int | None = None, 
     return rows
 
 
-def load_eval_rows(path: str | Path, cfg: NLAConfig, *, skip_rows: int, n: int, train_stop: int) -> list[RLRow]:
-    """Up to n held-out rows from [skip_rows, end) whose documents never occur in [0, train_stop).
+def parquet_num_rows(path: str | Path, *, key: str = "rl_parquet") -> int:
+    """Rows in a parquet file, from its footer."""
+    try:
+        return pq.ParquetFile(path).metadata.num_rows
+    except (OSError, pa.ArrowException) as err:
+        raise DataError(f"{key}: cannot open {path} as parquet: {err}") from None
+
+
+@dataclass(frozen=True)
+class RowWindows:
+    """Which rows of one parquet train and which are held out."""
+
+    train_stop: int | None
+    """Training reads rows [0, train_stop); None reads them all."""
+    eval_start: int | None
+    """Held-out rows come from [eval_start, end) (documents unseen in training only); None: no eval here."""
+
+
+def row_windows(n_rows: int, *, max_rows: int | None, eval_skip_rows: int | None, n_eval: int) -> RowWindows:
+    """The training and held-out windows of an n_rows parquet.
+
+    n_eval = 0 (eval off, or held-out rows from another file): train on the first max_rows.
+    eval_skip_rows given (the reference's window): eval from that row on; training stops at
+    max_rows, or at eval_skip_rows when max_rows is None. Neither given: the last tenth of
+    the rows (at least n_eval, at most half) is held out, so the defaults work on any size.
+    """
+    if n_eval == 0:
+        return RowWindows(max_rows, None)
+    if eval_skip_rows is not None:
+        if eval_skip_rows >= n_rows:
+            raise DataError(
+                f"eval_skip_rows: {eval_skip_rows} is past the parquet's last row ({n_rows} rows); lower it, "
+                "leave it unset (the last tenth is held out), or pass eval_parquet="
+            )
+        stop = eval_skip_rows if max_rows is None else max_rows
+        if stop > eval_skip_rows:
+            raise DataError(
+                f"eval_skip_rows: eval rows overlap the training window (training reads rows [0, {stop}), "
+                f"eval starts at row {eval_skip_rows}); set max_rows <= eval_skip_rows"
+            )
+        return RowWindows(stop, eval_skip_rows)
+    start = n_rows - min(max(n_eval, -(-n_rows // 10)), n_rows // 2)
+    if max_rows is not None and max_rows > start:
+        raise DataError(
+            f"max_rows: {max_rows} overlaps the held-out last rows [{start}, {n_rows}) of the parquet; lower "
+            "max_rows, pass eval_parquet= (e.g. datagen's eval.parquet), or set eval_every=0"
+        )
+    return RowWindows(start if max_rows is None else max_rows, start)
+
+
+def load_eval_rows(
+    path: str | Path, cfg: NLAConfig, *, skip_rows: int, n: int, train_doc_ids: Sequence[str], key: str = "eval_skip_rows"
+) -> list[RLRow]:
+    """Up to n held-out rows from [skip_rows, end) whose documents are not in `train_doc_ids`.
 
     Rows of a shuffled dataset share documents (in the reference's data about half the
-    rows past the training window do), so eval takes only unseen documents. DataError
-    when the windows overlap or no such row exists.
+    rows past the training window do), so eval takes only unseen documents. `path` is
+    the training parquet past its window, or a separate held-out file (skip_rows=0).
+    DataError, naming `key`, when no such row exists.
     """
-    if train_stop > skip_rows:
-        raise DataError(
-            f"eval_skip_rows: eval rows overlap the training window (training reads rows [0, {train_stop}), "
-            f"eval starts at row {skip_rows}); set max_rows <= eval_skip_rows"
-        )
-    pf = validate_parquet_schema(path, d_model=cfg.d_model)
+    pf = validate_parquet_schema(path, d_model=cfg.d_model, key=key)
     # The doc_id column alone is small next to the activations: read it whole, once.
     doc_ids = [str(d) for d in pf.read(columns=["doc_id"]).column("doc_id").to_pylist()]
-    picked = [skip_rows + i for i in doc_disjoint_rows(doc_ids[:train_stop], doc_ids[skip_rows:], n)]
+    picked = [skip_rows + i for i in doc_disjoint_rows(train_doc_ids, doc_ids[skip_rows:], n)]
     if not picked:
         if n == 0:
             return []
         raise DataError(
-            f"eval_skip_rows: no row past row {skip_rows} of {path} ({len(doc_ids)} rows) comes from a document "
-            "outside the training window; lower eval_skip_rows, lower max_rows, or add held-out documents"
+            f"{key}: no row past row {skip_rows} of {path} ({len(doc_ids)} rows) comes from a document "
+            "outside the training rows; pass eval_parquet= a held-out file, lower max_rows, or add documents"
         )
     return list(_stream(pf, cfg, picked[0], picked[-1] + 1, set(picked), ()))

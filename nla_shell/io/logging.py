@@ -1,4 +1,4 @@
-"""Metric sinks behind one small interface: console, JSONL (always), wandb (when installed).
+"""Metric sinks behind one small interface: console, JSONL (always), wandb (when installed), TensorBoard.
 
 Every step record passes through `flat_record`, so every sink sees the same keys: all of
 `METRIC_KEYS` (NaN where the step had no value) followed by any extra keys, such as the
@@ -11,6 +11,7 @@ import json
 import math
 import os
 import sys
+import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any, Protocol, runtime_checkable
@@ -47,6 +48,9 @@ METRIC_KEYS: tuple[str, ...] = (
     "mismatch_masked_frac",  # rollouts masked by mismatch_threshold
 )
 """The flat keys every step record holds, in this order."""
+
+LOGGER_NAMES: tuple[str, ...] = ("console", "jsonl", "wandb", "tensorboard")
+"""The `logger=` choices of every command; the TrainConfig/SFTConfig Literals list the same names."""
 
 EVAL_KEYS: tuple[str, ...] = (
     "eval/reward_mean", "eval/mse_mean", "eval/fve", "eval/fve_meannorm", "eval/extraction_rate",
@@ -127,8 +131,13 @@ class ConsoleLogger:
         self._stream = stream
 
     def _print(self, line: str) -> None:
-        # Resolved at print time so pytest's capture (and redirection) is honoured.
-        print(line, file=self._stream or sys.stdout, flush=True)
+        # Resolved at print time so pytest's capture (and redirection) is honoured; tqdm.write keeps
+        # the line clear of a progress bar on the terminal.
+        from tqdm.auto import tqdm
+
+        stream = self._stream or sys.stdout
+        tqdm.write(line, file=stream)
+        stream.flush()
 
     def log(self, step: int, record: Mapping[str, Scalar]) -> None:
         self._print(format_step_line(step, record))
@@ -270,7 +279,8 @@ class WandbLogger:
         if id_file.exists():
             run_id = id_file.read_text().strip()
         else:
-            run_id = wandb.util.generate_id()
+            # Our own id (wandb.util.generate_id is gone from wandb 0.31): 8 of wandb's [a-z0-9] characters.
+            run_id = uuid.uuid4().hex[:8]
             id_file.write_text(run_id)
         mode = None
         if "WANDB_MODE" not in os.environ and not os.environ.get("WANDB_API_KEY"):
@@ -295,6 +305,36 @@ class WandbLogger:
         self._run.finish()
 
 
+class TensorBoardLogger:
+    """TensorBoard event files in `save_dir/tensorboard` (torch's SummaryWriter), one scalar per key.
+
+    A run that starts at `start_step` (a resume) purges the events it is about to write
+    again, like the JSONL sink. Tables become markdown text at their step.
+    """
+
+    def __init__(self, save_dir: str | os.PathLike[str], *, start_step: int = 0) -> None:
+        from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
+
+        self.log_dir = Path(save_dir) / "tensorboard"
+        self._writer = SummaryWriter(log_dir=str(self.log_dir), purge_step=start_step or None)
+        self._step = start_step
+
+    def log(self, step: int, record: Mapping[str, Scalar]) -> None:
+        self._step = step
+        for key, value in flat_record(step, record).items():
+            if key != "step" and isinstance(value, (int, float)):
+                self._writer.add_scalar(key, value, global_step=step)
+        self._writer.flush()
+
+    def log_table(self, name: str, columns: Sequence[str], rows: Sequence[Sequence[Scalar]]) -> None:
+        lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+        lines += ["| " + " | ".join(str(v).replace("|", "\\|").replace("\n", " ") for v in row) + " |" for row in rows]
+        self._writer.add_text(name, "\n".join(lines), global_step=self._step)
+
+    def close(self) -> None:
+        self._writer.close()
+
+
 class MultiLogger:
     """Fans every call out to several loggers."""
 
@@ -314,6 +354,11 @@ class MultiLogger:
             logger.close()
 
 
+def _missing_sink(name: str, install: str) -> None:
+    print(f"[logging] warning: logger '{name}' requested but {name} is not installed ({install}); "
+          "continuing without it", file=sys.stderr, flush=True)
+
+
 def make_logger(
     names: Iterable[str],
     *,
@@ -323,9 +368,9 @@ def make_logger(
     run_name: str | None = None,
     start_step: int = 0,
 ) -> MultiLogger:
-    """The loggers named (any of console, jsonl, wandb), always including save_dir/metrics.jsonl.
+    """The loggers named (any of LOGGER_NAMES), always including save_dir/metrics.jsonl.
 
-    A requested wandb that is not installed prints one warning line and is skipped.
+    A requested wandb or tensorboard that is not installed prints one warning line and is skipped.
     `start_step` is the step this run starts at (see JsonlLogger).
     """
     loggers: list[Logger] = [JsonlLogger(Path(save_dir) / "metrics.jsonl", start_step=start_step)]
@@ -340,11 +385,12 @@ def make_logger(
                     save_dir=save_dir, config_dict=config_dict, project=project, run_name=run_name,
                 ))
             except ImportError:
-                print(
-                    "[logging] warning: logger 'wandb' requested but wandb is not installed "
-                    "(pip install 'nla[wandb]'); continuing without it",
-                    file=sys.stderr, flush=True,
-                )
+                _missing_sink("wandb", "pip install 'nla[wandb]'")
+        elif name == "tensorboard":
+            try:
+                loggers.append(TensorBoardLogger(save_dir, start_step=start_step))
+            except ImportError:
+                _missing_sink("tensorboard", "pip install tensorboard")
         else:
-            raise ValueError(f"unknown logger {name!r}; choose from console, jsonl, wandb")
+            raise ValueError(f"unknown logger {name!r}; choose from {', '.join(LOGGER_NAMES)}")
     return MultiLogger(loggers)

@@ -44,6 +44,8 @@ from nla_shell.explainers.jsonl import jsonl_objects, write_sites
 from nla_shell.io.config import ConfigError, normalize_fields
 from nla_shell import families
 from nla_shell.io.data import DataError, av_prompt_messages, chat_prompt_ids, check_tokenizer
+from nla_shell.io.paths import require_file, require_model
+from nla_shell.io.progress import progress_bar, say_line
 from nla_shell.io.sidecars import DEFAULT_AR_TEMPLATE, DEFAULT_AV_TEMPLATE, dataset_sidecar, write_sidecar
 from nla_shell.models import pad_right
 from nla_shell.training.train import resolve_device, seed_everything
@@ -57,6 +59,9 @@ EXTRA_COLUMNS: Mapping[str, tuple[str, ...]] = {
     "eval": ("explanation", "response"),
 }
 """String columns each split adds to the columns every split has."""
+
+TMP_DIR_NAME = ".datagen_tmp"
+"""Where a run writes under out_dir before moving its complete outputs into place."""
 
 INJECTION_CHAR_CANDIDATES = "§¶※†‡¤¦¬µ°±×÷©®~^|@㊗㊙㊚㊛㊜"
 """Tried in order when the injection char is chosen automatically."""
@@ -149,7 +154,7 @@ class DatagenConfig:
     overwrite: bool = False
     """Replace datasets already in out_dir (or the write_sites file)."""
     progress: bool = True
-    """Show a progress bar."""
+    """Show a progress bar (on a terminal only; --no-progress hides it)."""
 
     def __post_init__(self) -> None:
         normalize_fields(self)
@@ -248,6 +253,23 @@ def read_documents(path: str | Path, *, text_column: str = "text", id_column: st
                 index += 1
     else:
         raise DataError(f"corpus: {path} must end in .jsonl, .json, .txt or .parquet")
+
+
+def count_documents(path: str | Path) -> int | None:
+    """How many documents read_documents will yield (parquet: its footer; text: one cheap pass); None if unknown."""
+    path = Path(path)
+    if path.suffix.lower() == ".parquet":
+        try:
+            return pq.ParquetFile(path).metadata.num_rows
+        except (OSError, pa.ArrowException):
+            return None  # read_documents says what is wrong with it
+    if path.suffix.lower() not in (".jsonl", ".json", ".txt"):
+        return None
+    with path.open(encoding="utf-8") as f:
+        if path.suffix.lower() == ".txt":
+            lines = [bool(line.strip()) for line in f]
+            return sum(1 for i, filled in enumerate(lines) if filled and (i == 0 or not lines[i - 1]))
+        return sum(1 for line in f if line.strip())
 
 
 # --------------------------------------------------------------------------- activations
@@ -504,11 +526,29 @@ def datagen_sites(cfg: DatagenConfig, tokenizer: Any) -> Path:
 
 
 def datagen(cfg: DatagenConfig) -> DatagenResult | Path:
-    """Write the NLA datasets configured by cfg (or, with write_sites, the sites to label); see the module docstring."""
-    from tqdm.auto import tqdm
+    """Write the NLA datasets configured by cfg (or, with write_sites, the sites to label); see the module docstring.
+
+    A failed or interrupted run leaves nothing behind: no `.datagen_tmp/`, and no out_dir
+    if it made one that is still empty.
+    """
+    out_dir = Path(cfg.out_dir)
+    created_out_dir = not out_dir.exists()
+    try:
+        return _write_datasets(cfg)
+    except BaseException:
+        shutil.rmtree(out_dir / TMP_DIR_NAME, ignore_errors=True)
+        if created_out_dir and out_dir.is_dir() and not any(out_dir.iterdir()):
+            out_dir.rmdir()
+        raise
+
+
+def _write_datasets(cfg: DatagenConfig) -> DatagenResult | Path:
     from transformers import AutoModelForCausalLM
 
     # --- validate before anything is written ---------------------------------------------
+    require_model("model", cfg.model)
+    require_file("corpus", cfg.corpus)
+    require_file("explanations", cfg.explanations if cfg.explainer == "jsonl" else None)
     seed_everything(cfg.seed)
     tokenizer = families.load_tokenizer(cfg.model)
     if cfg.write_sites is not None:
@@ -539,7 +579,7 @@ def datagen(cfg: DatagenConfig) -> DatagenResult | Path:
             f"config key 'out_dir' = {str(out_dir)!r} already holds datasets ({', '.join(p.name for p in existing)}); "
             "choose another out_dir or set overwrite=true"
         )
-    tmp_dir = out_dir / ".datagen_tmp"
+    tmp_dir = out_dir / TMP_DIR_NAME
     if tmp_dir.exists():  # left by an interrupted run: start over
         shutil.rmtree(tmp_dir)
     tmp_dir.mkdir(parents=True)
@@ -549,7 +589,9 @@ def datagen(cfg: DatagenConfig) -> DatagenResult | Path:
     prompt = av_prompt_messages(av_content)
     corpus_chars: set[str] = set()
     n_docs = skipped = 0
-    bar = tqdm(desc="datagen", unit="doc", disable=not cfg.progress)
+    n_total = count_documents(cfg.corpus)
+    bar = progress_bar(total=n_total if None in (n_total, cfg.max_docs) else min(n_total, cfg.max_docs), desc="datagen",
+                       unit="doc", enabled=cfg.progress)
     batch: list[tuple[Document, list[int]]] = []
     unlabelled: list[tuple[str, dict[str, Any], Site]] = []
 
@@ -609,8 +651,8 @@ def datagen(cfg: DatagenConfig) -> DatagenResult | Path:
 
     # --- check, then write sidecars and move everything into place ------------------------
     if skipped:
-        print(f"[datagen] skipped {skipped} of {n_docs} documents shorter than min_context + 1 = "
-              f"{cfg.min_context + 1} tokens", flush=True)
+        say_line(f"[datagen] skipped {skipped} of {n_docs} documents shorter than min_context + 1 = "
+                 f"{cfg.min_context + 1} tokens")
     try:
         if explainer is not None:
             explainer.finish()
@@ -622,7 +664,8 @@ def datagen(cfg: DatagenConfig) -> DatagenResult | Path:
         shutil.rmtree(tmp_dir)
         raise DataError(
             f"split(s) {empty} received no rows ({n_docs} documents read, {skipped} too short); "
-            "add documents, or set their fraction to 0"
+            "add documents, or set " + " ".join(f"{s}_fraction=0" for s in empty if s != "rl")
+            + (" (rl takes the rest: lower the other fractions)" if "rl" in empty else "")
         )
     char = choose_injection_char(tokenizer, corpus_chars | template_chars, av_content=av_content,
                                  candidates=candidates, requested=cfg.injection_char)
@@ -649,8 +692,9 @@ def datagen(cfg: DatagenConfig) -> DatagenResult | Path:
         os.replace(tmp_dir / f"{split}.parquet.nla_meta.yaml", out_dir / f"{split}.parquet.nla_meta.yaml")
     shutil.rmtree(tmp_dir)
     rows = {s: writers[s].rows for s in active}
-    print(f"[datagen] {n_docs} documents -> " + ", ".join(f"{s} {n} rows" for s, n in rows.items())
-          + f"; injection char {char!r}; d_model {d_model}, layer {cfg.layer}", flush=True)
+    say_line(f"[datagen] {n_docs} documents -> " + ", ".join(f"{s} {n} rows" for s, n in rows.items())
+             + f"; injection char {char!r}; d_model {d_model}, layer {cfg.layer}")
+    say_line(f"[datagen] wrote {', '.join(str(p) for p in final_paths.values())} (+ .nla_meta.yaml sidecars)")
     return DatagenResult(final_paths, rows, n_docs, skipped, char, d_model)
 
 

@@ -42,6 +42,8 @@ from nla_shell.engines.base import sample_explanations
 from nla_shell.engines.hf import HFRolloutEngine
 from nla_shell.io.config import ConfigError, normalize_fields
 from nla_shell.io.data import DataError, RLRow, build_prompt_ids, check_tokenizer, stream_rows
+from nla_shell.io.paths import require_file, require_model
+from nla_shell.io.progress import progress_bar
 from nla_shell.io.sidecars import MODEL_SIDECAR, find_sidecar, injection_settings, load_sidecar
 from nla_shell.metrics import finite_mean, fve_metrics, token_lengths
 from nla_shell.models import ARModel, Injector, ar_predict, base_model_dir, load_actor
@@ -145,6 +147,12 @@ def evaluate(cfg: EvalConfig) -> EvalResult:
     """Score the AV+AR, its controls, its length curve and splice-KL on held-out rows; write the reports."""
     # --- inputs (the out_dir first: a refused run loads nothing) -----------------------------
     out_dir = check_out_dir(cfg.out_dir, overwrite=cfg.overwrite)
+    require_model("ar", cfg.ar, hub_ok=False)
+    require_model("av", cfg.av)
+    require_model("tokenizer", cfg.tokenizer)
+    require_model("model", cfg.model)
+    require_file("parquet", cfg.parquet)
+    require_file("sidecar", cfg.sidecar)
     device, dtype = resolve_device(cfg.device, cfg.dtype)
     tokenizer = families.load_tokenizer(cfg.tokenizer or tokenizer_dir(cfg.av, cfg.ar))
     sidecar_path = find_sidecar(cfg.sidecar or cfg.parquet)
@@ -156,7 +164,7 @@ def evaluate(cfg: EvalConfig) -> EvalResult:
         raise DataError(f"parquet: {cfg.parquet} has no 'context' column, which splice-KL (model=) needs to rerun "
                         "the LM; use a datagen parquet, or leave model unset")
     rows: list[RLRow] = list(stream_rows(
-        cfg.parquet, nla, stop=cfg.n_rows, extra_columns=[c for c in OPTIONAL_COLUMNS if c in present]
+        cfg.parquet, nla, stop=cfg.n_rows, extra_columns=[c for c in OPTIONAL_COLUMNS if c in present], key="parquet",
     ))
     if not rows:
         raise DataError(f"parquet: {cfg.parquet} has no rows to evaluate")
@@ -236,7 +244,9 @@ def score_av(
     engine = HFRolloutEngine(actor, injector, tokenizer, greedy=cfg.greedy)
     prompt_ids = [build_prompt_ids(r.prompt, nla, tokenizer, row=r.index) for r in rows]
     torch.manual_seed(cfg.seed)
-    explanations = sample_explanations(engine, prompt_ids, golds, max_new_tokens=cfg.max_new_tokens)
+    with progress_bar(total=len(rows), desc="eval: AV", unit="row") as bar:
+        explanations = sample_explanations(engine, prompt_ids, golds, max_new_tokens=cfg.max_new_tokens,
+                                           chunk=cfg.micro_batch, bar=bar)
     av = score_explanations(critic, tokenizer, explanations, golds, **score_kwargs)
     metrics = fve_metrics(av.mse, av.reward, av.valid, rawvar=rawvar, meannorm=meannorm, prefix="av/")
     lengths = token_lengths(explanations, tokenizer)
@@ -249,7 +259,9 @@ def score_av(
     # --- control: the AV reads another row's vector; scored against the true row ------------
     if cfg.shuffled_control and len(rows) > 1:
         source = shuffled_sources(len(rows), seed=cfg.seed)
-        shuffled_texts = sample_explanations(engine, prompt_ids, golds[source], max_new_tokens=cfg.max_new_tokens)
+        with progress_bar(total=len(rows), desc="eval: shuffled control", unit="row") as bar:
+            shuffled_texts = sample_explanations(engine, prompt_ids, golds[source], max_new_tokens=cfg.max_new_tokens,
+                                                 chunk=cfg.micro_batch, bar=bar)
         shuffled = score_explanations(critic, tokenizer, shuffled_texts, golds, **score_kwargs)
         metrics.update(fve_metrics(shuffled.mse, shuffled.reward, shuffled.valid, rawvar=rawvar, meannorm=meannorm,
                                    prefix="shuffled/"))
@@ -481,6 +493,9 @@ def markdown_table(samples: Sequence[dict[str, Any]], *, context_chars: int = 40
             if isinstance(value, float):
                 cells.append(f"{value:.2f}")
             elif key == "context" and isinstance(value, str):
+                # A context decoded from a token prefix can end inside a multi-byte character (the
+                # sampled token is its first byte): decoders then end it in U+FFFD. Cut on characters.
+                value = value.rstrip("\ufffd")
                 cells.append(("…" if len(value) > context_chars else "") + value[-context_chars:])
             else:
                 cells.append("—" if value is None else str(value))

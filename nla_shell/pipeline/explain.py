@@ -23,6 +23,7 @@ from nla_shell import families
 from nla_shell.io.config import ConfigError, normalize_fields
 from nla_shell.io.data import DataError, av_prompt_messages, build_prompt_ids, check_tokenizer
 from nla_shell.io.sidecars import MODEL_SIDECAR, injection_settings, load_sidecar, read_sidecar
+from nla_shell.io.paths import require_file, require_model
 from nla_shell.pipeline.datagen import DatagenConfig, capture_activations
 from nla_shell.engines.base import RolloutRequest
 from nla_shell.engines.hf import HFRolloutEngine
@@ -96,6 +97,9 @@ def explain(cfg: ExplainConfig) -> list[dict[str, Any]]:
     """Explain the asked positions of cfg.text; prints one block per position and returns them as dicts."""
     from transformers import AutoModelForCausalLM
 
+    for key, hub_ok in (("av", True), ("ar", False), ("model", True)):
+        require_model(key, getattr(cfg, key), hub_ok=hub_ok)
+    require_file("sidecar", cfg.sidecar)
     device, dtype = resolve_device(cfg.device, cfg.dtype)
     sidecar_path = _model_sidecar_path(cfg)
     nla = load_sidecar(sidecar_path)

@@ -26,6 +26,7 @@ from nla_shell.io.config import ConfigError, normalize_fields
 from nla_shell.io.data import DataError
 from nla_shell.io.sidecars import MODEL_SIDECAR, find_sidecar, injection_settings, load_sidecar, model_sidecar, read_sidecar, write_sidecar
 from nla_shell.models import ARModel, base_model_dir, load_actor
+from nla_shell.pipeline.evaluate import tokenizer_dir
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -91,7 +92,8 @@ def export(cfg: ExportConfig) -> dict[str, Path]:
                            device=torch.device("cpu"))
         merged = actor.merge_and_unload().to(dtype)
         merged.save_pretrained(tmp / "av")
-        AutoTokenizer.from_pretrained(cfg.av).save_pretrained(tmp / "av")
+        # An RL checkpoint's adapter/ holds no tokenizer: take its base model's.
+        AutoTokenizer.from_pretrained(tokenizer_dir(cfg.av)).save_pretrained(tmp / "av")
         write_sidecar(model_sidecar(nla, role="av", stage="export", base_checkpoint=str(base_model_dir(cfg.av)),
                                     injection_style=style, injection_norm=norm, trained_on=[],
                                     provenance={**provenance, "export": {"av": str(Path(cfg.av).resolve())}}),
@@ -108,7 +110,7 @@ def export(cfg: ExportConfig) -> dict[str, Path]:
                 "pass the sidecar the AR was trained with"
             )
         critic.save_pretrained(tmp / "ar")
-        tokenizer = AutoTokenizer.from_pretrained(cfg.ar)
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir(cfg.ar, cfg.av))
         tokenizer.padding_side = "right"  # kitft nla/scripts/prepare_critic_checkpoint.py
         tokenizer.save_pretrained(tmp / "ar")
         write_sidecar(model_sidecar(nla, role="ar", stage="export", base_checkpoint=str(Path(cfg.ar).resolve()),

@@ -16,7 +16,6 @@ and the config, so an interrupted run resumes where it stopped (`resume: auto`).
 from __future__ import annotations
 
 import math
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +31,8 @@ from nla_shell.io.data import DataError, build_prompt_ids, check_tokenizer, stre
 from nla_shell.io.sidecars import MODEL_SIDECAR, injection_settings, load_sidecar, model_sidecar, write_sidecar
 from nla_shell.engines.base import Rollout
 from nla_shell.io.logging import make_logger
+from nla_shell.io.paths import require_file, require_model
+from nla_shell.io.progress import progress_bar, say_line
 from nla_shell.models import ARModel, Injector, load_actor, response_logprobs, trainable_parameters
 from nla_shell.quant import require_quant
 from nla_shell.training.scoring import critic_step
@@ -87,8 +88,8 @@ class SFTConfig:
     """Checkpoint every N steps (and at the end)."""
     log_every: int = 10
     """Console line every N steps (metrics.jsonl gets every step)."""
-    logger: tuple[Literal["console", "jsonl", "wandb"], ...] = ("console",)
-    """Metric sinks; save_dir/metrics.jsonl is always written."""
+    logger: tuple[Literal["console", "jsonl", "wandb", "tensorboard"], ...] = ("console",)
+    """Metric sinks (comma-separated); save_dir/metrics.jsonl is always written; the progress bar shows with console."""
     wandb_project: str = "nla"
     """wandb project when logger includes wandb."""
     resume: Literal["auto", "never"] = "auto"
@@ -188,6 +189,9 @@ def sft(cfg: SFTConfig) -> Path:
 
 def _run_sft(cfg: SFTConfig, stop: StopSignals) -> Path:
     # --- validate every input before anything is written ---------------------------------
+    require_model("model", cfg.model)
+    require_file("parquet", cfg.parquet)
+    require_file("sidecar", cfg.sidecar)
     device, dtype = resolve_device(cfg.device, cfg.dtype)
     require_quant(cfg.quant, device, trains_ar=cfg.mode == "ar")
     model_dir = Path(cfg.model).resolve()
@@ -202,7 +206,7 @@ def _run_sft(cfg: SFTConfig, stop: StopSignals) -> Path:
     mse_scale = nla_core.resolve_target_scale(nla.mse_scale, nla.d_model)
     if cfg.mode == "av":
         style, injection_norm = injection_settings(nla, style=cfg.injection_style, scale=cfg.injection_scale)
-        rows = list(stream_rows(cfg.parquet, nla, stop=cfg.max_rows, extra_columns=("response",)))
+        rows = list(stream_rows(cfg.parquet, nla, stop=cfg.max_rows, extra_columns=("response",), key="parquet"))
         eos = (tokenizer.eos_token_id,)
         examples: list[Any] = [
             AVExample(tuple(build_prompt_ids(r.prompt, nla, tokenizer, row=r.index)),
@@ -214,7 +218,7 @@ def _run_sft(cfg: SFTConfig, stop: StopSignals) -> Path:
         style, injection_norm = "residual_add", None  # the AR injects nothing
         if nla.extraction_layer_index is None:
             raise DataError(f"sidecar of {cfg.parquet}: names no extraction layer (extraction.layer_index); add it")
-        rows = list(stream_rows(cfg.parquet, nla, stop=cfg.max_rows, text_prompt=True))
+        rows = list(stream_rows(cfg.parquet, nla, stop=cfg.max_rows, text_prompt=True, key="parquet"))
         encoded = [(tokenizer.encode(r.prompt, add_special_tokens=False), r.activation) for r in rows]
         examples = [e for e in encoded if 0 < len(e[0]) <= cfg.max_tokens]
     if len(rows) > len(examples):
@@ -286,6 +290,8 @@ def _run_sft(cfg: SFTConfig, stop: StopSignals) -> Path:
 
     # --- steps -------------------------------------------------------------------------------
     final = resume_from
+    bar = progress_bar(total=cfg.num_steps, initial=start_step, desc=f"sft {cfg.mode}", unit="step",
+                       enabled="console" in cfg.logger)
     for step in range(start_step, cfg.num_steps):
         # --- preemption: a signal ends the run here, between steps -----------------------------
         if stop.should_stop(step):
@@ -310,20 +316,23 @@ def _run_sft(cfg: SFTConfig, stop: StopSignals) -> Path:
             record = {"loss": loss, "mse_mean": loss, "fve": nla_core.fve(loss, float(baselines.rawvar)),
                       "fve_meannorm": nla_core.fve(loss, float(baselines.meannorm))}
         if not math.isfinite(grad_norm):
-            print(f"[warn] sft {cfg.mode} step {step}: grad norm {grad_norm} is not finite; optimizer step skipped",
-                  file=sys.stderr, flush=True)
+            say_line(f"[warn] sft {cfg.mode} step {step}: grad norm {grad_norm} is not finite; optimizer step skipped",
+                     error=True)
         record.update(grad_norm=grad_norm, lr=lr, time_step=time.perf_counter() - t0)
         logger.log(step, record)
         if step % cfg.log_every == 0 or step + 1 == cfg.num_steps:
             fve = f" | FVE {record['fve']:.1%}" if "fve" in record else ""
-            print(f"[sft {cfg.mode}] step {step:04d} | loss {loss:.4f}{fve} | grad {grad_norm:.3f} | lr {lr:.2e} "
-                  f"| {record['time_step']:.2f}s", flush=True)
+            say_line(f"[sft {cfg.mode}] step {step:04d}/{cfg.num_steps} | loss {loss:.4f}{fve} | grad {grad_norm:.3f} "
+                     f"| lr {lr:.2e} | {record['time_step']:.2f}s")
+        bar.update()
 
         # --- checkpoint ------------------------------------------------------------------------
         if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.num_steps:
             final = save(step + 1)
+    bar.close()
     logger.close()
-    print(f"[sft {cfg.mode}] checkpoint {final}", flush=True)
+    role = "av_ckpt" if cfg.mode == "av" else "ar_ckpt"
+    say_line(f"[sft {cfg.mode}] done: checkpoint {final} (nla train {role}={final}); metrics {save_dir / 'metrics.jsonl'}")
     return final
 
 

@@ -18,7 +18,6 @@ import math
 import os
 import random
 import resource
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,13 +31,17 @@ from nla_shell import families
 from nla_shell.training import checkpoint as ckpt
 from nla_shell.training import distributed
 from nla_shell.io.config import RESUME_MUTABLE_KEYS, ConfigError, TrainConfig, config_to_dict
-from nla_shell.io.data import build_prompt_ids, check_tokenizer, load_eval_rows, load_rows
+from nla_shell.io.data import (
+    DataError, RLRow, build_prompt_ids, check_tokenizer, load_eval_rows, load_rows, parquet_num_rows, row_windows,
+)
 from nla_shell.io.sidecars import MODEL_SIDECAR, injection_settings, load_sidecar, model_sidecar, write_sidecar
 from nla_shell.engines.base import RolloutEngine, RolloutRequest, sample_explanations
 from nla_shell.training.distributed import RankInfo
 from nla_shell.training.preemption import StopSignals
 from nla_shell.training.runlock import RunDirLock
 from nla_shell.io.logging import NullLogger, make_logger
+from nla_shell.io.paths import require_file, require_model
+from nla_shell.io.progress import progress_bar, say_line
 from nla_shell.metrics import cjk_fraction, finite_mean, fve_metrics, token_lengths
 from nla_shell.models import (
     ARModel, Injector, base_model_dir, eos_token_ids, inner_lm, is_adapter_dir, load_actor, trainable_parameters,
@@ -121,9 +124,9 @@ def make_engine(cfg: TrainConfig, actor, injector: Injector, tokenizer, *, layer
 
 
 def say(message: str, *, error: bool = False) -> None:
-    """Print on rank 0 only: every rank runs the same story, one voice tells it."""
+    """Print on rank 0 only: every rank runs the same story, one voice tells it (above the progress bar)."""
     if distributed.is_main():
-        print(message, file=sys.stderr if error else sys.stdout, flush=True)
+        say_line(message, error=error)
 
 
 def seed_everything(seed: int) -> None:
@@ -168,6 +171,57 @@ def _stats(values: list[float]) -> dict[str, float]:
     return {"mean": float(arr.mean()), "std": float(arr.std()), "min": float(arr.min()), "max": float(arr.max())}
 
 
+def load_train_and_eval_rows(cfg: TrainConfig, nla: nla_core.NLAConfig) -> tuple[list[RLRow], list[RLRow]]:
+    """The training rows and the held-out eval rows (none when eval is off), as `cfg` windows them.
+
+    Held-out rows come from eval_parquet when given, else from rl_parquet past the training
+    window (data.row_windows); either way only rows of documents unseen in training.
+    """
+    eval_on = cfg.eval_every > 0 and cfg.eval_n_prompts > 0
+    windows = row_windows(
+        parquet_num_rows(cfg.rl_parquet), max_rows=cfg.max_rows, eval_skip_rows=cfg.eval_skip_rows,
+        n_eval=cfg.eval_n_prompts if eval_on and cfg.eval_parquet is None else 0,
+    )
+    rows = load_rows(cfg.rl_parquet, nla, max_rows=windows.train_stop, min_rows=cfg.batch_prompts)
+    if not eval_on:
+        return rows, []
+    train_docs = [r.doc_id for r in rows]
+    if cfg.eval_parquet is not None:
+        check_same_geometry(nla, cfg.eval_parquet)
+        eval_rows = load_eval_rows(cfg.eval_parquet, nla, skip_rows=0, n=cfg.eval_n_prompts, train_doc_ids=train_docs,
+                                   key="eval_parquet")
+        where = cfg.eval_parquet
+    else:
+        eval_rows = load_eval_rows(cfg.rl_parquet, nla, skip_rows=windows.eval_start, n=cfg.eval_n_prompts,
+                                   train_doc_ids=train_docs)
+        where = f"{cfg.rl_parquet} rows {windows.eval_start}+ (training reads rows [0, {windows.train_stop}))"
+    say(f"[data] {len(rows)} training rows; held-out eval: {len(eval_rows)} rows of unseen documents from {where}")
+    return rows, eval_rows
+
+
+def check_same_geometry(nla: nla_core.NLAConfig, parquet: str) -> None:
+    """A second parquet (the eval split) whose own sidecar, if any, agrees with `nla` on D, layer and marker."""
+    try:
+        other = load_sidecar(parquet)
+    except DataError:
+        return  # no sidecar of its own: the schema check still holds it to nla's D
+    for name in ("d_model", "extraction_layer_index", "injection_char", "injection_token_id"):
+        if getattr(other, name) != getattr(nla, name):
+            raise DataError(
+                f"eval_parquet: {parquet}'s sidecar has {name} {getattr(other, name)!r}, rl_parquet's has "
+                f"{getattr(nla, name)!r}; give the eval split written by the same nla datagen run"
+            )
+
+
+def check_paths(cfg: TrainConfig) -> None:
+    """Every input path exists (or is a hub id where one may be), before any hub call or write."""
+    require_model("av_ckpt", cfg.av_ckpt)
+    require_model("ar_ckpt", cfg.ar_ckpt, hub_ok=False)
+    require_model("resume_from_lora", cfg.resume_from_lora, hub_ok=False)
+    for key in ("rl_parquet", "eval_parquet", "sidecar"):
+        require_file(key, getattr(cfg, key))
+
+
 # --------------------------------------------------------------------------- the run
 
 
@@ -178,6 +232,7 @@ def train(cfg: TrainConfig) -> Path:
     environment): then the ranks join a process group (NCCL on CUDA, gloo on CPU) for the
     run, and the batch must split into equal shares of whole prompts.
     """
+    check_paths(cfg)
     from transformers import AutoConfig
 
     rank = distributed.rank_info()
@@ -210,14 +265,9 @@ def run_ranked(cfg: TrainConfig, rank: RankInfo, device: torch.device, dtype: to
     style, injection_norm = injection_settings(nla, style=cfg.injection_style, scale=cfg.injection_scale, av_dir=cfg.av_ckpt)
     check_tokenizer(nla, tokenizer)
     mse_scale = nla_core.resolve_target_scale(nla.mse_scale, nla.d_model)
-    rows = load_rows(cfg.rl_parquet, nla, max_rows=cfg.max_rows, min_rows=cfg.batch_prompts)
+    rows, eval_rows = load_train_and_eval_rows(cfg, nla)
     prompt_ids = [build_prompt_ids(r.prompt, nla, tokenizer, row=r.index) for r in rows]
-    eval_on = cfg.eval_every > 0 and cfg.eval_n_prompts > 0
-    eval_rows = (
-        load_eval_rows(cfg.rl_parquet, nla, skip_rows=cfg.eval_skip_rows, n=cfg.eval_n_prompts, train_stop=len(rows))
-        if eval_on
-        else []
-    )
+    eval_on = bool(eval_rows)
     eval_prompt_ids = [build_prompt_ids(r.prompt, nla, tokenizer, row=r.index) for r in eval_rows]
     critic = ARModel.from_pretrained(cfg.ar_ckpt, mse_scale=mse_scale, dtype=dtype, device=device, quant=cfg.quant)
     if critic.lm.config.hidden_size != nla.d_model:
@@ -364,6 +414,8 @@ def run_ranked(cfg: TrainConfig, rank: RankInfo, device: torch.device, dtype: to
         max_tokens=cfg.max_explanation_tokens, micro_batch=cfg.critic_micro_batch,
     )
     last_record: dict[str, Any] = {}
+    bar = progress_bar(total=cfg.num_steps, initial=start_step, desc="train", unit="step",
+                       enabled=rank.is_main and "console" in cfg.logger)
 
     for step in range(start_step, cfg.num_steps):
         # --- preemption: a signal ends the run here, between steps, on every rank at once ----
@@ -509,6 +561,7 @@ def run_ranked(cfg: TrainConfig, rank: RankInfo, device: torch.device, dtype: to
             distributed.barrier()
         logger.log(step, record)
         last_record = {"step": step, **record}
+        bar.update()
 
         # --- checkpoint ------------------------------------------------------------------------
         if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.num_steps:
@@ -526,11 +579,15 @@ def run_ranked(cfg: TrainConfig, rank: RankInfo, device: torch.device, dtype: to
                     rawvar=rawvar, meannorm=meannorm, score_kwargs=score_kwargs,
                 )}
         distributed.barrier()
+    bar.close()
     engine.close()
     logger.close()
     if rank.is_main:
         write_summary(save_dir, steps_done=max(start_step, cfg.num_steps), rawvar=rawvar, meannorm=meannorm,
                       final_eval=final_eval)
+        say(f"[nla train] done: {cfg.num_steps} steps; checkpoint {ckpt.checkpoint_dir(save_dir, cfg.num_steps)} "
+            f"(adapter/ is the AV{', critic/ the AR' if cfg.train_critic else ''}); metrics {save_dir / 'metrics.jsonl'}, "
+            f"summary {save_dir / 'summary.json'}; curves: nla plot {save_dir}")
     return save_dir
 
 

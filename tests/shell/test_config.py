@@ -30,7 +30,7 @@ REFERENCE_DEFAULTS = {
     "gradient_checkpointing": False, "critic_micro_batch": 4, "logp_micro_batch": 2,
     "vllm_gpu_mem": 0.35, "vllm_max_len": 1024, "vllm_tp": 1,
     "tis_cap": 2.0, "save_every": 50, "resume_from_lora": None, "start_step": 0,
-    "eval_every": 10, "eval_n_prompts": 20, "eval_skip_rows": 30000, "max_rows": None,
+    "eval_every": 10, "eval_n_prompts": 20, "max_rows": None,
     "clip_eps": 0.2, "kl_beta": 0.04, "wandb_name": None, "seed": 0,
 }
 
@@ -53,6 +53,10 @@ def test_defaults_equal_the_reference():
     assert (cfg.engine, cfg.tis, cfg.reward, cfg.logger, cfg.resume, cfg.sidecar) == (
         "hf", "ratio_cap", "neg_log", ("console",), "auto", None
     )
+    # A departure (issue #15): the reference's eval_skip_rows=30000 refuses any smaller dataset;
+    # unset, the last tenth of the rows is held out. The reference's window stays one key away.
+    assert (cfg.eval_skip_rows, cfg.eval_parquet) == (None, None)
+    assert make("eval_skip_rows=30000").eval_skip_rows == 30000
 
 
 def test_every_field_has_a_docstring():
@@ -109,7 +113,7 @@ def test_unknown_yaml_key_is_an_error(tmp_path):
         ("lr=nan", "a finite number"),
         ("use_rslora=maybe", "true or false"),
         ("engine=tgi", "'hf', 'vllm', 'native'"),
-        ("logger=console,tensorboard", "'console', 'jsonl', 'wandb'"),
+        ("logger=console,mlflow", "'console', 'jsonl', 'wandb', 'tensorboard'"),
         ("max_rows=lots", "an integer, or null"),
     ],
 )
@@ -155,8 +159,10 @@ def test_vllm_sync_every_zero_means_never_and_tis_cap_may_equal_the_upper_clip()
 
 def test_eval_rows_must_not_overlap_the_training_window():
     with pytest.raises(ConfigError, match="'max_rows'.*overlap"):
-        make("max_rows=40000")
-    assert make("max_rows=40000", "eval_every=0").max_rows == 40000
+        make("max_rows=40000", "eval_skip_rows=30000")
+    assert make("max_rows=40000", "eval_skip_rows=30000", "eval_every=0").max_rows == 40000
+    with pytest.raises(ConfigError, match="'eval_skip_rows'.*leave it unset with eval_parquet"):
+        make("eval_parquet=eval.parquet", "eval_skip_rows=10")
 
 
 def test_missing_required_keys_are_named():

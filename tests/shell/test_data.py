@@ -23,8 +23,10 @@ from nla_shell.io.data import (
     build_prompt_ids,
     chat_prompt_ids,
     check_tokenizer,
+    RowWindows,
     load_eval_rows,
     load_rows,
+    row_windows,
     stream_rows,
     validate_parquet_schema,
 )
@@ -206,9 +208,11 @@ def test_load_rows_max_rows_and_validation_only_of_what_is_read(rl, cfg):
 def test_missing_column(rl, cfg, column):
     table = pq.read_table(rl)
     pq.write_table(table.drop_columns([column]), rl)
-    with pytest.raises(DataError, match=f"^{column}: column missing") as err:
+    with pytest.raises(DataError, match=f"^rl_parquet: .* has no column '{column}'.*written by nla datagen") as err:
         load_rows(rl, cfg)
     assert str([n for n in table.column_names if n != column]) in str(err.value)
+    with pytest.raises(DataError, match=f"^parquet: .* has no column '{column}'"):
+        list(stream_rows(rl, cfg, key="parquet"))  # nla sft and nla eval name their own key
 
 
 def test_activation_width_differs_from_sidecar(tmp_path, tiny_tokenizer, cfg):
@@ -286,26 +290,47 @@ def test_empty_dataset_and_too_few_rows(rl, cfg):
 
 def test_eval_rows_are_doc_disjoint_and_past_the_skip(rl, cfg):
     docs = [r["doc_id"] for r in fixtures.read_rows(rl)]
-    rows = load_eval_rows(rl, cfg, skip_rows=24, n=10, train_stop=20)
+    rows = load_eval_rows(rl, cfg, skip_rows=24, n=10, train_doc_ids=docs[:20])
     expected = [i for i in range(24, len(docs)) if docs[i] not in set(docs[:20])][:10]
     assert len(expected) >= 5  # the fixture leaves enough unseen documents to mean something
     assert [r.index for r in rows] == expected
     assert all(r.doc_id == docs[r.index] for r in rows)
     full = fixtures.read_rows(rl)
     assert all(torch.equal(r.activation, _expected(full, r.index)[1]) for r in rows)
-    assert load_eval_rows(rl, cfg, skip_rows=24, n=0, train_stop=20) == []
+    assert load_eval_rows(rl, cfg, skip_rows=24, n=0, train_doc_ids=docs[:20]) == []
 
 
-def test_eval_window_overlapping_training_is_refused(rl, cfg):
+def test_eval_window_overlapping_training_is_refused():
     with pytest.raises(DataError, match=r"eval rows overlap the training window.*set max_rows <= eval_skip_rows"):
-        load_eval_rows(rl, cfg, skip_rows=10, n=5, train_stop=11)
+        row_windows(100, max_rows=11, eval_skip_rows=10, n_eval=5)
+
+
+@pytest.mark.parametrize("n_rows", [8, 12, 40, 344, 30001])
+def test_default_row_windows_work_on_any_size(n_rows):
+    """No eval_skip_rows: the last tenth (at least n_eval rows, at most half) is held out, the rest trains."""
+    w = row_windows(n_rows, max_rows=None, eval_skip_rows=None, n_eval=5)
+    assert w.train_stop == w.eval_start
+    assert n_rows - w.eval_start == min(max(5, -(-n_rows // 10)), n_rows // 2)
+    assert 0 < w.eval_start < n_rows
+    assert row_windows(n_rows, max_rows=None, eval_skip_rows=None, n_eval=0) == RowWindows(None, None)
+    assert row_windows(n_rows, max_rows=3, eval_skip_rows=None, n_eval=5) == RowWindows(3, w.eval_start)
+
+
+def test_reference_row_window_still_available():
+    assert row_windows(40000, max_rows=None, eval_skip_rows=30000, n_eval=20) == RowWindows(30000, 30000)
+    assert row_windows(40000, max_rows=100, eval_skip_rows=30000, n_eval=20) == RowWindows(100, 30000)
+    with pytest.raises(DataError, match=r"eval_skip_rows: 30000 is past the parquet's last row \(344 rows\)"):
+        row_windows(344, max_rows=None, eval_skip_rows=30000, n_eval=20)
+    with pytest.raises(DataError, match=r"max_rows: 340 overlaps the held-out last rows \[309, 344\)"):
+        row_windows(344, max_rows=340, eval_skip_rows=None, n_eval=20)
 
 
 def test_eval_with_no_unseen_document(tmp_path, tiny_tokenizer):
     path = fixtures.build_toy_rl(tmp_path, tiny_tokenizer, n_rows=30, n_docs=1)
     cfg = load_sidecar(find_sidecar(path))
+    docs = [r["doc_id"] for r in fixtures.read_rows(path)]
     with pytest.raises(DataError, match="eval_skip_rows: no row past row 20"):
-        load_eval_rows(path, cfg, skip_rows=20, n=5, train_stop=20)
+        load_eval_rows(path, cfg, skip_rows=20, n=5, train_doc_ids=docs[:20])
 
 
 def test_eval_skips_bad_rows_it_does_not_take(rl, cfg):
@@ -313,7 +338,7 @@ def test_eval_skips_bad_rows_it_does_not_take(rl, cfg):
     seen = [i for i in range(24, len(docs)) if docs[i] in set(docs[:20])]
     assert seen, "the fixture should put some training documents past the skip"
     rewrite(rl, lambda rs: rs[seen[0]].__setitem__("activation_vector", [0.0] * 64))
-    assert seen[0] not in [r.index for r in load_eval_rows(rl, cfg, skip_rows=24, n=10, train_stop=20)]
+    assert seen[0] not in [r.index for r in load_eval_rows(rl, cfg, skip_rows=24, n=10, train_doc_ids=docs[:20])]
 
 
 def test_activation_values_survive_float32_exactly(rl, cfg):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import runpy
 from pathlib import Path
@@ -37,3 +38,62 @@ def test_readme_opens_with_the_demo_and_test_commands():
     assert first_block[1].startswith("bash scripts/setup.sh && .venv/bin/python -m pytest tests -q")
     ci = (README.parent / ".ci" / "run").read_text()
     assert "bash scripts/setup.sh && .venv/bin/python -m pytest tests -q" in ci
+
+
+def test_pipeline_walkthrough_runs_as_written(tmp_path, tiny_av_dir, monkeypatch, capsys):
+    """The walkthrough's commands, in order, on a tiny random Qwen3 (D=64, 3 blocks) on CPU.
+
+    Each `nla` command runs through the CLI as written, with only speed settings appended
+    (short rollouts, small batches); the labelling step runs the script as a subprocess.
+    """
+    import os
+    import shlex
+    import subprocess
+    import sys
+
+    from nla_shell import cli
+
+    block = re.search(r"```bash\n(.*?)```", _section("The pipeline: a walkthrough on real text"), re.DOTALL).group(1)
+    lines = block.strip().splitlines()
+    env = {"LM": str(tiny_av_dir), "CORPUS": str(README.parent / "docs/examples/walkthrough_corpus.jsonl")}
+    assert [line.split("=")[0] for line in lines[:2]] == list(env)  # the test supplies these two
+    speed = {
+        "sft": ["batch_size=4", "micro_batch=4", "device=cpu"],
+        "train": ["max_new_tokens=8", "batch_prompts=2", "group_size=2", "logp_micro_batch=4", "eval_n_prompts=3",
+                  "lora_r=8", "device=cpu", "logger=jsonl"],
+        "eval": ["max_new_tokens=8", "device=cpu"],
+        "explain": ["max_new_tokens=8", "device=cpu"],
+        "datagen": ["device=cpu", "--no-progress"],
+        "plot": [],
+        "export": [],
+    }
+    monkeypatch.chdir(tmp_path)
+    for line in lines[2:]:
+        for name, value in env.items():
+            line = line.replace(f"${name}", value)
+        if line.startswith("python "):
+            script, _, target = line.partition(" > ")
+            argv = shlex.split(script)
+            with open(target, "w", encoding="utf-8") as out:
+                subprocess.run([sys.executable, str(README.parent / argv[1]), *argv[2:]], stdout=out, check=True,
+                               env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+            continue
+        argv = shlex.split(line)[1:]
+        assert cli.main([*argv, *speed[argv[0]]]) == 0, line
+
+    out = capsys.readouterr().out
+    labels = [json.loads(line) for line in (tmp_path / "labels.jsonl").read_text().splitlines()]
+    assert len(labels) > 50 and all(" text; it ends '" in label["explanation"] for label in labels)
+    import pyarrow.parquet as pq
+
+    gold = pq.read_table(tmp_path / "data" / "av_sft.parquet", columns=["explanation"]).column(0).to_pylist()
+    assert gold and set(gold) <= {label["explanation"] for label in labels}
+    summary = json.loads((tmp_path / "eval" / "eval_summary.json").read_text())
+    assert summary["n_rows"] > 0 and "av/fve" in summary and "gold/fve" in summary
+    assert (tmp_path / "rl" / "curves.png").is_file() and (tmp_path / "rl" / "step_000010" / "adapter").is_dir()
+    assert "[nla train] done: 10 steps" in out and "The river" in out
+    # The export of an RL adapter (which holds no tokenizer) loads in plain transformers.
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "release" / "av") is not None
+    assert AutoTokenizer.from_pretrained(tmp_path / "release" / "av").encode("The river") != []

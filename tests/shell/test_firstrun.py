@@ -1,0 +1,243 @@
+"""A researcher's first real run (issue #15): help, flags, paths, messages, progress, cleanup."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+import fixtures
+from nla_shell import cli
+from nla_shell.io.config import TrainConfig
+from nla_shell.io.progress import progress_bar
+from nla_shell.pipeline.evaluate import markdown_table
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _fails_in_one_line(capsys, argv, *needles) -> str:
+    """Exit code 2 and exactly one stderr line holding every needle."""
+    try:
+        code = cli.main(argv)
+    except SystemExit as exit_:  # argparse's own errors
+        code = exit_.code
+    assert code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    for needle in needles:
+        assert needle in err, err
+    return err
+
+
+# --------------------------------------------------------------------------- help and flags
+
+
+def test_train_help_lists_every_key_with_its_default_and_choices(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["train", "--help"])
+    assert exit_.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    for f in dataclasses.fields(TrainConfig):
+        assert "--" + f.name.replace("_", "-") in out, f.name
+    assert "--num-steps NUM_STEPS, --num_steps NUM_STEPS Number of optimizer steps" in out
+    assert "[default: 100]" in out and "[default: 30000]" not in out
+    assert "[choices: hf, vllm, native]" in out
+    assert "[choices: console, jsonl, wandb, tensorboard]" in out
+    assert "--av-ckpt AV_CKPT, --av_ckpt AV_CKPT Activation-verbaliser" in out and "[required]" in out
+
+
+def test_other_commands_show_defaults_and_choices(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["datagen", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "[choices: api, local, jsonl, rule, none]" in out and "[default: null]" in out
+    assert "--no-progress turns it off" in out
+
+
+def test_train_takes_key_value_flags_like_every_command():
+    argv = ["train", "--num-steps", "3", "--av-ckpt", "a", "--ar_ckpt", "b", "--rl-parquet", "r.parquet",
+            "--save-dir", "s", "--train-critic", "--logger", "jsonl,tensorboard", "eval_every=0"]
+    parser, _ = cli.build_parser(argv)
+    cfg = cli._load_config(TrainConfig, parser.parse_args(argv))
+    assert (cfg.num_steps, cfg.av_ckpt, cfg.ar_ckpt, cfg.train_critic, cfg.eval_every) == (3, "a", "b", True, 0)
+    assert cfg.logger == ("jsonl", "tensorboard")
+
+
+def test_boolean_flags_can_be_turned_off():
+    from nla_shell.pipeline.datagen import DatagenConfig
+
+    argv = ["datagen", "--model", "m", "--corpus", "c.jsonl", "--layer", "1", "--out-dir", "o", "--explainer", "rule",
+            "--no-progress"]
+    parser, _ = cli.build_parser(argv)
+    assert cli._load_config(DatagenConfig, parser.parse_args(argv)).progress is False
+    parser, _ = cli.build_parser(argv[:-1])
+    assert cli._load_config(DatagenConfig, parser.parse_args(argv[:-1])).progress is True
+
+
+def test_a_flag_typo_gets_did_you_mean(capsys):
+    _fails_in_one_line(capsys, ["train", "--num-stpes", "3"], "unknown flag --num-stpes", "did you mean --num-steps?")
+    _fails_in_one_line(capsys, ["sft", "--mdoe", "av"], "did you mean --mode?")
+
+
+# --------------------------------------------------------------------------- local paths
+
+
+def test_a_mistyped_local_checkpoint_fails_at_once_naming_the_closest(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "av" / "step_000010").mkdir(parents=True)
+    (tmp_path / "ar").mkdir()
+    (tmp_path / "rl.parquet").write_bytes(b"")
+    start = time.perf_counter()
+    _fails_in_one_line(
+        capsys, ["train", "av_ckpt=av/step_999", "ar_ckpt=ar", "rl_parquet=rl.parquet", "save_dir=run"],
+        "'av_ckpt' = 'av/step_999': no such directory", "did you mean 'av/step_000010'?",
+    )
+    assert time.perf_counter() - start < 5, "no hub retries"
+    _fails_in_one_line(
+        capsys, ["datagen", "--model", "nomodel", "--corpus", "c.jsonl", "--layer", "1", "--out-dir", "data",
+                 "--explainer", "rule"],
+        "'model' = 'nomodel': no such directory",
+    )
+    _fails_in_one_line(
+        capsys, ["train", "av_ckpt=av/step_000010", "ar_ckpt=ar", "rl_parquet=nope.parquet", "save_dir=run"],
+        "'rl_parquet' = 'nope.parquet': no such file",
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ar", "av", "rl.parquet"]
+
+
+def test_a_run_dir_passed_as_a_checkpoint_names_its_newest_checkpoint(toy_sft, toy_datasets, tmp_path, capsys):
+    av, ar = toy_sft
+    _fails_in_one_line(
+        capsys, ["train", f"av_ckpt={av.parent}", f"ar_ckpt={ar}", f"rl_parquet={toy_datasets / 'rl.parquet'}",
+                 f"save_dir={tmp_path / 'run'}"],
+        "is an nla run directory, not a checkpoint", str(av),
+    )
+    assert not (tmp_path / "run").exists()
+
+
+def test_hub_ids_are_not_mistaken_for_local_paths(tmp_path, monkeypatch):
+    from nla_shell.io.paths import looks_like_hub_id
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "av").mkdir()
+    assert looks_like_hub_id("Qwen/Qwen3-8B")
+    assert not looks_like_hub_id("av/step_999")  # av/ is a local directory
+    assert not looks_like_hub_id("nomodel") and not looks_like_hub_id("./lm") and not looks_like_hub_id("/abs/lm")
+
+
+# --------------------------------------------------------------------------- messages that point the right way
+
+
+def test_an_av_passed_as_ar_says_what_it_is(toy_sft, toy_datasets, tmp_path, capsys):
+    av, _ = toy_sft
+    _fails_in_one_line(
+        capsys, ["eval", "--ar", str(av), "--parquet", str(toy_datasets / "eval.parquet"), "--out-dir",
+                 str(tmp_path / "e"), "device=cpu"],
+        "it is an AV adapter", "nla sft --mode ar",
+    )
+    assert not (tmp_path / "e").exists()
+
+
+def test_an_sft_parquet_without_activations_names_the_key_and_datagen(toy_datasets, tiny_av_dir, tmp_path, capsys):
+    import pyarrow.parquet as pq
+
+    bad = tmp_path / "av_sft.parquet"
+    pq.write_table(pq.read_table(toy_datasets / "av_sft.parquet").drop_columns(["activation_vector"]), bad)
+    shutil.copy(toy_datasets / "av_sft.parquet.nla_meta.yaml", str(bad) + ".nla_meta.yaml")
+    err = _fails_in_one_line(
+        capsys, ["sft", "--mode", "av", "--model", str(tiny_av_dir), "--parquet", str(bad), "--save-dir",
+                 str(tmp_path / "av"), "device=cpu"],
+        "parquet:", "no column 'activation_vector'", "written by nla datagen",
+    )
+    assert "RL parquet" not in err
+    assert not (tmp_path / "av").exists()
+
+
+def test_train_in_an_sft_run_dir_says_it_is_another_commands_run(toy_sft, toy_datasets, tmp_path, capsys):
+    av, ar = toy_sft
+    sft_run = tmp_path / "sft_run"
+    shutil.copytree(av.parent, sft_run)
+    err = _fails_in_one_line(
+        capsys, ["train", f"av_ckpt={av}", f"ar_ckpt={ar}", f"rl_parquet={toy_datasets / 'rl.parquet'}",
+                 f"save_dir={sft_run}", "device=cpu", "batch_prompts=2"],
+        "holds a run of another nla command",
+    )
+    assert len(err) < 400, "a sentence, not a 40-field diff"
+
+
+def test_an_empty_split_hint_names_real_keys(tiny_av_dir, tmp_path, capsys):
+    from nla_shell.pipeline.datagen import DatagenConfig
+
+    corpus = fixtures.write_toy_corpus(tmp_path / "c.jsonl", n_docs=1)
+    out = tmp_path / "data"
+    err = _fails_in_one_line(
+        capsys, ["datagen", "--model", str(tiny_av_dir), "--corpus", str(corpus), "--layer", "1", "--out-dir",
+                 str(out), "--explainer", "rule", "eval_fraction=0.05", "device=cpu", "--no-progress"],
+        "received no rows",
+    )
+    named = [w.split("=")[0] for w in err.replace(",", " ").split() if w.endswith("=0")]
+    assert named and all(k in {f.name for f in dataclasses.fields(DatagenConfig)} for k in named), err
+    # 11: a failed run leaves neither its temp dir nor the out_dir it made.
+    assert not out.exists()
+
+
+# --------------------------------------------------------------------------- train: eval_parquet, windows, summary
+
+
+def test_train_on_datagen_output_with_eval_parquet(toy_sft, toy_datasets, tmp_path, capsys):
+    """The README's train command on a small dataset: no row window to set, held-out rows from eval.parquet."""
+    av, ar = toy_sft
+    save_dir = tmp_path / "rl"
+    argv = ["train", "--av-ckpt", str(av), "--ar-ckpt", str(ar), "--rl-parquet", str(toy_datasets / "rl.parquet"),
+            "--eval-parquet", str(toy_datasets / "eval.parquet"), "--save-dir", str(save_dir), "--num-steps", "2",
+            "--batch-prompts", "2", "--group-size", "2", "--max-new-tokens", "6", "--eval-every", "1",
+            "--eval-n-prompts", "2", "--lora-r", "4", "--device", "cpu", "--logger", "jsonl"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert f"from {toy_datasets / 'eval.parquet'}" in out
+    eval_docs = {json.loads(line)["doc_id"] for line in (save_dir / "samples.jsonl").read_text().splitlines()}
+    import pyarrow.parquet as pq
+
+    assert eval_docs <= set(pq.read_table(toy_datasets / "eval.parquet").column("doc_id").to_pylist())
+    summary = json.loads((save_dir / "summary.json").read_text())
+    assert summary["steps_done"] == 2 and summary["final"]["step"] == 1
+    assert (save_dir / summary["checkpoint"] / "adapter").is_dir()
+    assert f"done: 2 steps; checkpoint {save_dir / summary['checkpoint']}" in out and f"nla plot {save_dir}" in out
+
+
+# --------------------------------------------------------------------------- progress, .gitignore, the eval table
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_shows_step_total_rate_and_eta_only_on_a_terminal(monkeypatch):
+    monkeypatch.setattr("sys.stderr", io.StringIO())
+    assert progress_bar(total=10, desc="train", unit="step").disable, "CI logs get no bar"
+    terminal = _Terminal()
+    monkeypatch.setattr("sys.stderr", terminal)
+    assert progress_bar(total=10, desc="train", unit="step", enabled=False).disable, "file-only loggers get no bar"
+    bar = progress_bar(total=10, initial=2, desc="train", unit="step")
+    bar.update(3)
+    bar.refresh()
+    shown = terminal.getvalue().split("\r")[-1]
+    assert "train" in shown and "5/10" in shown and "step/s" in shown and "<" in shown, shown  # "<" precedes the ETA
+    bar.close()
+
+
+def test_demo_run_dir_is_ignored_by_git():
+    assert "nla_demo/" in (REPO / ".gitignore").read_text().splitlines()
+
+
+def test_eval_table_never_shows_a_broken_character():
+    # "café" cut inside the two bytes of "é" decodes to "caf\ufffd".
+    table = markdown_table([{"context": "x" * 50 + " caf\ufffd", "explanation": "a drink"}], context_chars=10)
+    assert "\ufffd" not in table and "…" in table and "caf |" in table
+    table.encode("utf-8")

@@ -26,7 +26,6 @@ run again (the api/local explainers' reply cache makes the rerun free up to wher
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import shutil
 from dataclasses import dataclass

@@ -42,7 +42,7 @@ from nla_shell.training.runlock import RunDirLock
 from nla_shell.io.logging import NullLogger, make_logger
 from nla_shell.io.paths import require_file, require_model
 from nla_shell.io.progress import progress_bar, say_line
-from nla_shell.metrics import cjk_fraction, finite_mean, fve_metrics, token_lengths
+from nla_shell.metrics import cjk_fraction, fve_metrics, token_lengths
 from nla_shell.models import (
     ARModel, Injector, base_model_dir, eos_token_ids, inner_lm, is_adapter_dir, load_actor, trainable_parameters,
 )

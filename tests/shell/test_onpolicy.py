@@ -17,7 +17,6 @@ import pytest
 import torch
 
 import fixtures
-import nla_core
 from nla_shell import cli
 from nla_shell.engines.base import Rollout, RolloutRequest
 from nla_shell.engines.hf import HFRolloutEngine

@@ -25,7 +25,6 @@ model it scored). An out_dir that holds anything is refused unless overwrite.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 from dataclasses import asdict, dataclass
@@ -49,6 +48,7 @@ from nla_shell.metrics import finite_mean, fve_metrics, token_lengths
 from nla_shell.models import ARModel, Injector, ar_predict, base_model_dir, load_actor
 from nla_shell.pipeline.splice import splice_kl
 from nla_shell.training.scoring import Scores, score_explanations
+from nla_shell.training.checkpoint import file_sha256
 from nla_shell.training.train import resolve_device
 
 OPTIONAL_COLUMNS = ("position", "context", "explanation")
@@ -445,7 +445,7 @@ def provenance(cfg: EvalConfig, sidecar_path: Path, nla: nla_core.NLAConfig) -> 
             return None
         meta = Path(path) / MODEL_SIDECAR
         return {"path": str(Path(path).resolve()), "sidecar": str(meta.resolve()) if meta.is_file() else None,
-                "sidecar_sha256": _sha256(meta) if meta.is_file() else None}
+                "sidecar_sha256": file_sha256(meta) if meta.is_file() else None}
 
     parquet = Path(cfg.parquet)
     return {
@@ -454,7 +454,7 @@ def provenance(cfg: EvalConfig, sidecar_path: Path, nla: nla_core.NLAConfig) -> 
         "model": None if cfg.model is None else str(Path(cfg.model).resolve()),
         "parquet": {"path": str(parquet.resolve()), "bytes": parquet.stat().st_size,
                     "rows": pq.ParquetFile(parquet).metadata.num_rows},
-        "sidecar": {"path": str(sidecar_path.resolve()), "sha256": _sha256(sidecar_path), "d_model": nla.d_model,
+        "sidecar": {"path": str(sidecar_path.resolve()), "sha256": file_sha256(sidecar_path), "d_model": nla.d_model,
                     "extraction_layer_index": nla.extraction_layer_index, "injection_char": nla.injection_char,
                     "injection_token_id": nla.injection_token_id, "mse_scale": nla.mse_scale},
         "config": {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(cfg).items()},
@@ -474,10 +474,6 @@ def write_reports(out_dir: Path, samples: Sequence[dict[str, Any]], metrics: dic
     (out_dir / "eval_controls.md").write_text(controls, encoding="utf-8")
     summary = {**{k: _finite_or_none(v) for k, v in metrics.items()}, "provenance": provenance}
     (out_dir / "eval_summary.json").write_text(json.dumps(summary, indent=2, ensure_ascii=False), encoding="utf-8")
-
-
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def markdown_table(samples: Sequence[dict[str, Any]], *, context_chars: int = 40) -> str:

@@ -151,7 +151,7 @@ def _hash_and_fsync(root: Path) -> dict[str, dict[str, Any]]:
     paths = sorted(p for p in root.rglob("*") if p.is_file())
 
     def one(path: Path) -> tuple[str, dict[str, Any]]:
-        return path.relative_to(root).as_posix(), {"bytes": path.stat().st_size, "sha256": _sha256(path, fsync=True)}
+        return path.relative_to(root).as_posix(), {"bytes": path.stat().st_size, "sha256": file_sha256(path, fsync=True)}
 
     with ThreadPoolExecutor(max_workers=_hash_workers()) as pool:
         files = dict(pool.map(one, paths))
@@ -207,7 +207,7 @@ def checkpoint_problem(path: str | os.PathLike[str], *, hashes: bool = True) -> 
             return f"{name} has {file.stat().st_size} bytes, the manifest says {entry['bytes']}"
     if hashes:
         with ThreadPoolExecutor(max_workers=_hash_workers()) as pool:
-            digests = dict(zip(files, pool.map(_sha256, [path / name for name in files])))
+            digests = dict(zip(files, pool.map(file_sha256, [path / name for name in files])))
         for name, entry in files.items():
             if digests[name] != entry["sha256"]:
                 return f"{name} does not match its sha256 in {MANIFEST_NAME} (corrupted)"
@@ -218,7 +218,7 @@ def has_manifest(path: Path) -> bool:
     return (path / MANIFEST_NAME).is_file()
 
 
-def _sha256(path: Path, *, fsync: bool = False) -> str:
+def file_sha256(path: Path, *, fsync: bool = False) -> str:
     """The file's sha256 (hex); with `fsync`, also flush it to disk through the same descriptor."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:

@@ -241,8 +241,8 @@ _DEVICE_RE = re.compile(r"auto|cpu|cuda(:\d+)?")
 def _check_train_config(cfg: TrainConfig) -> None:
     """Range and consistency checks that the types alone cannot express."""
     for key in ("av_ckpt", "ar_ckpt", "rl_parquet", "save_dir"):
-        _require(getattr(cfg, key) != "", key, "", "give a path")
-    _require(
+        require(getattr(cfg, key) != "", key, "", "give a path")
+    require(
         cfg.temperature == 1.0, "temperature", cfg.temperature,
         "set it to 1.0: old_logp semantics require temperature 1.0",
     )
@@ -251,52 +251,53 @@ def _check_train_config(cfg: TrainConfig) -> None:
         "logp_micro_batch", "critic_micro_batch", "max_explanation_tokens",
         "vllm_max_len", "vllm_tp", "save_every",
     ):
-        _require(getattr(cfg, key) >= 1, key, getattr(cfg, key), "use an integer >= 1")
+        require(getattr(cfg, key) >= 1, key, getattr(cfg, key), "use an integer >= 1")
     for key in ("max_rows", "eval_max_new_tokens", "keep_last"):
         value = getattr(cfg, key)
-        _require(value is None or value >= 1, key, value, "use an integer >= 1 or null")
+        require(value is None or value >= 1, key, value, "use an integer >= 1 or null")
     for key in ("start_step", "eval_every", "eval_n_prompts", "vllm_sync_every", "length_margin"):
-        _require(getattr(cfg, key) >= 0, key, getattr(cfg, key), "use an integer >= 0")
-    _require(cfg.eval_skip_rows is None or cfg.eval_skip_rows >= 0, "eval_skip_rows", cfg.eval_skip_rows,
+        require(getattr(cfg, key) >= 0, key, getattr(cfg, key), "use an integer >= 0")
+    require(cfg.eval_skip_rows is None or cfg.eval_skip_rows >= 0, "eval_skip_rows", cfg.eval_skip_rows,
              "use an integer >= 0 or null")
     if cfg.eval_parquet is not None:
-        _require(cfg.eval_skip_rows is None, "eval_skip_rows", cfg.eval_skip_rows,
+        require(cfg.eval_skip_rows is None, "eval_skip_rows", cfg.eval_skip_rows,
                  "leave it unset with eval_parquet (held-out rows then come from that file)")
-    _require(
+    require(
         cfg.group_size >= 2, "group_size", cfg.group_size,
         "use an integer >= 2: a group of one has no baseline to compare against",
     )
-    _require(0 <= cfg.seed < 2**32, "seed", cfg.seed, "use 0 <= seed < 2**32 (numpy's range)")
+    require(0 <= cfg.seed < 2**32, "seed", cfg.seed, "use 0 <= seed < 2**32 (numpy's range)")
     for key in ("lr", "critic_lr", "max_grad_norm", "tis_cap"):
-        _require(getattr(cfg, key) > 0, key, getattr(cfg, key), "use a number > 0")
+        require(getattr(cfg, key) > 0, key, getattr(cfg, key), "use a number > 0")
     for key in ("clip_eps_high", "kl_clamp", "mismatch_threshold"):
         value = getattr(cfg, key)
-        _require(value is None or value > 0, key, value, "use a number > 0 or null")
-    _require(0 < cfg.clip_eps < 1, "clip_eps", cfg.clip_eps, "use 0 < clip_eps < 1")
-    _require(cfg.kl_beta >= 0, "kl_beta", cfg.kl_beta, "use a number >= 0 (0 disables the KL term)")
-    _require(cfg.length_penalty >= 0, "length_penalty", cfg.length_penalty, "use a number >= 0 (0 disables it)")
+        require(value is None or value > 0, key, value, "use a number > 0 or null")
+    require(0 < cfg.clip_eps < 1, "clip_eps", cfg.clip_eps, "use 0 < clip_eps < 1")
+    require(cfg.kl_beta >= 0, "kl_beta", cfg.kl_beta, "use a number >= 0 (0 disables the KL term)")
+    require(cfg.length_penalty >= 0, "length_penalty", cfg.length_penalty, "use a number >= 0 (0 disables it)")
     upper_clip = 1.0 + (cfg.clip_eps if cfg.clip_eps_high is None else cfg.clip_eps_high)
-    _require(
+    require(
         cfg.tis != "ratio_cap" or cfg.tis_cap >= upper_clip, "tis_cap", cfg.tis_cap,
         f"with tis=ratio_cap use tis_cap >= 1 + clip_eps_high = {upper_clip:g}: a lower cap binds before the "
         "PPO clip on positive-advantage tokens",
     )
-    _require(0 < cfg.vllm_gpu_mem <= 1, "vllm_gpu_mem", cfg.vllm_gpu_mem, "use 0 < vllm_gpu_mem <= 1")
-    _require(
+    require(0 < cfg.vllm_gpu_mem <= 1, "vllm_gpu_mem", cfg.vllm_gpu_mem, "use 0 < vllm_gpu_mem <= 1")
+    require(
         _DEVICE_RE.fullmatch(cfg.device) is not None, "device", cfg.device,
         "use one of 'auto', 'cpu', 'cuda', 'cuda:N'",
     )
     # Only the window the config itself fixes is checked here; with max_rows unset the
     # data loader checks the parquet's length against eval_skip_rows.
     if cfg.eval_every > 0 and cfg.eval_n_prompts > 0 and None not in (cfg.max_rows, cfg.eval_skip_rows):
-        _require(
+        require(
             cfg.max_rows <= cfg.eval_skip_rows, "max_rows", cfg.max_rows,
             f"training rows would overlap the eval rows starting at eval_skip_rows="
             f"{cfg.eval_skip_rows}; lower max_rows, raise eval_skip_rows, or set eval_every=0",
         )
 
 
-def _require(ok: bool, key: str, value: Any, fix: str) -> None:
+def require(ok: bool, key: str, value: Any, fix: str) -> None:
+    """A ConfigError naming the key, its value and the fix, unless ok."""
     if not ok:
         raise ConfigError(f"config key '{key}' = {value!r} is invalid: {fix}")
 

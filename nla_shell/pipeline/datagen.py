@@ -40,7 +40,7 @@ import torch
 from nla_core import actor_content, canonical_neighbors, parse_sidecar, resolve_target_scale
 from nla_shell.explainers import Site, make_explainer
 from nla_shell.explainers.jsonl import jsonl_objects, write_sites
-from nla_shell.io.config import ConfigError, normalize_fields
+from nla_shell.io.config import ConfigError, normalize_fields, require
 from nla_shell import families
 from nla_shell.io.data import DataError, av_prompt_messages, chat_prompt_ids, check_tokenizer
 from nla_shell.io.paths import require_file, require_model
@@ -159,46 +159,41 @@ class DatagenConfig:
         normalize_fields(self)
         for key in ("positions_per_doc", "max_seq_len", "batch_size", "row_group_size", "explainer_max_tokens",
                     "explainer_concurrency", "explainer_batch_size"):
-            _require(getattr(self, key) >= 1, key, getattr(self, key), "use an integer >= 1")
-        _require(self.layer >= 0, "layer", self.layer, "use a block index >= 0")
-        _require(self.min_context >= 1, "min_context", self.min_context, "use an integer >= 1")
-        _require(self.max_docs is None or self.max_docs >= 1, "max_docs", self.max_docs, "use an integer >= 1 or null")
+            require(getattr(self, key) >= 1, key, getattr(self, key), "use an integer >= 1")
+        require(self.layer >= 0, "layer", self.layer, "use a block index >= 0")
+        require(self.min_context >= 1, "min_context", self.min_context, "use an integer >= 1")
+        require(self.max_docs is None or self.max_docs >= 1, "max_docs", self.max_docs, "use an integer >= 1 or null")
         fractions = [self.av_sft_fraction, self.ar_sft_fraction, self.eval_fraction]
         for key, value in zip(("av_sft_fraction", "ar_sft_fraction", "eval_fraction"), fractions):
-            _require(0 <= value <= 1, key, value, "use a fraction in [0, 1]")
-        _require(sum(fractions) < 1, "eval_fraction", self.eval_fraction,
+            require(0 <= value <= 1, key, value, "use a fraction in [0, 1]")
+        require(sum(fractions) < 1, "eval_fraction", self.eval_fraction,
                  f"the split fractions sum to {sum(fractions):g}; leave a share > 0 for rl")
         try:
             actor_content(self.av_template, key="av_template")
         except ValueError as err:
             raise ConfigError(f"config key 'av_template' = {self.av_template!r} is invalid: {err}") from None
-        _require("{explanation}" in self.ar_template, "ar_template", self.ar_template, "include {explanation}")
+        require("{explanation}" in self.ar_template, "ar_template", self.ar_template, "include {explanation}")
         try:
             resolve_target_scale(_sidecar_scale(self.mse_scale), 1)
         except ValueError as err:
             raise ConfigError(f"config key 'mse_scale' = {self.mse_scale!r} is invalid: {err}") from None
-        _require(self.explainer is not None or self.write_sites is not None, "explainer", None,
+        require(self.explainer is not None or self.write_sites is not None, "explainer", None,
                  "choose api (an LLM API), local (a local HF model), jsonl (your labels), rule (the toy language "
                  "only) or none (rl split only); or write_sites=FILE to list the sites to label")
         if self.explainer == "jsonl":
-            _require(self.explanations is not None, "explanations", None, "give the JSONL path (explainer=jsonl)")
+            require(self.explanations is not None, "explanations", None, "give the JSONL path (explainer=jsonl)")
         if self.explainer in ("api", "local"):
-            _require(self.explainer_model is not None, "explainer_model", None,
+            require(self.explainer_model is not None, "explainer_model", None,
                      "name the model (explainer=api) or give its checkpoint dir (explainer=local)")
-        _require(self.explainer_max_retries >= 0, "explainer_max_retries", self.explainer_max_retries, "use >= 0")
-        _require(self.explainer_temperature is None or self.explainer_temperature >= 0, "explainer_temperature",
+        require(self.explainer_max_retries >= 0, "explainer_max_retries", self.explainer_max_retries, "use >= 0")
+        require(self.explainer_temperature is None or self.explainer_temperature >= 0, "explainer_temperature",
                  self.explainer_temperature, "use >= 0, or null for the model's default")
-        _require(self.explainer_timeout_s > 0, "explainer_timeout_s", self.explainer_timeout_s, "use seconds > 0")
-        _require(0 <= self.explainer_failure_threshold < 1, "explainer_failure_threshold",
+        require(self.explainer_timeout_s > 0, "explainer_timeout_s", self.explainer_timeout_s, "use seconds > 0")
+        require(0 <= self.explainer_failure_threshold < 1, "explainer_failure_threshold",
                  self.explainer_failure_threshold, "use a fraction in [0, 1)")
         if self.explainer == "none":
-            _require(sum(fractions) == 0, "explainer", "none",
+            require(sum(fractions) == 0, "explainer", "none",
                      "set av_sft_fraction, ar_sft_fraction and eval_fraction to 0 (they need explanations)")
-
-
-def _require(ok: bool, key: str, value: Any, fix: str) -> None:
-    if not ok:
-        raise ConfigError(f"config key '{key}' = {value!r} is invalid: {fix}")
 
 
 # --------------------------------------------------------------------------- documents

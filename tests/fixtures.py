@@ -358,3 +358,29 @@ def hold_run_dir_lock(save_dir: Path) -> subprocess.Popen:
         proc.kill()
         raise RuntimeError(f"the lock holder for {save_dir} did not start")
     return proc
+
+
+def tiny_lora_qwen3(dtype=None):
+    """A 2-layer Qwen3 (D 64, V 128) with a LoRA r4 on q, k, v, o whose B factors are non-zero (seed 0)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen3Config(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+    )
+    base = Qwen3ForCausalLM(config).to(dtype or torch.float32)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], lora_dropout=0.0)
+    model = get_peft_model(base, lora)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.5)
+    return model

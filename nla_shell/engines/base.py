@@ -9,6 +9,7 @@ for engine/trainer mismatch (TIS).
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any, Protocol, Sequence, runtime_checkable
 
@@ -68,6 +69,13 @@ class RolloutEngine(Protocol):
     def close(self) -> None:
         """Release the engine's resources."""
         ...
+
+
+def held_awake(engine: RolloutEngine) -> contextlib.AbstractContextManager:
+    """One wake-up for a block of generation calls on an engine that sleeps between them
+    (vLLM's sleep mode: `awake()`); nothing for the others."""
+    awake = getattr(engine, "awake", None)
+    return awake() if awake is not None else contextlib.nullcontext()
 
 
 def sample_explanations(

@@ -17,6 +17,7 @@ need neither vLLM nor a GPU; vLLM is imported only when the engine is constructe
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import hashlib
@@ -24,7 +25,7 @@ import math
 import os
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Mapping, NamedTuple, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, NamedTuple, Sequence
 
 import torch
 
@@ -35,6 +36,8 @@ from nla_shell.engines.weight_sync import iter_merged_weight_buckets
 from nla_shell.models import eos_token_ids, load_generation_config
 
 STEERING_BACKENDS = ("nla", "vllm_lens")
+SLEEP_LEVELS = (0, 1, 2)
+"""0: vLLM keeps its memory; 1 and 2: vLLM's sleep levels (see VLLMRolloutEngine)."""
 
 INSTALL_HINT = (
     "engine=vllm needs vLLM, which is not installed: pip install 'nla[vllm]' (vllm==0.24.0, vllm-lens==1.2.1), "
@@ -365,6 +368,22 @@ class VLLMRolloutEngine:
     serialising them). Randomness comes from vLLM's engine seed; with seed_requests each
     prompt instead gets a seed drawn from the `generate` generator (reproducible per
     batch, but vLLM's V1 sampler then loops over requests in Python: slower).
+
+    Colocation beside the trainer (sleep_level 1 or 2, vLLM's sleep mode): vLLM's weights
+    and KV cache live in its own pool and are handed back to the GPU after every block of
+    work, so the trainer's update can use them. Each block (`awake`, entered by every
+    generation call) runs: torch.cuda.empty_cache() (the trainer's cached blocks go back to
+    the device first) -> wake the weights -> push the actor if a push is due -> wake the
+    KV cache -> generate -> sleep. `sync_weights` while asleep only marks the push due.
+      level 1  copies the weights to pinned CPU memory at sleep and back at wake (2 x the
+               weights over PCIe per step, and that much pinned host memory); any
+               vllm_sync_every works.
+      level 2  discards the weights (and the steering buffers, re-zeroed at wake): every
+               wake pushes the last synced module's weights as they are then, so use it
+               with a push every step (vllm_sync_every=1, which `nla train` requires). No
+               host copy: costs one push (0.06 s at the 8B shape) per wake.
+    Both drop the KV cache (no prefix cache survives a sleep) and keep the CUDA graphs. One
+    sleep-mode engine per process (vLLM's allocator is a process singleton).
     """
 
     shares_actor_weights = False
@@ -392,7 +411,10 @@ class VLLMRolloutEngine:
         load_format: str = "auto",
         llm_kwargs: Mapping[str, Any] | None = None,
         eos_ids: Sequence[int] | None = None,
+        sleep_level: int = 0,
     ) -> None:
+        if sleep_level not in SLEEP_LEVELS:
+            raise ValueError(f"sleep_level must be one of {SLEEP_LEVELS}, got {sleep_level!r}")
         if steering not in STEERING_BACKENDS:
             raise ValueError(f"steering must be one of {STEERING_BACKENDS}, got {steering!r}")
         if injection_style != "residual_add" and steering != "nla":
@@ -403,6 +425,13 @@ class VLLMRolloutEngine:
         self.injection_layer = injection_layer
         self.steering = steering
         self.seed_requests = seed_requests
+        self.sleep_level = sleep_level
+        self._asleep = False
+        self._awake_depth = 0
+        self._weights_source: torch.nn.Module | None = None
+        self._push_due = False
+        self.last_stats: dict[str, float] = {}
+        """Seconds of the last `awake` block: wake, push, generate (vLLM's own calls), sleep."""
         # Every eos of the checkpoint's generation_config stops a rollout (Qwen3: <|im_end|> and
         # <|endoftext|>), as in the HF engines; llm_kwargs_for keeps vLLM from reading that file itself.
         self.stop_token_ids = tuple(
@@ -421,6 +450,8 @@ class VLLMRolloutEngine:
             enable_prefix_caching=enable_prefix_caching,
             load_format=load_format,
         )
+        if sleep_level:
+            kwargs["enable_sleep_mode"] = True
         if steering == "nla":
             kwargs["additional_config"] = {
                 vllm_steering.CONFIG_KEY: {"layer": injection_layer, "style": injection_style, "norm": injection_norm}
@@ -524,7 +555,11 @@ class VLLMRolloutEngine:
             prompts.append(prompt)
             extra_args = self._extra_args(spec) if steered else None
             params.append(SamplingParams(**sampling_kwargs(spec, extra_args=extra_args, logprobs=logprobs)))
-        return self.llm.generate(prompts, params, use_tqdm=False)
+        with self.awake():
+            start = time.perf_counter()
+            outputs = self.llm.generate(prompts, params, use_tqdm=False)
+            self.last_stats["generate_s"] += time.perf_counter() - start
+        return outputs
 
     def _extra_args(self, spec: RequestSpec) -> dict[str, Any]:
         if self.steering == "nla":
@@ -577,16 +612,72 @@ class VLLMRolloutEngine:
         """Push the actor's LoRA-merged weights (merged out of place, bucket by bucket).
 
         In-process the tensors stay on the actor's device (no host round trip); otherwise
-        they go through CPU. Returns seconds spent, merge included.
+        they go through CPU. Returns seconds spent, merge included. While vLLM sleeps the
+        push is only marked due (0.0 returned): the next wake-up makes it, with the actor's
+        weights as they are then, and counts it in last_stats["push_s"].
         """
+        self._weights_source = actor
+        if self._asleep:
+            self._push_due = True
+            return 0.0
+        return self._push(actor)
+
+    def _push(self, actor: torch.nn.Module) -> float:
         device = None if self._in_process else "cpu"
-        return self.push_buckets(iter_merged_weight_buckets(actor, device=device))
+        seconds = self.push_buckets(iter_merged_weight_buckets(actor, device=device))
+        self._push_due = False
+        return seconds
+
+    # ------------------------------------------------------------------ sleep mode
+
+    @contextlib.contextmanager
+    def awake(self) -> Iterator[None]:
+        """vLLM's memory held for the block; with sleep_level, woken before and put to sleep
+        after (only the outermost of nested blocks does either). Resets last_stats."""
+        outermost = self._awake_depth == 0
+        if outermost:
+            self.last_stats = {"wake_s": 0.0, "push_s": 0.0, "generate_s": 0.0, "sleep_s": 0.0}
+            if self._asleep:
+                self._wake()
+        self._awake_depth += 1
+        try:
+            yield
+        finally:
+            self._awake_depth -= 1
+            if outermost and self.sleep_level and not self._asleep:
+                start = time.perf_counter()
+                self.llm.sleep(level=self.sleep_level)
+                self._asleep = True
+                self.last_stats["sleep_s"] = time.perf_counter() - start
+
+    def _wake(self) -> None:
+        """Weights first, then the push they may need, then the KV cache (as TRL's colocate mode)."""
+        start = time.perf_counter()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        self.llm.wake_up(tags=["weights"])
+        self._asleep = False
+        if self.sleep_level == 2:
+            self.llm.apply_model(vllm_steering.reset_steering)
+        woke = time.perf_counter() - start
+        if self.sleep_level == 2 or self._push_due:
+            if self._weights_source is None:
+                raise RuntimeError(
+                    "vLLM woke from sleep level 2 with its weights discarded and nothing to restore them from: "
+                    "call sync_weights(actor) before the first generation"
+                )
+            self.last_stats["push_s"] = self._push(self._weights_source)
+        start = time.perf_counter()
+        self.llm.wake_up(tags=["kv_cache"])
+        self.last_stats["wake_s"] = woke + time.perf_counter() - start
 
     def push_buckets(self, buckets: Iterable[tuple[str, list[tuple[str, torch.Tensor]]]]) -> float:
         """Load (hf_name, tensor) buckets into vLLM one apply_model call each, then drop the
         prefix cache (its KV came from the old weights). Raises when a vLLM parameter
         received nothing. Returns seconds spent, including producing the buckets.
         """
+        if self._asleep:
+            raise RuntimeError("vLLM is asleep: push with sync_weights, which makes the push at the next wake-up")
         start = time.perf_counter()
         loaded: set[str] = set()
         for _, bucket in buckets:

@@ -53,6 +53,9 @@ EXTRA_ARGS_KEY = "nla_steer"
 CONFIG_KEY = "nla_steering"
 """vLLM additional_config key carrying {"layer": int, "style": str, "norm": float | None}; its presence turns the plugin on."""
 STEERED_CLASS_PREFIX = "NLASteered"
+STATE_ATTRIBUTE = "_nla_steering"
+"""Attribute of the runner and of its model holding the SteeringState (the model's copy is
+what `LLM.apply_model` functions such as `reset_steering` reach)."""
 
 
 def encode_vector(vector: torch.Tensor) -> bytes:
@@ -173,6 +176,14 @@ class SteeringState:
         self.units: dict[str, torch.Tensor] = {}
         self._stale: torch.Tensor | None = None
 
+    def reset(self) -> None:
+        """Zero both buffers and forget rows to clear. They are allocated while vLLM loads the
+        model, so sleep mode tags them as weights: level 2 unmaps them and wake-up maps
+        fresh memory of undefined content (a garbage slot would steer, or index, at random)."""
+        self.slot.zero_()
+        self.table.zero_()
+        self._stale = None
+
     @property
     def busy(self) -> bool:
         """True when a step could need work: live steered requests, or rows left to clear."""
@@ -287,6 +298,16 @@ def steering_installed(model: torch.nn.Module) -> bool:
     return any(type(m).__name__.startswith(STEERED_CLASS_PREFIX) for m in model.modules())
 
 
+def reset_steering(model: torch.nn.Module) -> bool:
+    """For `LLM.apply_model` after a level-2 wake-up: zero the model's steering buffers.
+    True when the model carries steering state."""
+    state = getattr(model, STATE_ATTRIBUTE, None)
+    if state is None:
+        return False
+    state.reset()
+    return True
+
+
 def _install(runner) -> None:
     """After load_model: swap the configured layer's class and give the runner its state."""
     global _ACTIVE
@@ -313,14 +334,15 @@ def _install(runner) -> None:
         norm=norm,
     )
     layer.__class__ = steered_class(type(layer), style)
-    runner._nla_steering = state
+    setattr(runner, STATE_ATTRIBUTE, state)
+    setattr(runner.get_model(), STATE_ATTRIBUTE, state)
     # Profiling and CUDA-graph capture follow load_model before any execute_model.
     _ACTIVE = state
 
 
 def _activate(runner, scheduler_output) -> SteeringState | None:
     global _ACTIVE
-    state = getattr(runner, "_nla_steering", None)
+    state = getattr(runner, STATE_ATTRIBUTE, None)
     if state is not None:
         _ACTIVE = state
         state.update_requests(scheduler_output.scheduled_new_reqs, scheduler_output.finished_req_ids)
@@ -354,7 +376,7 @@ def _patch_v1(cls) -> None:
     original = cls._model_forward
 
     def _model_forward(self, *args, **kwargs):
-        state = getattr(self, "_nla_steering", None)
+        state = getattr(self, STATE_ATTRIBUTE, None)
         if state is not None and state.busy:
             batch = self.input_batch
             n = batch.num_reqs
@@ -374,7 +396,7 @@ def _patch_v2(cls) -> None:
 
     def prepare_inputs(self, scheduler_output, *args, **kwargs):
         batch = original(self, scheduler_output, *args, **kwargs)
-        state = getattr(self, "_nla_steering", None)
+        state = getattr(self, STATE_ATTRIBUTE, None)
         if state is not None and state.busy:
             state.prepare_step(
                 batch.req_ids,

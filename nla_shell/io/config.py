@@ -177,6 +177,14 @@ class TrainConfig:
     """vLLM max_model_len (prompt + generation tokens)."""
     vllm_tp: int = 1
     """vLLM tensor_parallel_size."""
+    vllm_sleep: int = 0
+    """vLLM's sleep mode, for colocation beside the trainer on one GPU: 0 keeps vLLM's weights and KV cache
+    resident (vllm_gpu_mem of the GPU for the whole run); 1 and 2 free both after each rollout and take them back
+    before the next (torch's cache is emptied first), so vllm_gpu_mem can be large (room for 2048 sequences)
+    while the update still gets the GPU. 1 parks the weights in pinned CPU memory (a host copy each way per
+    step); 2 discards them and pushes the actor's at every wake-up instead (one push, 0.06 s at 8B; needs
+    vllm_sync_every=1). Either re-maps the KV cache per step (no prefix cache survives) and adds its wake-up
+    and sleep to time_rollout. An nla addition (TRL's vllm_enable_sleep_mode)."""
     vllm_sync_every: int = 1
     """Push the actor's merged weights to an engine with its own copy every N steps; 0 never pushes
     after the initial one. A deliberate deviation from the reference's 20: measured on an H200
@@ -228,7 +236,7 @@ RESUME_MUTABLE_KEYS: frozenset[str] = frozenset(
         "save_dir", "resume", "overwrite", "logger", "wandb_project", "wandb_name", "device",
         # Memory/speed knobs: mathematically neutral (not bit-exact: summation order moves).
         "logp_micro_batch", "critic_micro_batch", "gradient_checkpointing",
-        "vllm_gpu_mem", "vllm_max_len", "vllm_tp",
+        "vllm_gpu_mem", "vllm_max_len", "vllm_tp", "vllm_sleep",
     }
 )
 """TrainConfig keys a resumed run may change. Every other key is part of the run's identity:
@@ -282,6 +290,12 @@ def _check_train_config(cfg: TrainConfig) -> None:
         "PPO clip on positive-advantage tokens",
     )
     require(0 < cfg.vllm_gpu_mem <= 1, "vllm_gpu_mem", cfg.vllm_gpu_mem, "use 0 < vllm_gpu_mem <= 1")
+    require(cfg.vllm_sleep in (0, 1, 2), "vllm_sleep", cfg.vllm_sleep, "use 0 (off), 1 or 2")
+    require(
+        cfg.vllm_sleep != 2 or cfg.vllm_sync_every == 1, "vllm_sleep", cfg.vllm_sleep,
+        f"level 2 discards vLLM's weights and restores them by a push at every wake-up, which vllm_sync_every="
+        f"{cfg.vllm_sync_every} does not allow: use vllm_sync_every=1, or vllm_sleep=1",
+    )
     require(
         _DEVICE_RE.fullmatch(cfg.device) is not None, "device", cfg.device,
         "use one of 'auto', 'cpu', 'cuda', 'cuda:N'",

@@ -35,7 +35,7 @@ from nla_shell.io.data import (
     DataError, RLRow, build_prompt_ids, check_tokenizer, load_eval_rows, load_rows, parquet_num_rows, row_windows,
 )
 from nla_shell.io.sidecars import MODEL_SIDECAR, injection_settings, load_sidecar, model_sidecar, write_sidecar
-from nla_shell.engines.base import RolloutEngine, RolloutRequest, sample_explanations
+from nla_shell.engines.base import RolloutEngine, RolloutRequest, held_awake, sample_explanations
 from nla_shell.training.distributed import RankInfo
 from nla_shell.training.preemption import StopSignals
 from nla_shell.training.runlock import RunDirLock
@@ -117,6 +117,7 @@ def make_engine(cfg: TrainConfig, actor, injector: Injector, tokenizer, *, layer
         gpu_memory_utilization=cfg.vllm_gpu_mem,
         max_model_len=cfg.vllm_max_len,
         tensor_parallel_size=cfg.vllm_tp,
+        sleep_level=cfg.vllm_sleep,
         eos_ids=eos_token_ids(inner_lm(actor).generation_config, tokenizer),
         # Under torchrun each rank's engine samples from a stream of its own.
         seed=distributed.rank_seed(cfg.seed, distributed.rank_info().rank) if distributed.active() else cfg.seed,
@@ -436,12 +437,13 @@ def run_ranked(cfg: TrainConfig, rank: RankInfo, device: torch.device, dtype: to
         t0 = time.perf_counter()
         batch_idx = distributed.shard(order.next_batch(cfg.batch_prompts), rank)
         requests = [RolloutRequest(tuple(prompt_ids[i]), rows[i].activation) for i in batch_idx]
-        rollouts = engine.generate(requests, group_size=cfg.group_size, max_new_tokens=cfg.max_new_tokens)
+        with held_awake(engine):  # vllm_sleep: one wake-up (and weight push) serves rollouts and canary
+            rollouts = engine.generate(requests, group_size=cfg.group_size, max_new_tokens=cfg.max_new_tokens)
+            # Engines that steer on their own (vLLM) prove each step that the vector still lands:
+            # a canary of 0 means rollouts came from an unsteered model the trainer never sees.
+            canary = engine.steering_canary(requests[0]) if hasattr(engine, "steering_canary") else math.nan
         golds = torch.stack([requests[r.prompt_index].activation for r in rollouts])
         time_rollout = time.perf_counter() - t0
-        # Engines that steer on their own (vLLM) prove each step that the vector still lands:
-        # a canary of 0 means rollouts came from an unsteered model the trainer never sees.
-        canary = engine.steering_canary(requests[0]) if hasattr(engine, "steering_canary") else math.nan
         if canary == 0.0:
             say(f"[warn] step {step}: steering canary is 0: the engine's rollouts are unsteered", error=True)
 

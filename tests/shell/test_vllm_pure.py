@@ -8,6 +8,7 @@ import importlib.util
 import math
 from types import SimpleNamespace
 
+import fixtures
 import numpy as np
 import pytest
 import torch
@@ -331,32 +332,8 @@ def test_steered_class_routes_the_layer_output_through_the_op(monkeypatch):
 # --------------------------------------------------------------------------- weight sync
 
 
-def _tiny_peft(dtype=torch.float32):
-    from peft import LoraConfig, get_peft_model
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    torch.manual_seed(0)
-    config = Qwen3Config(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-    )
-    base = Qwen3ForCausalLM(config).to(dtype)
-    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], lora_dropout=0.0)
-    model = get_peft_model(base, lora)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0.0, 0.5)
-    return model
-
-
 def test_merged_buckets_equal_peft_merge_and_leave_the_actor_untouched():
-    model = _tiny_peft()
+    model = fixtures.tiny_lora_qwen3()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     buckets = merged_weight_buckets(model)
     assert [name for name, _ in buckets] == ["other", "layers.0", "layers.1"]
@@ -380,7 +357,7 @@ def test_merged_buckets_equal_peft_merge_and_leave_the_actor_untouched():
 def test_merge_ignores_inactive_adapters_and_refuses_a_merged_one():
     from peft import LoraConfig
 
-    model = _tiny_peft()
+    model = fixtures.tiny_lora_qwen3()
     expected = {n: t for _, b in merged_weight_buckets(model) for n, t in b}
     model.add_adapter("reference", LoraConfig(r=2, target_modules=["q_proj"], lora_dropout=0.0))
     with torch.no_grad():
@@ -396,7 +373,7 @@ def test_merge_ignores_inactive_adapters_and_refuses_a_merged_one():
 
 
 def test_bf16_merge_rounds_once_from_float32():
-    model = _tiny_peft(torch.bfloat16)
+    model = fixtures.tiny_lora_qwen3(torch.bfloat16)
     layer = model.base_model.model.model.layers[1].self_attn.v_proj
     got = {n: t for _, b in merged_weight_buckets(model) for n, t in b}["model.layers.1.self_attn.v_proj.weight"]
     exact = layer.base_layer.weight.double() + layer.scaling["default"] * (

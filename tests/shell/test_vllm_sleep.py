@@ -1,0 +1,261 @@
+"""vLLM sleep mode in the rollout engine, against a fake `vllm` that behaves as vLLM 0.24's
+sleep mode does (vllm/v1/worker/gpu_worker.py, vllm/device_allocator/cumem.py): level 1
+keeps the weights (a CPU copy), level 2 discards them and every other tensor allocated
+while the model loaded (our steering buffers included), both discard the KV cache, and
+nothing may run or be written while the memory it needs is unmapped."""
+
+from __future__ import annotations
+
+import sys
+import types
+from types import SimpleNamespace
+
+import fixtures
+import pytest
+import torch
+
+from nla_shell.engines import vllm_steering as steer
+from nla_shell.engines.base import RolloutRequest, held_awake
+from nla_shell.engines.vllm import VLLMRolloutEngine
+from nla_shell.engines.weight_sync import merged_weight_buckets
+from nla_shell.io.config import ConfigError, TrainConfig
+
+MARKER, LEFT, RIGHT = 7, 5, 6
+
+
+class FakeModel:
+    """The worker's model: what `load_weights` wrote, and the steering state `_install` attaches."""
+
+    def __init__(self, names: list[str], d_model: int) -> None:
+        self.names = names
+        self.weights: dict[str, torch.Tensor] = {}
+        setattr(self, steer.STATE_ATTRIBUTE, steer.SteeringState(
+            d_model=d_model, max_tokens=16, max_requests=4, device=torch.device("cpu")))
+
+    def load_weights(self, weights):
+        loaded = []
+        for name, tensor in weights:
+            self.weights[name] = tensor.clone()
+            loaded.append(name)
+        return loaded
+
+    def named_parameters(self):
+        return ((name, None) for name in self.names)
+
+
+class FakeLLM:
+    """vllm.LLM with sleep mode: logs every call; refuses work on unmapped memory."""
+
+    def __init__(self, log: list, names: list[str], d_model: int, **kwargs) -> None:
+        self.log, self.kwargs = log, kwargs
+        self.model = FakeModel(names, d_model)
+        self.mapped = {"weights", "kv_cache"}
+        self.llm_engine = SimpleNamespace(
+            model_config=SimpleNamespace(get_hidden_size=lambda: d_model),
+            vllm_config=SimpleNamespace(cache_config=SimpleNamespace(enable_prefix_caching=False)),
+        )
+
+    def apply_model(self, fn):
+        if fn is steer.steering_installed:
+            return [True]
+        name = getattr(getattr(fn, "func", fn), "__name__", repr(fn))
+        if name == "_load_weights":
+            assert "weights" in self.mapped, "load_weights wrote into unmapped weight memory"
+            self.log.append("push")
+        elif name == "reset_steering":
+            assert "weights" in self.mapped, "steering buffers reset while unmapped"
+            self.log.append("reset_steering")
+        return [fn(self.model)]
+
+    def reset_prefix_cache(self) -> bool:
+        return True
+
+    def sleep(self, level: int = 1) -> None:
+        self.log.append(("sleep", level))
+        if level == 2:  # discarded: the memory comes back with whatever is in it
+            for tensor in self.model.weights.values():
+                tensor.fill_(float("nan"))
+            state = getattr(self.model, steer.STATE_ATTRIBUTE)
+            state.slot.fill_(3)
+            state.table.fill_(float("nan"))
+        self.mapped.clear()
+
+    def wake_up(self, tags=None) -> None:
+        self.log.append(("wake_up", tuple(tags or ("weights", "kv_cache"))))
+        self.mapped.update(tags or ("weights", "kv_cache"))
+
+    def generate(self, prompts, params, use_tqdm=False):
+        assert self.mapped == {"weights", "kv_cache"}, f"generate with only {self.mapped} mapped"
+        state = getattr(self.model, steer.STATE_ATTRIBUTE)
+        assert not state.slot.any() and not state.table.isnan().any(), "steering buffers hold garbage"
+        assert all(torch.isfinite(t).all() for t in self.model.weights.values()), "weights hold garbage"
+        self.log.append("generate")
+        self.generated_with = {k: v.clone() for k, v in self.model.weights.items()}
+        outputs = []
+        for prompt, p in zip(prompts, params):
+            completions = [SimpleNamespace(index=i, token_ids=[11, 12], logprobs=[{11: SimpleNamespace(logprob=-1.0)},
+                                                                                  {12: SimpleNamespace(logprob=-2.0)}])
+                           for i in range(p.n)]
+            outputs.append(SimpleNamespace(prompt_token_ids=prompt["prompt_token_ids"], outputs=completions))
+        return outputs
+
+
+@pytest.fixture
+def make_engine(monkeypatch):
+    """Builds VLLMRolloutEngines over FakeLLM (vllm faked in sys.modules); the shared call log."""
+    actor = fixtures.tiny_lora_qwen3()
+    names = [n for _, bucket in merged_weight_buckets(actor) for n, _ in bucket]
+    log: list = []
+    fake = types.ModuleType("vllm")
+    fake.LLM = lambda **kwargs: FakeLLM(log, names, actor.config.hidden_size, **kwargs)
+    fake.SamplingParams = lambda **kwargs: SimpleNamespace(**kwargs)
+    fake.TokensPrompt = dict
+    fake.envs = SimpleNamespace(disable_envs_cache=lambda: None)
+    monitor = types.ModuleType("vllm.compilation.monitor")
+    monitor.set_cudagraph_capturing_enabled = lambda enabled: None
+    for name, module in (("vllm", fake), ("vllm.compilation", types.ModuleType("vllm.compilation")),
+                         ("vllm.compilation.monitor", monitor)):
+        monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.setattr(steer, "register", lambda: None)
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # restored after the test
+    monkeypatch.setenv("VLLM_LENS_DISABLE", "1")
+    emptied = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: (emptied.append(len(log)), log.append("empty_cache")))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+
+    def build(sleep_level: int) -> VLLMRolloutEngine:
+        return VLLMRolloutEngine("unused", SimpleNamespace(decode=lambda ids, **_: "text"), marker_id=MARKER,
+                                 left_id=LEFT, right_id=RIGHT, eos_ids=[2], sleep_level=sleep_level)
+
+    return build, actor, log
+
+
+def _requests(d_model: int, n: int = 2) -> list[RolloutRequest]:
+    prompt = (20, LEFT, MARKER, RIGHT, 21)
+    return [RolloutRequest(prompt, torch.randn(d_model)) for _ in range(n)]
+
+
+def _merged(actor) -> dict[str, torch.Tensor]:
+    return {n: t for _, bucket in merged_weight_buckets(actor) for n, t in bucket}
+
+
+def _bump_lora(actor) -> None:
+    with torch.no_grad():
+        for name, p in actor.named_parameters():
+            if "lora_B" in name:
+                p.add_(0.25)
+
+
+def test_sleep_off_never_sleeps_wakes_or_empties_the_cache(make_engine):
+    build, actor, log = make_engine
+    engine = build(0)
+    assert "enable_sleep_mode" not in engine.llm.kwargs
+    engine.sync_weights(actor)
+    engine.generate(_requests(actor.config.hidden_size), group_size=2, max_new_tokens=2)
+    _bump_lora(actor)
+    engine.sync_weights(actor)  # pushed at once
+    engine.generate(_requests(actor.config.hidden_size), group_size=2, max_new_tokens=2)
+    assert [e for e in log if e != "push"] == ["generate", "generate"]
+    for name, tensor in _merged(actor).items():
+        torch.testing.assert_close(engine.llm.generated_with[name], tensor, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_each_generation_wakes_pushes_after_the_weights_and_sleeps(make_engine, level):
+    build, actor, log = make_engine
+    d = actor.config.hidden_size
+    engine = build(level)
+    assert engine.llm.kwargs["enable_sleep_mode"] is True
+    assert engine.sync_weights(actor) > 0  # awake after construction: pushed now
+    pushes_at_start = log.count("push")
+    rollouts = engine.generate(_requests(d), group_size=3, max_new_tokens=2)
+    assert len(rollouts) == 6 and log[-1] == ("sleep", level)
+    del log[:]
+
+    # The trainer's update moves the actor, then syncs while vLLM sleeps: nothing is pushed yet.
+    _bump_lora(actor)
+    assert engine.sync_weights(actor) == 0.0 and "push" not in log
+    engine.generate(_requests(d), group_size=2, max_new_tokens=2)
+    batch = log[log.index("empty_cache") : log.index("generate") + 2]
+    assert batch[0] == "empty_cache" and batch[1] == ("wake_up", ("weights",))
+    expected_wake = ["reset_steering"] if level == 2 else []
+    assert batch[2 : 2 + len(expected_wake)] == expected_wake
+    pushes = batch.count("push")
+    assert pushes == pushes_at_start  # the whole actor, once, between the two wake-ups
+    assert batch[2 + len(expected_wake) + pushes :] == [("wake_up", ("kv_cache",)), "generate", ("sleep", level)]
+    for name, tensor in _merged(actor).items():
+        torch.testing.assert_close(engine.llm.generated_with[name], tensor, rtol=0, atol=0)
+    assert set(engine.last_stats) == {"wake_s", "push_s", "generate_s", "sleep_s"}
+    assert engine.last_stats["push_s"] > 0
+
+
+def test_level_1_wakes_without_a_push_when_none_is_due_level_2_always_pushes(make_engine):
+    build, actor, log = make_engine
+    d = actor.config.hidden_size
+    for level, pushes in ((1, 0), (2, 1)):
+        engine = build(level)
+        engine.sync_weights(actor)
+        engine.generate(_requests(d), group_size=2, max_new_tokens=2)
+        del log[:]
+        engine.generate(_requests(d), group_size=2, max_new_tokens=2)  # no sync in between
+        assert min(log.count("push"), 1) == pushes, (level, log)
+        for name, tensor in _merged(actor).items():  # level 1 restored them, level 2 re-pushed them
+            torch.testing.assert_close(engine.llm.generated_with[name], tensor, rtol=0, atol=0)
+
+
+def test_one_wake_up_serves_a_block_of_calls(make_engine):
+    build, actor, log = make_engine
+    d = actor.config.hidden_size
+    engine = build(2)
+    engine.sync_weights(actor)
+    engine.generate(_requests(d), group_size=2, max_new_tokens=2)
+    del log[:]
+    with held_awake(engine):
+        engine.generate(_requests(d), group_size=2, max_new_tokens=2)
+        engine.first_token_logprobs(_requests(d, 1)[0], steered=True)
+    assert log.count(("wake_up", ("weights",))) == 1 and log.count(("sleep", 2)) == 1
+    assert log.count("generate") == 2 and log[-1] == ("sleep", 2)
+
+
+def test_level_2_without_any_synced_actor_refuses_to_generate_from_garbage(make_engine):
+    build, actor, log = make_engine
+    engine = build(2)
+    engine.generate(_requests(actor.config.hidden_size), group_size=2, max_new_tokens=2)  # loaded weights, then sleep
+    with pytest.raises(RuntimeError, match="call sync_weights"):
+        engine.generate(_requests(actor.config.hidden_size), group_size=2, max_new_tokens=2)
+
+
+def test_a_direct_push_into_a_sleeping_engine_is_refused(make_engine):
+    build, actor, log = make_engine
+    engine = build(1)
+    engine.generate(_requests(actor.config.hidden_size), group_size=2, max_new_tokens=2)
+    with pytest.raises(RuntimeError, match="asleep"):
+        engine.push_buckets(iter(merged_weight_buckets(actor)))
+
+
+def test_steering_reset_zeroes_both_buffers():
+    state = steer.SteeringState(d_model=4, max_tokens=8, max_requests=2, device=torch.device("cpu"))
+    state.slot.fill_(5)
+    state.table.fill_(float("nan"))
+    model = torch.nn.Linear(2, 2)
+    assert steer.reset_steering(model) is False  # no steering state: nothing to do
+    setattr(model, steer.STATE_ATTRIBUTE, state)
+    assert steer.reset_steering(model) is True
+    assert not state.slot.any() and not state.table.any() and not state.busy
+
+
+def test_engine_rejects_an_unknown_sleep_level():
+    with pytest.raises(ValueError, match="sleep_level"):
+        VLLMRolloutEngine("unused", SimpleNamespace(), marker_id=1, left_id=2, right_id=3, sleep_level=3)
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    ({"vllm_sleep": 3}, "vllm_sleep"),
+    ({"vllm_sleep": 2, "vllm_sync_every": 4}, "vllm_sync_every=1"),
+])
+def test_config_checks_the_sleep_level(overrides, message):
+    base = dict(av_ckpt="a", ar_ckpt="b", rl_parquet="c.parquet", save_dir="d", engine="vllm")
+    with pytest.raises(ConfigError, match=message):
+        TrainConfig(**base, **overrides)
+    assert TrainConfig(**base, vllm_sleep=1, vllm_sync_every=4).vllm_sleep == 1

@@ -185,18 +185,19 @@ def make_engine(name: str, actor, injector, tokenizer):
 # --------------------------------------------------------------------------- the cases
 
 
-def run_case(world_size: int, args: argparse.Namespace, argv: list[str]) -> dict:
-    """One torchrun job of `world_size` ranks; its part JSON, or {"error": ...}."""
+def run_case(script: str | Path, world_size: int, argv: list[str], *, timeout: int) -> dict:
+    """One torchrun job of `world_size` ranks, each running `script argv --worker PART`: the JSON
+    its rank 0 wrote to PART, or {"error": ...} (bench_step.py --nproc runs its ranks here too)."""
     with tempfile.TemporaryDirectory() as tmp:
         part = Path(tmp) / "part.json"
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world_size}",
-                   __file__, *argv, "--worker", str(part)]
+                   str(script), *argv, "--worker", str(part)]
         env = {**os.environ, "NCCL_NVLS_ENABLE": "0"}  # NVLink multicast off on the lent machines
         print(f"[case] {world_size} rank(s): {' '.join(command[1:])}", flush=True)
         start = time.perf_counter()
         proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         try:
-            out, _ = proc.communicate(timeout=args.timeout)
+            out, _ = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
             proc.send_signal(signal.SIGTERM)  # torchrun stops its ranks on SIGTERM
             try:
@@ -204,7 +205,7 @@ def run_case(world_size: int, args: argparse.Namespace, argv: list[str]) -> dict
             except subprocess.TimeoutExpired:
                 proc.kill()
                 out, _ = proc.communicate()
-            return {"world_size": world_size, "error": f"timed out after {args.timeout}s", "log_tail": out[-4000:]}
+            return {"world_size": world_size, "error": f"timed out after {timeout}s", "log_tail": out[-4000:]}
         print(out[-3000:], flush=True)
         if proc.returncode != 0 or not part.exists():
             return {"world_size": world_size, "error": f"exit status {proc.returncode}", "log_tail": out[-4000:]}
@@ -244,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     for world_size in [int(n) for n in args.ranks.split(",")]:
         try:
-            case = run_case(world_size, args, argv)
+            case = run_case(__file__, world_size, argv, timeout=args.timeout)
         except Exception:  # noqa: BLE001 - recorded, and the next case still runs
             case = {"world_size": world_size, "error": traceback.format_exc()}
         if "error" in case:

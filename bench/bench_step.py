@@ -34,6 +34,22 @@ completeness: decoding is bound by memory bandwidth, not arithmetic.
     python bench/bench_step.py --cases 256x8 --paths after --out bench/step_256x8.json  # the issue's shape
     python bench/bench_step.py --engine vllm ...                                       # needs vllm + its plugin
     .venv/bin/python bench/bench_step.py --tiny --out /tmp/step.json                    # CPU smoke run
+
+--engine vllm runs vLLM beside the trainer in sleep mode (--vllm-sleep, default 2: weights
+and KV cache freed after each rollout, the actor pushed at each wake-up), so --vllm-gpu-mem
+can hold 2048 sequences' KV cache; the rollout's time is wake + push + generate + sleep, and
+vLLM's own split of it is printed.
+
+--ranks 1,2 runs the whole benchmark once per world size, each as a torchrun job (gloo on
+CPU with --tiny): every rank builds the models on its own GPU and takes an equal share of
+each case's prompts; the update and the critic step all-reduce their gradients as the
+trainer does (nla_shell.training.distributed). Each phase's time is the maximum over ranks
+(a lockstep job runs at its slowest rank's pace), TF/s and % of peak are per GPU (the
+ranks' mean FLOPs over that time), and the speed-up of every world size against 1 rank of
+the same invocation is printed and saved.
+
+    NCCL_NVLS_ENABLE=0 python bench/bench_step.py --cases 256x8 --paths after --ranks 1,2 --out bench/step_ddp.json
+    .venv/bin/python bench/bench_step.py --tiny --paths after --ranks 1,2 --out /tmp/step_ddp.json   # CPU smoke
 """
 
 from __future__ import annotations
@@ -41,6 +57,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import json
 import math
 import os
 import sys
@@ -77,14 +94,36 @@ def parse_args() -> argparse.Namespace:
                         help="before: AR inputs per forward (default TrainConfig's critic_micro_batch)")
     parser.add_argument("--engine", default="native", choices=["native", "hf", "vllm"])
     parser.add_argument("--merge-lora", action="store_true", help="native engine: LoRA merged for the rollout")
-    parser.add_argument("--vllm-gpu-mem", type=float, default=0.35, help="vLLM's share of GPU memory")
+    parser.add_argument("--vllm-gpu-mem", type=float, default=None,
+                        help="vLLM's share of GPU memory (default 0.45 asleep between rollouts: the 8B weights "
+                             "+ KV cache for 1024 concurrent 256-token sequences; 0.35 with --vllm-sleep 0)")
+    parser.add_argument("--vllm-sleep", type=int, default=2, choices=[0, 1, 2],
+                        help="vLLM's sleep level between rollouts (TrainConfig.vllm_sleep); 0 keeps it resident")
+    parser.add_argument("--ranks", default=None,
+                        help="world sizes to run, one torchrun job each, e.g. 1,2 (see above)")
+    parser.add_argument("--case-timeout", type=int, default=590, help="--ranks: seconds per torchrun job")
+    parser.add_argument("--keep-runs", action="store_true",
+                        help="--ranks: keep the world sizes an earlier invocation wrote to --out with the same "
+                             "settings (to split 1 and 2 ranks over two calls on one machine)")
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # a rank: where rank 0 writes its record
     parser.add_argument("--prompt-len", type=int, default=None, help="default 96 (tiny 24)")
     parser.add_argument("--new-tokens", type=int, default=None, help="default TrainConfig's 160 (tiny 8)")
     parser.add_argument("--profile", default=None, help="directory for torch.profiler tables of each path's "
                         "score and update phases, from its warm-up step on the first case")
     args = parser.parse_args()
     tiny = args.tiny
-    args.cases = [tuple(int(x) for x in c.split("x")) for c in (args.cases or ("2x2,3x2" if tiny else "32x8")).split(",")]
+    args.ranks = [int(n) for n in args.ranks.split(",")] if args.ranks else []
+    default_cases = ("2x2,4x2" if args.ranks else "2x2,3x2") if tiny else "32x8"
+    args.cases = [tuple(int(x) for x in c.split("x")) for c in (args.cases or default_cases).split(",")]
+    for prompts, _ in args.cases:
+        for n in args.ranks:
+            if prompts % n:
+                parser.error(f"--cases {prompts}x..: {prompts} prompts do not split into {n} equal shares (--ranks)")
+    if args.ranks and args.engine == "vllm":
+        parser.error("--engine vllm with --ranks is not supported: an in-process vLLM engine takes GPU 0 on "
+                     "every rank; use --engine native")
+    if args.vllm_gpu_mem is None:
+        args.vllm_gpu_mem = 0.45 if args.vllm_sleep else 0.35
     args.critic = args.critic == "on"
     args.paths = [p for p in args.paths.split(",") if p]
     if not args.paths or set(args.paths) - set(PATHS):
@@ -155,8 +194,15 @@ def make_engine(args, ctx: Context):
         model_dir, ctx.tokenizer, marker_id=ctx.injector.marker_id, left_id=ctx.injector.left_id,
         right_id=ctx.injector.right_id, injection_layer=1, gpu_memory_utilization=args.vllm_gpu_mem,
         max_model_len=args.prompt_len + (args.new_tokens or 160) + 16, load_format="dummy",
-        llm_kwargs={"max_num_seqs": min(largest, 1024)},
+        llm_kwargs={"max_num_seqs": min(largest, 1024)}, sleep_level=args.vllm_sleep,
     )
+    cache = engine.llm.llm_engine.vllm_config.cache_config
+    blocks = getattr(cache, "num_gpu_blocks", None)
+    print(f"[vllm] gpu_memory_utilization {args.vllm_gpu_mem}, sleep level {args.vllm_sleep}, KV cache "
+          f"{blocks * cache.block_size if blocks else 'unknown'} tokens for {largest} sequences of "
+          f"{args.prompt_len} + {args.new_tokens or 160}", flush=True)
+    # The initial push; with sleep mode every rollout's wake-up pushes the actor again, as a trainer
+    # with vllm_sync_every=1 does after each update.
     print(f"[vllm] weight push {engine.sync_weights(ctx.actor):.2f}s", flush=True)
     return engine
 
@@ -343,26 +389,48 @@ def profiled(directory: str | None, name: str, device: torch.device):
 
 
 def main() -> None:
-    from nla_shell.io.config import TrainConfig
-
     args = parse_args()
+    if args.ranks and args.worker is None:
+        sys.exit(launch(args, sys.argv[1:]))
+    from nla_shell.training import distributed
+
+    rank = distributed.rank_info()
+    device = torch.device("cpu") if args.tiny else torch.device("cuda", rank.local_rank)
+    if args.tiny and rank.world_size > 1:
+        torch.set_num_threads(1)  # the ranks share the CPU's cores
+    # Rank 0 tells the story; the others stay quiet (their errors still reach stderr).
+    quiet = contextlib.redirect_stdout(open(os.devnull, "w")) if not rank.is_main else contextlib.nullcontext()
+    with distributed.process_group(rank, device), quiet:
+        run(args, rank, device)
+
+
+def run(args, rank, device: torch.device) -> None:
+    """Every case, this rank taking its share of each case's prompts; rank 0 records."""
+    from nla_shell.io.config import TrainConfig
+    from nla_shell.models import trainable_parameters
+    from nla_shell.training import distributed
+
     defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
     new_tokens = args.new_tokens or (8 if args.tiny else defaults["max_new_tokens"])
-    device = torch.device("cpu" if args.tiny else "cuda")
     dtype = torch.float32 if args.tiny else torch.bfloat16
-    settings = {**vars(args), "new_tokens": new_tokens,
+    settings = {**vars(args), "new_tokens": new_tokens, "world_size": rank.world_size,
                 "defaults": {k: v for k, v in defaults.items() if isinstance(v, (int, float, str, bool, type(None)))}}
-    record = syn.Record(args.out, {**syn.environment(device), "settings": settings, "peak_tflops": PEAK_TFLOPS})
+    record = syn.Record((args.worker or args.out) if rank.is_main else os.devnull,
+                        {**syn.environment(device), "settings": settings, "peak_tflops": PEAK_TFLOPS})
 
     t0 = time.perf_counter()
     ctx = Context(args, device, dtype, defaults)
+    distributed.broadcast_parameters(trainable_parameters(ctx.actor))  # as the trainer starts every rank
     record.data["setup_s"] = time.perf_counter() - t0
     record.save()
-    print(f"[setup] actor + critic + engine on {device} in {record.data['setup_s']:.1f}s", flush=True)
+    print(f"[setup] actor + critic + engine on {device} in {record.data['setup_s']:.1f}s"
+          + (f" (each of {rank.world_size} ranks)" if rank.world_size > 1 else ""), flush=True)
 
     for index, (prompts, group) in enumerate(args.cases):
-        requests = syn.make_requests(prompts, args.prompt_len, ctx.config.hidden_size, ctx.tokens,
-                                     vocab=min(ctx.config.vocab_size, len(ctx.tokenizer)), seed=prompts * group)
+        requests = distributed.shard(
+            syn.make_requests(prompts, args.prompt_len, ctx.config.hidden_size, ctx.tokens,
+                              vocab=min(ctx.config.vocab_size, len(ctx.tokenizer)), seed=prompts * group),
+            rank)
         label = f"{prompts}x{group} critic {'on' if args.critic else 'off'}"
         syn.free_memory(device)
         try:
@@ -370,13 +438,17 @@ def main() -> None:
             print(f"[warm-up] {label}", flush=True)
             ctx.engine.generate(requests, group_size=group, max_new_tokens=new_tokens)
             for path in args.paths:
-                ctx.profile_dir = args.profile if index == 0 else None
+                ctx.profile_dir = args.profile if index == 0 and rank.is_main else None
                 grpo_step(ctx, requests[: max(1, args.micro_batch // group)], group, new_tokens, args, paths=[path])
             results, extra = grpo_step(ctx, requests, group, new_tokens, args, paths=args.paths)
+            across_ranks(results)
         except Exception as err:  # noqa: BLE001 - report, free, go on
             traceback.print_exc()
             record.error(label, err)
             continue
+        if extra["engine_stats"]:
+            print(f"[engine] {label} {args.engine}'s own split: "
+                  + ", ".join(f"{k} {v:.2f}" for k, v in extra["engine_stats"].items()), flush=True)
         for path, (phases, numbers, flops) in results.items():
             for name, p in phases.items():
                 p["tflops"] = flops.get(name, math.nan) / p["s"] / 1e12
@@ -405,7 +477,86 @@ def main() -> None:
     record.data["table"] = table
     record.save()
     print(table)
-    print(f"saved {args.out}")
+    print(f"saved {record.path}")
+
+
+def across_ranks(results: dict) -> None:
+    """In place, over the ranks of a torchrun job (nothing changes in one process): each phase's
+    seconds and peak memory -> their maximum (a lockstep job runs at its slowest rank's pace),
+    each phase's FLOPs -> the ranks' mean (the work of one GPU)."""
+    from nla_shell.training import distributed
+
+    world = distributed.rank_info().world_size
+    for phases, _, flops in results.values():
+        names, keys = sorted(phases), sorted(flops)
+        maxima = distributed.all_reduce_max([phases[n]["s"] for n in names] + [phases[n]["peak_gib"] for n in names])
+        for i, name in enumerate(names):
+            phases[name] = {"s": maxima[i], "peak_gib": maxima[len(names) + i]}
+        sums = distributed.all_reduce_sum([flops[k] for k in keys])
+        flops.update({k: v / world for k, v in zip(keys, sums)})
+
+
+def launch(args, argv: list[str]) -> int:
+    """--ranks: this script once per world size as a torchrun job; each phase's speed-up against 1 rank."""
+    from bench_ddp import run_case
+
+    out = Path(args.out)
+    settings = json.loads(json.dumps({k: v for k, v in vars(args).items() if k != "worker"}, default=str))
+    runs: dict[int, dict] = kept_runs(out, settings) if args.keep_runs else {}
+    scaling: list[dict] = []
+    for n in args.ranks:
+        runs[n] = run_case(Path(__file__), n, argv, timeout=args.case_timeout)
+        if "error" in runs[n]:
+            print(f"[error] {n} rank(s): {runs[n]['error']}", flush=True)
+        scaling = speedups(runs)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"settings": settings, "runs": runs, "scaling": scaling}, indent=2, default=str))
+    for s in scaling:
+        print(f"[scaling] {s['prompts']}x{s['group']} {s['path']}: 1 rank {s['step_s'][0]:.2f}s, {s['world_size']} "
+              f"ranks {s['step_s'][1]:.2f}s: {s['speedup']:.2f}x ({s['efficiency']:.0%} efficiency); "
+              + ", ".join(f"{k} {v:.2f}x" for k, v in s["phase_speedup"].items()), flush=True)
+    print(f"saved {out}", flush=True)
+    return 0 if all("error" not in r for r in runs.values()) else 1
+
+
+LAUNCH_ONLY = ("ranks", "out", "case_timeout", "keep_runs")
+"""Settings that do not change what a rank measures."""
+
+
+def kept_runs(out: Path, settings: dict) -> dict[int, dict]:
+    """The successful runs an earlier --ranks invocation saved in `out`; SystemExit (one line) when
+    its settings differ from these in anything a rank measures."""
+    if not out.exists():
+        return {}
+    earlier = json.loads(out.read_text())
+    differ = sorted(k for k in settings if k not in LAUNCH_ONLY and earlier.get("settings", {}).get(k) != settings[k])
+    if differ:
+        sys.exit(f"--keep-runs: {out} was measured with other settings ({', '.join(differ)}); "
+                 "use another --out or the same settings")
+    runs = {int(n): run for n, run in earlier.get("runs", {}).items() if "error" not in run}
+    kept = ", ".join(f"{n} rank(s) of {run.get('date')}" for n, run in runs.items())
+    print(f"[kept] {kept or 'nothing'} from {out}", flush=True)
+    return runs
+
+
+def speedups(runs: dict[int, dict]) -> list[dict]:
+    """Step and per-phase speed-up of every multi-rank step case against the 1-rank case of the same shape and path."""
+    def steps(run):
+        return {(c["prompts"], c["group"], c["path"]): c for c in run.get("cases", []) if c["case"] == "step"}
+
+    base = steps(runs.get(1, {}))
+    rows = []
+    for n, run in runs.items():
+        for key, case in steps(run).items() if n != 1 else ():
+            one = base.get(key)
+            if one is None:
+                continue
+            speedup = one["step_s"] / case["step_s"]
+            rows.append({"world_size": n, "prompts": key[0], "group": key[1], "path": key[2],
+                         "step_s": [one["step_s"], case["step_s"]], "speedup": speedup, "efficiency": speedup / n,
+                         "phase_speedup": {p: one["phases"][p]["s"] / v["s"] for p, v in case["phases"].items()
+                                           if p in one["phases"] and v["s"] > 0}})
+    return rows
 
 
 def summary(cases: list[dict]) -> str:

@@ -36,9 +36,12 @@ completeness: decoding is bound by memory bandwidth, not arithmetic.
     .venv/bin/python bench/bench_step.py --tiny --out /tmp/step.json                    # CPU smoke run
 
 --engine vllm runs vLLM beside the trainer in sleep mode (--vllm-sleep, default 2: weights
-and KV cache freed after each rollout, the actor pushed at each wake-up), so --vllm-gpu-mem
-can hold 2048 sequences' KV cache; the rollout's time is wake + push + generate + sleep, and
-vLLM's own split of it is printed.
+and KV cache freed after each rollout, the actor pushed at each wake-up), so vLLM's share
+(--vllm-gpu-mem) is taken only while it generates: at 256 x 8 the trainer peaks at ~107 GiB
+in the update and holds an estimated ~71 GiB between phases (bf16 actor 15 GiB, AR 11, the
+AR's torch AdamW state ~43, the LoRA's ~1.5; printed as "resident" before each rollout), so
+0.35 of 140 GiB fits beside the latter, not the former. The rollout's time is wake + push +
+generate + sleep; vLLM's own split of it and its KV capacity are printed.
 
 --ranks 1,2 runs the whole benchmark once per world size, each as a torchrun job (gloo on
 CPU with --tiny): every rank builds the models on its own GPU and takes an equal share of
@@ -94,9 +97,12 @@ def parse_args() -> argparse.Namespace:
                         help="before: AR inputs per forward (default TrainConfig's critic_micro_batch)")
     parser.add_argument("--engine", default="native", choices=["native", "hf", "vllm"])
     parser.add_argument("--merge-lora", action="store_true", help="native engine: LoRA merged for the rollout")
-    parser.add_argument("--vllm-gpu-mem", type=float, default=None,
-                        help="vLLM's share of GPU memory (default 0.45 asleep between rollouts: the 8B weights "
-                             "+ KV cache for 1024 concurrent 256-token sequences; 0.35 with --vllm-sleep 0)")
+    parser.add_argument("--vllm-gpu-mem", type=float, default=0.35,
+                        help="vLLM's share of GPU memory: at the 8B shape 0.35 is 49 GiB, ~29 GiB of KV cache "
+                             "after the weights (~200k tokens)")
+    parser.add_argument("--vllm-max-seqs", type=int, default=512,
+                        help="vLLM's max_num_seqs: 512 sequences of 96 + 160 tokens (18 GiB of KV at 8B) decode "
+                             "together without preemption in 0.35's cache; 2048 run as 4 waves")
     parser.add_argument("--vllm-sleep", type=int, default=2, choices=[0, 1, 2],
                         help="vLLM's sleep level between rollouts (TrainConfig.vllm_sleep); 0 keeps it resident")
     parser.add_argument("--ranks", default=None,
@@ -122,8 +128,6 @@ def parse_args() -> argparse.Namespace:
     if args.ranks and args.engine == "vllm":
         parser.error("--engine vllm with --ranks is not supported: an in-process vLLM engine takes GPU 0 on "
                      "every rank; use --engine native")
-    if args.vllm_gpu_mem is None:
-        args.vllm_gpu_mem = 0.45 if args.vllm_sleep else 0.35
     args.critic = args.critic == "on"
     args.paths = [p for p in args.paths.split(",") if p]
     if not args.paths or set(args.paths) - set(PATHS):
@@ -194,13 +198,17 @@ def make_engine(args, ctx: Context):
         model_dir, ctx.tokenizer, marker_id=ctx.injector.marker_id, left_id=ctx.injector.left_id,
         right_id=ctx.injector.right_id, injection_layer=1, gpu_memory_utilization=args.vllm_gpu_mem,
         max_model_len=args.prompt_len + (args.new_tokens or 160) + 16, load_format="dummy",
-        llm_kwargs={"max_num_seqs": min(largest, 1024)}, sleep_level=args.vllm_sleep,
+        llm_kwargs={"max_num_seqs": min(largest, args.vllm_max_seqs)}, sleep_level=args.vllm_sleep,
     )
     cache = engine.llm.llm_engine.vllm_config.cache_config
     blocks = getattr(cache, "num_gpu_blocks", None)
+    needed = min(largest, args.vllm_max_seqs) * (args.prompt_len + (args.new_tokens or 160))
     print(f"[vllm] gpu_memory_utilization {args.vllm_gpu_mem}, sleep level {args.vllm_sleep}, KV cache "
-          f"{blocks * cache.block_size if blocks else 'unknown'} tokens for {largest} sequences of "
-          f"{args.prompt_len} + {args.new_tokens or 160}", flush=True)
+          f"{blocks * cache.block_size if blocks else 'unknown'} tokens; {min(largest, args.vllm_max_seqs)} "
+          f"concurrent sequences of {largest} need {needed}", flush=True)
+    if blocks and blocks * cache.block_size < needed:
+        print("[vllm] warning: the KV cache cannot hold every concurrent sequence at full length: vLLM will "
+              "preempt and recompute (raise --vllm-gpu-mem or lower --vllm-max-seqs)", flush=True)
     # The initial push; with sleep mode every rollout's wake-up pushes the actor again, as a trainer
     # with vllm_sync_every=1 does after each update.
     print(f"[vllm] weight push {engine.sync_weights(ctx.actor):.2f}s", flush=True)
@@ -326,6 +334,7 @@ def run_path(ctx: Context, path: str, rollouts, golds, args, *, critic_on: bool,
 def grpo_step(ctx: Context, requests, group: int, new_tokens: int, args, *, paths: list[str]):
     """Rollouts once, then each path on them. Returns {path: (phases, numbers, flops)}, rollout phase, extra."""
     device = ctx.device
+    resident = torch.cuda.memory_allocated(device) / 2**30 if device.type == "cuda" else math.nan
     syn.reset_peak(device)
     seconds, rollouts = syn.timed(lambda: ctx.engine.generate(requests, group_size=group, max_new_tokens=new_tokens),
                                   device)
@@ -345,6 +354,7 @@ def grpo_step(ctx: Context, requests, group: int, new_tokens: int, args, *, path
             flops["score"] = critic_flops  # one AR forward + backward scored and trained
         results[path] = ({"rollout": rollout, **phases}, numbers, flops)
     extra = {"generated_tokens": sum(r.full_ids.numel() - r.prompt_len for r in rollouts),
+             "resident_gib_before_rollout": resident,
              "engine_stats": dict(getattr(ctx.engine, "last_stats", {}))}
     return results, extra
 
@@ -446,9 +456,9 @@ def run(args, rank, device: torch.device) -> None:
             traceback.print_exc()
             record.error(label, err)
             continue
-        if extra["engine_stats"]:
-            print(f"[engine] {label} {args.engine}'s own split: "
-                  + ", ".join(f"{k} {v:.2f}" for k, v in extra["engine_stats"].items()), flush=True)
+        print(f"[engine] {label} {args.engine}: resident before the rollout {extra['resident_gib_before_rollout']:.1f} "
+              "GiB (torch.cuda.memory_allocated); own split: "
+              + (", ".join(f"{k} {v:.2f}" for k, v in extra["engine_stats"].items()) or "none"), flush=True)
         for path, (phases, numbers, flops) in results.items():
             for name, p in phases.items():
                 p["tflops"] = flops.get(name, math.nan) / p["s"] / 1e12

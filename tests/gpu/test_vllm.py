@@ -261,3 +261,38 @@ def test_tensor_parallel_engine_steers_and_takes_weight_pushes(model_dir, tiny_t
     print(f"tp=2: mean|dlogp| vs base {base_gap:.4f}, after sync vs actor {synced_gap.mean():.4f} (max {synced_gap.max():.3f})")
     assert base_gap <= PARITY_MEAN
     assert synced_gap.mean() <= PARITY_MEAN
+
+
+def test_sleep_level_2_frees_the_gpu_and_wakes_with_the_pushed_weights_steered(model_dir, tiny_tokenizer):
+    """vllm_sleep=2: asleep, vLLM's weights and KV cache are off the GPU; at the wake-up the
+    push restores the actor's weights and the re-zeroed steering buffers steer again (a level-2
+    sleep discards both). The only sleep-mode engine of this process (vLLM's allocator is a
+    process singleton)."""
+    from nla_shell.engines.base import held_awake
+
+    actor = _lora_actor(model_dir, seed=5)
+    requests = _requests(8, seed=17, vocab=len(tiny_tokenizer))
+    engine = _engine(model_dir, tiny_tokenizer, sleep_level=2)
+    try:
+        engine.sync_weights(actor)
+        engine.generate(requests, group_size=2, max_new_tokens=24)  # then sleeps, discarding all
+        free_asleep = torch.cuda.mem_get_info()[0]
+        with held_awake(engine):
+            free_awake = torch.cuda.mem_get_info()[0]
+            rollouts = engine.generate(requests, group_size=2, max_new_tokens=24)
+            canary = engine.steering_canary(requests[0])
+        stats = dict(engine.last_stats)
+    finally:
+        _close(engine)
+    freed_gib = (free_asleep - free_awake) / 2**30
+    gap = (_behavior(rollouts) - _hf_logprobs(actor, rollouts, requests, inject=True)).abs()
+    with actor.disable_adapter():
+        base_gap = (_behavior(rollouts) - _hf_logprobs(actor, rollouts, requests, inject=True)).abs().mean()
+    print(f"sleep level 2: {freed_gib:.1f} GiB held only while awake; split {stats}; canary {canary:.3f}; "
+          f"mean|dlogp| vs actor {gap.mean():.4f} (max {gap.max():.3f}), vs the base {base_gap:.4f}")
+    # gpu_memory_utilization 0.2 of the card is nearly all KV cache for this tiny model.
+    assert freed_gib >= 0.1 * torch.cuda.mem_get_info()[1] / 2**30
+    assert stats["push_s"] > 0 and stats["sleep_s"] > 0
+    assert canary > 0.05
+    assert gap.mean() <= PARITY_MEAN
+    assert base_gap >= 3 * gap.mean(), "the adapter barely matters: the test cannot see a missing push"

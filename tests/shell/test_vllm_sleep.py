@@ -14,6 +14,7 @@ import fixtures
 import pytest
 import torch
 
+from nla_shell import cli
 from nla_shell.engines import vllm_steering as steer
 from nla_shell.engines.base import RolloutRequest, held_awake
 from nla_shell.engines.vllm import VLLMRolloutEngine
@@ -24,9 +25,10 @@ MARKER, LEFT, RIGHT = 7, 5, 6
 
 
 class FakeModel:
-    """The worker's model: what `load_weights` wrote, and the steering state `_install` attaches."""
+    """The worker's model: what `load_weights` wrote, and the steering state `_install` attaches.
+    `names` are its parameters (None: whatever is pushed)."""
 
-    def __init__(self, names: list[str], d_model: int) -> None:
+    def __init__(self, names: list[str] | None, d_model: int) -> None:
         self.names = names
         self.weights: dict[str, torch.Tensor] = {}
         setattr(self, steer.STATE_ATTRIBUTE, steer.SteeringState(
@@ -40,7 +42,7 @@ class FakeModel:
         return loaded
 
     def named_parameters(self):
-        return ((name, None) for name in self.names)
+        return ((name, None) for name in (self.weights if self.names is None else self.names))
 
 
 class FakeLLM:
@@ -53,6 +55,7 @@ class FakeLLM:
         self.llm_engine = SimpleNamespace(
             model_config=SimpleNamespace(get_hidden_size=lambda: d_model),
             vllm_config=SimpleNamespace(cache_config=SimpleNamespace(enable_prefix_caching=False)),
+            engine_core=SimpleNamespace(shutdown=lambda: log.append("shutdown")),
         )
 
     def apply_model(self, fn):
@@ -100,14 +103,10 @@ class FakeLLM:
         return outputs
 
 
-@pytest.fixture
-def make_engine(monkeypatch):
-    """Builds VLLMRolloutEngines over FakeLLM (vllm faked in sys.modules); the shared call log."""
-    actor = fixtures.tiny_lora_qwen3()
-    names = [n for _, bucket in merged_weight_buckets(actor) for n, _ in bucket]
-    log: list = []
+def install_fake_vllm(monkeypatch, log: list, names: list[str] | None, d_model: int) -> None:
+    """`import vllm` gives FakeLLMs logging to `log`, for this test only."""
     fake = types.ModuleType("vllm")
-    fake.LLM = lambda **kwargs: FakeLLM(log, names, actor.config.hidden_size, **kwargs)
+    fake.LLM = lambda **kwargs: FakeLLM(log, names, d_model, **kwargs)
     fake.SamplingParams = lambda **kwargs: SimpleNamespace(**kwargs)
     fake.TokensPrompt = dict
     fake.envs = SimpleNamespace(disable_envs_cache=lambda: None)
@@ -119,9 +118,17 @@ def make_engine(monkeypatch):
     monkeypatch.setattr(steer, "register", lambda: None)
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # restored after the test
     monkeypatch.setenv("VLLM_LENS_DISABLE", "1")
-    emptied = []
+
+
+@pytest.fixture
+def make_engine(monkeypatch):
+    """Builds VLLMRolloutEngines over FakeLLM; the actor they serve; the shared call log."""
+    actor = fixtures.tiny_lora_qwen3()
+    log: list = []
+    install_fake_vllm(monkeypatch, log, [n for _, b in merged_weight_buckets(actor) for n, _ in b],
+                      actor.config.hidden_size)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: (emptied.append(len(log)), log.append("empty_cache")))
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: log.append("empty_cache"))
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
 
     def build(sleep_level: int) -> VLLMRolloutEngine:
@@ -259,3 +266,37 @@ def test_config_checks_the_sleep_level(overrides, message):
     with pytest.raises(ConfigError, match=message):
         TrainConfig(**base, **overrides)
     assert TrainConfig(**base, vllm_sleep=1, vllm_sync_every=4).vllm_sleep == 1
+
+
+@pytest.mark.parametrize("level", [0, 2])
+def test_train_wakes_once_per_rollout_and_eval_and_pushes_only_while_awake(nla_run_inputs, tmp_path, monkeypatch,
+                                                                           level):
+    """`nla train engine=vllm` over the fake: with vllm_sleep=2 each step's rollouts and canary
+    share one wake-up (push included) and sleep after; the end-of-step sync waits for the next
+    wake-up; the held-out eval wakes on its own. With 0: no sleep, no wake, a push per step."""
+    log: list = []
+    install_fake_vllm(monkeypatch, log, None, fixtures.D_MODEL)
+    argv = fixtures.train_argv(nla_run_inputs, tmp_path / "run", engine="vllm", vllm_sleep=level, num_steps=2,
+                               save_every=10)
+    assert cli.main(argv) == 0  # the FakeLLM refused any push or generation on unmapped memory
+    pushes = [i for i, e in enumerate(log) if e == "push"]
+    initial = log.index("generate")  # the first push, made at start-up, counts its buckets
+    buckets = len([i for i in pushes if i < initial])
+    if level == 0:
+        assert not [e for e in log if isinstance(e, tuple)]
+        assert len(pushes) == buckets * 3  # start-up + after each of the 2 steps
+        return
+    blocks, current = [], []
+    for entry in log:
+        current.append(entry)
+        if entry == ("sleep", 2):
+            blocks.append(current)
+            current = []
+    # step 0 rollouts, its eval (eval_every=2), step 1 rollouts, the final eval; then shut down.
+    assert len(blocks) == 4 and current == ["shutdown"]
+    assert [b.count("generate") for b in blocks] == [3, 1, 3, 1]  # rollouts + the canary's 2 probes; eval
+    for block in blocks[1:]:
+        assert block[:2] == [("wake_up", ("weights",)), "reset_steering"]
+        assert block[2 : 2 + buckets] == ["push"] * buckets
+        assert block[2 + buckets] == ("wake_up", ("kv_cache",))
+    assert blocks[0].count(("wake_up", ("weights",))) == 0  # awake since start-up

@@ -126,8 +126,9 @@ def parse_args() -> argparse.Namespace:
             if prompts % n:
                 parser.error(f"--cases {prompts}x..: {prompts} prompts do not split into {n} equal shares (--ranks)")
     if args.ranks and args.engine == "vllm":
-        parser.error("--engine vllm with --ranks is not supported: an in-process vLLM engine takes GPU 0 on "
-                     "every rank; use --engine native")
+        parser.error("--engine vllm with --ranks is not supported: vLLM 0.24's in-process executor puts every "
+                     "rank's engine on cuda:0 (TRL colocates with distributed_executor_backend='external_launcher', "
+                     "not done here); use --engine native")
     args.critic = args.critic == "on"
     args.paths = [p for p in args.paths.split(",") if p]
     if not args.paths or set(args.paths) - set(PATHS):

@@ -268,6 +268,48 @@ def reference_policy(actor: nn.Module) -> Iterator[None]:
             yield
 
 
+class BackboneAutocast:
+    """From construction until `remove()`, the actor's decoder backbone runs under torch.autocast(dtype).
+
+    Every forward of the backbone (training, reference, engine prefill and decode steps, CUDA-graph
+    captures) then forms its matrix products in `dtype`: on a bf16 base the float32 LoRA factors
+    A [r, D], B [D', r] are cast to bf16 for x @ A.T @ B.T (float32 accumulation, float32 master
+    weights and gradients), where PEFT would cast x to float32 and run float32 products. The
+    log-prob head (`nla_core.token_logprobs_from_hidden`, the engines' `final_logits`) runs
+    after the backbone, outside the region, in the model's dtype as before.
+    """
+
+    def __init__(self, model: nn.Module, dtype: torch.dtype) -> None:
+        backbone = families.backbone(inner_lm(model))
+        self.device_type, self.dtype = next(model.parameters()).device.type, dtype
+        self._regions: list[torch.autocast] = []
+        # PEFT would cast each LoRA input to the factors' float32, only for autocast to cast it back.
+        self._tuner_layers = [m for m in model.modules() if hasattr(m, "cast_input_dtype_enabled")]
+        for layer in self._tuner_layers:
+            layer.cast_input_dtype_enabled = False
+        self._handles = (
+            backbone.register_forward_pre_hook(self._enter),
+            backbone.register_forward_hook(self._leave, always_call=True),
+        )
+
+    def _enter(self, module: nn.Module, args: tuple) -> None:
+        # No cast cache: a CUDA graph must not capture a pointer to a cached cast (torch.cuda.graph docs).
+        region = torch.autocast(self.device_type, dtype=self.dtype, cache_enabled=False)
+        region.__enter__()
+        self._regions.append(region)
+
+    def _leave(self, module: nn.Module, args: tuple, output):
+        self._regions.pop().__exit__(None, None, None)
+        return output
+
+    def remove(self) -> None:
+        """The backbone's and PEFT's arithmetic as they were."""
+        for handle in self._handles:
+            handle.remove()
+        for layer in self._tuner_layers:
+            layer.cast_input_dtype_enabled = True
+
+
 def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
 

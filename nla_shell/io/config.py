@@ -98,6 +98,12 @@ class TrainConfig:
     on purpose: EasyNLA measured ~12 pp FVE lost by a fresh zero-init LoRA. Ignored for a full checkpoint."""
     gradient_checkpointing: bool = False
     """Recompute actor activations in backward (less memory, about 30% more compute)."""
+    bf16_autocast: bool = False
+    """Run the actor's decoder blocks under torch.autocast(bfloat16) in every forward (update,
+    reference, native/HF rollouts): the float32 LoRA factors then enter bf16 matrix products
+    (float32 master weights and gradients) instead of PEFT's float32 ones; the log-prob head
+    stays outside. On a bf16 base only the LoRA products change; on a float32 base every block
+    product becomes bf16. Not in the reference (its LoRA products are float32)."""
     logp_micro_batch: int = 2
     """Sequences per micro-batch in the training / reference forward."""
     resume_from_lora: str | None = None

@@ -44,7 +44,7 @@ from nla_shell.io.paths import require_file, require_model
 from nla_shell.io.progress import progress_bar, say_line
 from nla_shell.metrics import cjk_fraction, fve_metrics, token_lengths
 from nla_shell.models import (
-    ARModel, Injector, base_model_dir, eos_token_ids, inner_lm, is_adapter_dir, load_actor, trainable_parameters,
+    ARModel, BackboneAutocast, Injector, base_model_dir, eos_token_ids, inner_lm, is_adapter_dir, load_actor, trainable_parameters,
 )
 from nla_shell.quant import require_quant
 from nla_shell.training.scoring import score_and_train_critic, score_explanations, shape_rewards
@@ -305,6 +305,8 @@ def run_ranked(cfg: TrainConfig, rank: RankInfo, device: torch.device, dtype: to
         merge_sft_adapter=cfg.sft_adapter == "merge",
         quant=cfg.quant,
     )
+    if cfg.bf16_autocast:
+        BackboneAutocast(actor, torch.bfloat16)  # for the actor's lifetime: engines see it too
     say_actor_start(cfg, actor, continues_sft=continues_sft)
     if nla.injection_token_id >= actor.get_base_model().config.vocab_size:
         raise ValueError(f"sidecar's injection_token_id {nla.injection_token_id} is outside the AV's vocabulary")

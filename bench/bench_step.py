@@ -16,10 +16,17 @@ Two paths per step, on the same rollouts:
           critic step on one AR forward (`score_and_train_critic`) at --critic-micro-batch.
   after_tf32  "after" with float32 matrix products on TF32 tensor cores (the LoRA factors
           are float32 under PEFT): an experiment, not the trainer's default.
+  after_bf16  "after" with the actor's blocks under bf16 autocast (`bf16_autocast`: bf16 LoRA
+          products, float32 master weights). Its rollout phase is its own rollout under the same
+          autocast (the engine samples with the trainer's arithmetic), whose mean |behaviour -
+          trainer| log-prob is printed as own_logp_gap; its update runs on the shared rollouts.
+  after_compile  "after" with the norms and MLPs of the actor's and the AR's blocks compiled
+          (`compile_blocks`); compilation happens in the path's warm-up step.
+  after_all   after_bf16 and after_compile together.
 Paths run in the order given on the same rollouts; every path but the last leaves the
 weights as they were (its optimizer steps are skipped: the update with step_optimizer=False,
 the critic with an lr-0 SGD), so each sees the same weights; the step prints each path's
-loss, grad norm, KL, rewards and critic loss beside "before"'s. A non-stepping path's
+loss, grad norm, KL, rewards and critic loss beside "before"'s ("after"'s for the after_* paths). A non-stepping path's
 times exclude its optimizer steps (milliseconds for the LoRA; ~0.1 s for the AR's AdamW).
 
 A random model writes no <explanation> tags, so each rollout's explanation is stood in by
@@ -76,7 +83,9 @@ import torch  # noqa: E402
 
 import synthetic as syn  # noqa: E402
 
-PATHS = ("before", "after", "after_tf32")
+PATHS = ("before", "after", "after_tf32", "after_bf16", "after_compile", "after_all")
+AUTOCAST_PATHS = ("after_bf16", "after_all")
+COMPILE_PATHS = ("after_compile", "after_all")
 PEAK_TFLOPS = 790.0
 """bf16 dense matrix peak measured on the H200 (the issue's % of peak is against it)."""
 
@@ -84,10 +93,11 @@ PEAK_TFLOPS = 790.0
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="bench/step.json", help="JSON written after every case")
-    parser.add_argument("--tiny", action="store_true", help="CPU smoke run: tiny models, float32, short rollouts")
+    parser.add_argument("--tiny", action="store_true",
+                        help="CPU smoke run: tiny models, float32 (bf16 with an autocast path), short rollouts")
     parser.add_argument("--cases", default=None, help="prompts x samples per step (default 32x8; tiny 2x2,3x2)")
     parser.add_argument("--critic", default="on", choices=["on", "off"], help="co-train the critic")
-    parser.add_argument("--paths", default="before,after", help="before,after,after_tf32 (see above), any of them")
+    parser.add_argument("--paths", default="before,after", help=f"any of {','.join(PATHS)} (see above)")
     parser.add_argument("--micro-batch", type=int, default=16, help="after: logp_micro_batch of the policy update")
     parser.add_argument("--before-micro-batch", type=int, default=8, help="before: logp_micro_batch (the issue's 8)")
     parser.add_argument("--reference-micro-batch", type=int, default=None,
@@ -343,9 +353,19 @@ def grpo_step(ctx: Context, requests, group: int, new_tokens: int, args, *, path
     golds = torch.stack([requests[r.prompt_index].activation for r in rollouts])
     results = {}
     for position, path in enumerate(paths):
-        with tf32_matmuls(path == "after_tf32"):
+        path_rollout = rollout
+        with path_arithmetic(ctx, path):
+            if path in AUTOCAST_PATHS:
+                syn.reset_peak(device)
+                seconds, own = syn.timed(lambda: ctx.engine.generate(requests, group_size=group,
+                                                                     max_new_tokens=new_tokens), device)
+                # Graphs captured for this shape under autocast are part of the rollout, not its speed.
+                capture = ctx.engine.last_stats.get("capture_s", 0.0) if hasattr(ctx.engine, "last_stats") else 0.0
+                path_rollout = {"s": seconds - capture, "capture_s": capture, "peak_gib": syn.peak_gib(device)}
             phases, numbers, ar_tokens = run_path(ctx, path, rollouts, golds, args, critic_on=args.critic,
                                                   keep_weights=position < len(paths) - 1)
+            if path in AUTOCAST_PATHS:
+                numbers["own_logp_gap"] = behaviour_gap(ctx, own, requests, args.reference_micro_batch or 4 * args.micro_batch)
         flops = path_flops(ctx.config, rollouts, shared_prefix=path != "before", ar_tokens=ar_tokens,
                            critic_layers=ctx.extraction_layer + 1)
         critic_flops = flops.pop("critic")
@@ -353,7 +373,7 @@ def grpo_step(ctx: Context, requests, group: int, new_tokens: int, args, *, path
             flops["critic"] = critic_flops
         elif args.critic:
             flops["score"] = critic_flops  # one AR forward + backward scored and trained
-        results[path] = ({"rollout": rollout, **phases}, numbers, flops)
+        results[path] = ({"rollout": path_rollout, **phases}, numbers, flops)
     extra = {"generated_tokens": sum(r.full_ids.numel() - r.prompt_len for r in rollouts),
              "resident_gib_before_rollout": resident,
              "engine_stats": dict(getattr(ctx.engine, "last_stats", {}))}
@@ -370,6 +390,49 @@ def compare_numbers(a: dict, b: dict) -> dict[str, float]:
         "critic_loss_rel": rel(a["critic_loss"], b["critic_loss"]),
         "critic_grad_norm_rel": rel(a["critic_grad_norm"], b["critic_grad_norm"]),
     }
+
+
+def behaviour_gap(ctx: Context, rollouts, requests, micro_batch: int) -> float:
+    """Mean |behaviour - trainer| log-prob over the response tokens of these rollouts (no grad)."""
+    from nla_shell.training import prefix
+
+    total = torch.zeros((), dtype=torch.float64, device=ctx.device)
+    count = torch.zeros((), dtype=torch.float64, device=ctx.device)
+    with torch.no_grad():
+        for rows in prefix.plan_micro_batches(rollouts, micro_batch):
+            batch = prefix.prefix_batch(rollouts, rows, ctx.injector, pad_id=ctx.tokenizer.pad_token_id).to(ctx.device)
+            vectors = torch.stack([requests[rollouts[i].prompt_index].activation for i in batch.prompt_sources.tolist()])
+            logp = prefix.prefix_logprobs(ctx.actor, ctx.injector, batch, vectors.to(ctx.device, torch.float32))
+            total += torch.where(batch.mask, (logp - batch.behavior_logp).abs(), 0.0).sum()
+            count += batch.mask.sum()
+    return float(total / count.clamp_min(1))
+
+
+@contextlib.contextmanager
+def path_arithmetic(ctx: Context, path: str):
+    """The path's trainer options while its phases run: TF32, bf16 autocast, compiled block parts."""
+    from nla_shell.models import BackboneAutocast, CompiledBlockParts
+
+    installed = []
+    if path in AUTOCAST_PATHS:
+        installed.append(BackboneAutocast(ctx.actor, torch.bfloat16))
+        recapture(ctx.engine)
+    if path in COMPILE_PATHS:
+        installed += [CompiledBlockParts(ctx.actor), CompiledBlockParts(ctx.critic.lm)]
+    try:
+        with tf32_matmuls(path == "after_tf32"):
+            yield
+    finally:
+        for options in installed:
+            options.remove()
+        if path in AUTOCAST_PATHS:
+            recapture(ctx.engine)
+
+
+def recapture(engine) -> None:
+    """Drop the engine's CUDA graphs (captured under the previous arithmetic); the next rollout captures anew."""
+    if hasattr(engine, "close") and getattr(engine, "shares_actor_weights", False):
+        engine.close()
 
 
 @contextlib.contextmanager
@@ -423,7 +486,8 @@ def run(args, rank, device: torch.device) -> None:
 
     defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
     new_tokens = args.new_tokens or (8 if args.tiny else defaults["max_new_tokens"])
-    dtype = torch.float32 if args.tiny else torch.bfloat16
+    # bf16 autocast needs a bf16 base: the tiny run is then bf16 too.
+    dtype = torch.float32 if args.tiny and not set(args.paths) & set(AUTOCAST_PATHS) else torch.bfloat16
     settings = {**vars(args), "new_tokens": new_tokens, "world_size": rank.world_size,
                 "defaults": {k: v for k, v in defaults.items() if isinstance(v, (int, float, str, bool, type(None)))}}
     record = syn.Record((args.worker or args.out) if rank.is_main else os.devnull,
@@ -472,16 +536,22 @@ def run(args, rank, device: torch.device) -> None:
             record.add(case)
             print(f"[step] {label} {path}: {case['step_s']:.2f}s, peak {case['peak_gib']:.1f} GiB, "
                   + ", ".join(f"{k} {v['s']:.2f}s ({v['pct_peak']:.0f}%)" for k, v in phases.items()), flush=True)
-        for path in (p for p in results if p != "before" and "before" in results):
-            diff = compare_numbers(results["before"][1], results[path][1])
-            record.data.setdefault("comparisons", []).append({"prompts": prompts, "group": group, "path": path, **diff})
+        for path in results:
+            base = "before" if path == "after" else "after"  # the after_* paths change "after"'s arithmetic
+            if path == "before" or base not in results:
+                continue
+            diff = compare_numbers(results[base][1], results[path][1])
+            record.data.setdefault("comparisons", []).append({"prompts": prompts, "group": group, "path": path,
+                                                              "against": base, **diff})
             record.save()
-            print(f"[same numbers] {label} before vs {path}: " + ", ".join(f"{k} {v:.2e}" for k, v in diff.items()),
+            print(f"[same numbers] {label} {base} vs {path}: " + ", ".join(f"{k} {v:.2e}" for k, v in diff.items()),
                   flush=True)
         for path, (_, n, _) in results.items():
             if len(results) > 1:
-                print(f"    {path:10} loss {n['loss']:+.6e} grad_norm {n['grad_norm']:.6e} kl {n['kl_mean']:.6e} "
-                      f"critic_loss {n['critic_loss']:.6e} critic_grad_norm {n['critic_grad_norm']:.6e}", flush=True)
+                print(f"    {path:13} loss {n['loss']:+.6e} grad_norm {n['grad_norm']:.6e} kl {n['kl_mean']:.6e} "
+                      f"critic_loss {n['critic_loss']:.6e} critic_grad_norm {n['critic_grad_norm']:.6e} "
+                      f"logp_diff_mean {n['logp_diff_mean']:.3e}"
+                      + (f" own_logp_gap {n['own_logp_gap']:.3e}" if "own_logp_gap" in n else ""), flush=True)
     if hasattr(ctx.engine, "close"):
         ctx.engine.close()
     table = summary(record.data["cases"])
@@ -572,14 +642,14 @@ def speedups(runs: dict[int, dict]) -> list[dict]:
 
 def summary(cases: list[dict]) -> str:
     phases = ("rollout", "score", "update", "critic")
-    lines = [f"{'step':8} {'path':6} {'mb':>3} " + " ".join(f"{p + ' s (TF/s, %pk)':>24}" for p in phases)
+    lines = [f"{'step':8} {'path':13} {'mb':>3} " + " ".join(f"{p + ' s (TF/s, %pk)':>24}" for p in phases)
              + f" {'step s':>7} {'peak GiB':>8}"]
     for c in (c for c in cases if c["case"] == "step"):
         cells = []
         for name in phases:
             p = c["phases"].get(name)
             cells.append(f"{'-':>24}" if p is None else f"{p['s']:8.2f} ({p['tflops']:6.1f}, {p['pct_peak']:3.0f}%)")
-        lines.append(f"{c['prompts']}x{c['group']:<6} {c['path']:6} {c['micro_batch']:>3} " + " ".join(cells)
+        lines.append(f"{c['prompts']}x{c['group']:<6} {c['path']:13} {c['micro_batch']:>3} " + " ".join(cells)
                      + f" {c['step_s']:7.2f} {c['peak_gib']:8.1f}")
     return "\n".join(lines)
 

@@ -280,7 +280,11 @@ class BackboneAutocast:
     """
 
     def __init__(self, model: nn.Module, dtype: torch.dtype) -> None:
-        backbone = families.backbone(inner_lm(model))
+        lm = inner_lm(model)
+        if lm.dtype != dtype:
+            # The KV caches and residual stream stay in the base's dtype; autocast's keys and values would not fit them.
+            raise ValueError(f"autocast to {dtype} needs a {dtype} base model; this one is {lm.dtype}")
+        backbone = families.backbone(lm)
         self.device_type, self.dtype = next(model.parameters()).device.type, dtype
         self._regions: list[torch.autocast] = []
         # PEFT would cast each LoRA input to the factors' float32, only for autocast to cast it back.
@@ -308,6 +312,58 @@ class BackboneAutocast:
             handle.remove()
         for layer in self._tuner_layers:
             layer.cast_input_dtype_enabled = True
+
+
+class CompiledBlockParts:
+    """From construction until `remove()`, the cache-free parts of each decoder block run compiled.
+
+    torch.compile (dynamic shapes, so micro-batches of other lengths reuse the graphs) of every
+    block's largest sub-modules that hold no LoRA layer and see no KV cache: the norms and the
+    MLP (Qwen3: input / post-attention RMSNorm, q / k RMSNorm, SwiGLU MLP), where the eager
+    forward launches one kernel per element-wise op. The attention (PEFT's LoRA layers, the
+    cache's Python bookkeeping) stays eager: compiling whole blocks recompiled on every cache
+    state. Identical blocks share one compiled graph. While a CUDA graph is being captured
+    (the native engine's decode) the eager forward runs, so no compilation happens in a capture.
+
+    Args: model: the actor (PEFT or not) or the AR's truncated LM; backend: torch.compile's.
+    """
+
+    def __init__(self, model: nn.Module, *, backend: str = "inductor") -> None:
+        self.modules = [m for block in families.decoder_blocks(model) for m in _cache_free_parts(block)]
+        """The compiled sub-modules."""
+        for module in self.modules:
+            module.forward = _compiled_unless_capturing(module.forward, backend=backend)
+
+    def remove(self) -> None:
+        """The eager forwards back (the instance attribute hid the class's forward)."""
+        for module in self.modules:
+            del module.forward
+
+
+def _cache_free_parts(module: nn.Module) -> Iterator[nn.Module]:
+    """The largest sub-modules of `module` with no LoRA layer and no KV-cache access, bare linears aside.
+
+    HF attention modules (the ones that update the cache) carry a `layer_idx`; PEFT's LoRA layers
+    a `cast_input_dtype_enabled`. Modules holding either are searched, never compiled.
+    """
+    for child in module.children():
+        if hasattr(child, "cast_input_dtype_enabled"):
+            continue
+        if hasattr(child, "layer_idx") or any(hasattr(m, "cast_input_dtype_enabled") for m in child.modules()):
+            yield from _cache_free_parts(child)
+        elif not isinstance(child, (nn.Linear, nn.Dropout, nn.Identity)):
+            yield child
+
+
+def _compiled_unless_capturing(forward, *, backend: str):
+    compiled = torch.compile(forward, dynamic=True, backend=backend)
+
+    @functools.wraps(forward)
+    def run(*args, **kwargs):
+        capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+        return forward(*args, **kwargs) if capturing else compiled(*args, **kwargs)
+
+    return run
 
 
 def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:

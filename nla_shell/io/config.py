@@ -102,8 +102,12 @@ class TrainConfig:
     """Run the actor's decoder blocks under torch.autocast(bfloat16) in every forward (update,
     reference, native/HF rollouts): the float32 LoRA factors then enter bf16 matrix products
     (float32 master weights and gradients) instead of PEFT's float32 ones; the log-prob head
-    stays outside. On a bf16 base only the LoRA products change; on a float32 base every block
-    product becomes bf16. Not in the reference (its LoRA products are float32)."""
+    stays outside. Needs dtype bfloat16 (the base's products are bf16 already). Not in the
+    reference (its LoRA products are float32)."""
+    compile_blocks: bool = False
+    """torch.compile (dynamic shapes) the norms and MLPs of the actor's and the AR's decoder blocks,
+    fusing their element-wise kernels; attention and LoRA layers stay eager. Costs a compilation
+    (tens of seconds) in the first step; same arithmetic up to float rounding."""
     logp_micro_batch: int = 2
     """Sequences per micro-batch in the training / reference forward."""
     resume_from_lora: str | None = None
@@ -241,7 +245,7 @@ RESUME_MUTABLE_KEYS: frozenset[str] = frozenset(
         # Where it runs and where it reports, not what it computes.
         "save_dir", "resume", "overwrite", "logger", "wandb_project", "wandb_name", "device",
         # Memory/speed knobs: mathematically neutral (not bit-exact: summation order moves).
-        "logp_micro_batch", "critic_micro_batch", "gradient_checkpointing",
+        "logp_micro_batch", "critic_micro_batch", "gradient_checkpointing", "compile_blocks",
         "vllm_gpu_mem", "vllm_max_len", "vllm_tp", "vllm_sleep",
     }
 )

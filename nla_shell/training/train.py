@@ -44,7 +44,8 @@ from nla_shell.io.paths import require_file, require_model
 from nla_shell.io.progress import progress_bar, say_line
 from nla_shell.metrics import cjk_fraction, fve_metrics, token_lengths
 from nla_shell.models import (
-    ARModel, BackboneAutocast, Injector, base_model_dir, eos_token_ids, inner_lm, is_adapter_dir, load_actor, trainable_parameters,
+    ARModel, BackboneAutocast, CompiledBlockParts, Injector, base_model_dir, eos_token_ids, inner_lm, is_adapter_dir,
+    load_actor, trainable_parameters,
 )
 from nla_shell.quant import require_quant
 from nla_shell.training.scoring import score_and_train_critic, score_explanations, shape_rewards
@@ -261,6 +262,11 @@ def run_ranked(cfg: TrainConfig, rank: RankInfo, device: torch.device, dtype: to
     Raises preemption.RunStopped when a signal stops it (after saving, if save_on_signal).
     """
     # --- validate every input before anything is written ------------------------------
+    if cfg.bf16_autocast and dtype != torch.bfloat16:
+        raise ConfigError(
+            f"config key 'bf16_autocast' = true needs the models in bfloat16 but dtype resolves to {dtype}: "
+            "set dtype=bfloat16 (auto is bfloat16 on a GPU) or bf16_autocast=false"
+        )
     tokenizer = families.load_tokenizer(cfg.av_ckpt)
     nla = load_sidecar(cfg.sidecar or cfg.rl_parquet)
     style, injection_norm = injection_settings(nla, style=cfg.injection_style, scale=cfg.injection_scale, av_dir=cfg.av_ckpt)
@@ -322,6 +328,9 @@ def run_ranked(cfg: TrainConfig, rank: RankInfo, device: torch.device, dtype: to
         critic = ARModel.from_pretrained(resume_from / "critic", mse_scale=mse_scale, dtype=dtype, device=device)
     critic.requires_grad_(cfg.train_critic)
     critic.eval()  # Qwen3 has no dropout: eval mode serves the gradient steps too
+    if cfg.compile_blocks:  # for the run
+        CompiledBlockParts(actor)
+        CompiledBlockParts(critic.lm)
     distributed.broadcast_parameters(trainable_parameters(actor))
 
     # --- engine, optimisers, baselines ---------------------------------------------------

@@ -10,11 +10,12 @@ import pytest
 import torch
 
 import fixtures
+from nla_shell import families
 from nla_shell.engines.base import RolloutRequest
 from nla_shell.engines.native import NativeRolloutEngine
 from nla_shell.io.data import build_prompt_ids, load_rows
 from nla_shell.io.sidecars import load_sidecar
-from nla_shell.models import BackboneAutocast, Injector, load_actor, trainable_parameters
+from nla_shell.models import BackboneAutocast, CompiledBlockParts, Injector, load_actor, trainable_parameters
 from nla_shell.training.update import LossOptions, policy_update
 
 # bf16 keeps 8 significant bits (relative rounding 2^-9 = 2e-3 per product); through the tiny
@@ -52,13 +53,13 @@ def _rollouts(engine, requests):
     return engine.generate(requests, group_size=3, max_new_tokens=8, generator=torch.Generator().manual_seed(1))
 
 
-def _update(actor, injector, tokenizer, rollouts, requests):
+def _update(actor, injector, tokenizer, rollouts, requests, *, micro_batch: int = 4):
     """policy_update's statistics and summed gradient (no optimizer step) on these rollouts."""
     activations = torch.stack([requests[r.prompt_index].activation for r in rollouts])
     advantages = torch.randn(len(rollouts), generator=torch.Generator().manual_seed(3))
     optimizer = torch.optim.SGD(trainable_parameters(actor), lr=0.0)
     stats = policy_update(actor, injector, optimizer, rollouts, advantages, activations, loss=LossOptions(),
-                          micro_batch=4, max_grad_norm=1e9, pad_id=tokenizer.pad_token_id, step_optimizer=False)
+                          micro_batch=micro_batch, max_grad_norm=1e9, pad_id=tokenizer.pad_token_id, step_optimizer=False)
     grad = torch.cat([p.grad.flatten() for p in trainable_parameters(actor)])
     actor.zero_grad(set_to_none=True)
     return stats, grad
@@ -111,3 +112,43 @@ def test_removed_autocast_leaves_rollouts_and_update_bit_equal(bf16_actor):
     assert torch.equal(grad, grad_after)
     assert (stats.loss, stats.grad_norm, stats.kl_mean) == (stats_after.loss, stats_after.grad_norm, stats_after.kl_mean)
 
+
+
+@pytest.fixture(scope="module")
+def fp32_actor(nla_cache_dir: Path, tiny_tokenizer):
+    """The float32 CPU actor with a non-zero LoRA, 3 groups x 3 rollouts and their activations."""
+    from transformers import AutoTokenizer
+
+    av, _, parquet = fixtures.build_trainer_inputs(nla_cache_dir / "trainer_inputs", tiny_tokenizer)
+    tokenizer = AutoTokenizer.from_pretrained(av)
+    cfg = load_sidecar(Path(str(parquet) + ".nla_meta.yaml"))
+    actor, injector = fixtures.lora_actor(av, cfg)
+    requests = [RolloutRequest(tuple(build_prompt_ids(row.prompt, cfg, tokenizer)), row.activation)
+                for row in load_rows(parquet, cfg, max_rows=3)]
+    return actor, injector, tokenizer, _rollouts(NativeRolloutEngine(actor, injector, tokenizer), requests), requests
+
+
+def test_compiled_block_parts_are_the_norms_and_mlps_and_keep_the_update(fp32_actor):
+    """Compiled norms and MLPs give the eager update's numbers; micro-batches of another size
+    reuse the graphs (dynamic shapes); removal restores the eager forwards. The "aot_eager"
+    backend traces what inductor would compile, without a C++ build per graph (minutes here)."""
+    from torch._dynamo.utils import counters
+
+    actor, injector, tokenizer, rollouts, requests = fp32_actor
+    eager, eager_grad = _update(actor, injector, tokenizer, rollouts, requests)
+    compiled = CompiledBlockParts(actor, backend="aot_eager")
+    try:
+        assert {type(m).__name__ for m in compiled.modules} == {"Qwen3RMSNorm", "Qwen3MLP"}
+        # Per block: the input, post-attention, q and k norms, and the MLP.
+        assert len(compiled.modules) == 5 * len(families.decoder_blocks(actor))
+        stats, grad = _update(actor, injector, tokenizer, rollouts, requests)
+        graphs = counters["stats"]["unique_graphs"]
+        larger, larger_grad = _update(actor, injector, tokenizer, rollouts, requests, micro_batch=9)
+        assert counters["stats"]["unique_graphs"] == graphs
+    finally:
+        compiled.remove()
+    assert all("forward" not in vars(m) for m in compiled.modules)
+    for numbers, g in ((stats, grad), (larger, larger_grad)):
+        assert numbers.loss == pytest.approx(eager.loss, rel=1e-5, abs=1e-7)
+        assert numbers.kl_mean == pytest.approx(eager.kl_mean, rel=1e-5, abs=1e-9)
+        torch.testing.assert_close(g, eager_grad, rtol=1e-4, atol=1e-6)

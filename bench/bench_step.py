@@ -512,10 +512,18 @@ def run(args, rank, device: torch.device) -> None:
             # This shape's rollout graphs, then every phase's first-use costs on one prompt's group.
             print(f"[warm-up] {label}", flush=True)
             ctx.engine.generate(requests, group_size=group, max_new_tokens=new_tokens)
+            paths = []
             for path in args.paths:
                 ctx.profile_dir = args.profile if index == 0 and rank.is_main else None
-                grpo_step(ctx, requests[: max(1, args.micro_batch // group)], group, new_tokens, args, paths=[path])
-            results, extra = grpo_step(ctx, requests, group, new_tokens, args, paths=args.paths)
+                try:
+                    grpo_step(ctx, requests[: max(1, args.micro_batch // group)], group, new_tokens, args, paths=[path])
+                    paths.append(path)
+                except Exception as err:  # noqa: BLE001 - a path that fails its warm-up is left out of the step
+                    if rank.world_size > 1:
+                        raise  # the other ranks may not have failed: their collectives would wait forever
+                    traceback.print_exc()
+                    record.error(f"{label} {path} warm-up", err)
+            results, extra = grpo_step(ctx, requests, group, new_tokens, args, paths=paths)
             across_ranks(results)
         except Exception as err:  # noqa: BLE001 - report, free, go on
             traceback.print_exc()

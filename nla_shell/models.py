@@ -331,6 +331,9 @@ class CompiledBlockParts:
     def __init__(self, model: nn.Module, *, backend: str = "inductor") -> None:
         self.modules = [m for block in families.decoder_blocks(model) for m in _cache_free_parts(block)]
         """The compiled sub-modules."""
+        # One forward (the RMSNorm's) serves hidden and per-head inputs, with and without grad and
+        # autocast, in the actor and the AR: more variants than dynamo's default 8 graphs per code.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         for module in self.modules:
             module.forward = _compiled_unless_capturing(module.forward, backend=backend)
 

@@ -346,22 +346,14 @@ def grpo_step(ctx: Context, requests, group: int, new_tokens: int, args, *, path
     """Rollouts once, then each path on them. Returns {path: (phases, numbers, flops)}, rollout phase, extra."""
     device = ctx.device
     resident = torch.cuda.memory_allocated(device) / 2**30 if device.type == "cuda" else math.nan
-    syn.reset_peak(device)
-    seconds, rollouts = syn.timed(lambda: ctx.engine.generate(requests, group_size=group, max_new_tokens=new_tokens),
-                                  device)
-    rollout = {"s": seconds, "peak_gib": syn.peak_gib(device)}
+    rollout, rollouts = timed_rollout(ctx, requests, group, new_tokens)
     golds = torch.stack([requests[r.prompt_index].activation for r in rollouts])
     results = {}
     for position, path in enumerate(paths):
         path_rollout = rollout
-        with path_arithmetic(ctx, path):
+        with path_arithmetic(ctx, path, args):
             if path in AUTOCAST_PATHS:
-                syn.reset_peak(device)
-                seconds, own = syn.timed(lambda: ctx.engine.generate(requests, group_size=group,
-                                                                     max_new_tokens=new_tokens), device)
-                # Graphs captured for this shape under autocast are part of the rollout, not its speed.
-                capture = ctx.engine.last_stats.get("capture_s", 0.0) if hasattr(ctx.engine, "last_stats") else 0.0
-                path_rollout = {"s": seconds - capture, "capture_s": capture, "peak_gib": syn.peak_gib(device)}
+                path_rollout, own = timed_rollout(ctx, requests, group, new_tokens)
             phases, numbers, ar_tokens = run_path(ctx, path, rollouts, golds, args, critic_on=args.critic,
                                                   keep_weights=position < len(paths) - 1)
             if path in AUTOCAST_PATHS:
@@ -374,10 +366,21 @@ def grpo_step(ctx: Context, requests, group: int, new_tokens: int, args, *, path
         elif args.critic:
             flops["score"] = critic_flops  # one AR forward + backward scored and trained
         results[path] = ({"rollout": path_rollout, **phases}, numbers, flops)
+        print(f"[path] {path}: " + ", ".join(f"{k} {v['s']:.2f}s" for k, v in results[path][0].items()), flush=True)
     extra = {"generated_tokens": sum(r.full_ids.numel() - r.prompt_len for r in rollouts),
              "resident_gib_before_rollout": resident,
              "engine_stats": dict(getattr(ctx.engine, "last_stats", {}))}
     return results, extra
+
+
+def timed_rollout(ctx: Context, requests, group: int, new_tokens: int):
+    """({"s", "capture_s", "peak_gib"}, rollouts): seconds without the CUDA-graph captures (a fresh
+    engine captures on first use of a shape, see `recapture`)."""
+    syn.reset_peak(ctx.device)
+    seconds, rollouts = syn.timed(lambda: ctx.engine.generate(requests, group_size=group, max_new_tokens=new_tokens),
+                                  ctx.device)
+    capture = getattr(ctx.engine, "last_stats", {}).get("capture_s", 0.0)
+    return {"s": seconds - capture, "capture_s": capture, "peak_gib": syn.peak_gib(ctx.device)}, rollouts
 
 
 def compare_numbers(a: dict, b: dict) -> dict[str, float]:
@@ -409,14 +412,14 @@ def behaviour_gap(ctx: Context, rollouts, requests, micro_batch: int) -> float:
 
 
 @contextlib.contextmanager
-def path_arithmetic(ctx: Context, path: str):
+def path_arithmetic(ctx: Context, path: str, args):
     """The path's trainer options while its phases run: TF32, bf16 autocast, compiled block parts."""
     from nla_shell.models import BackboneAutocast, CompiledBlockParts
 
     installed = []
     if path in AUTOCAST_PATHS:
         installed.append(BackboneAutocast(ctx.actor, torch.bfloat16))
-        recapture(ctx.engine)
+        recapture(ctx, args)
     if path in COMPILE_PATHS:
         installed += [CompiledBlockParts(ctx.actor), CompiledBlockParts(ctx.critic.lm)]
     try:
@@ -426,13 +429,19 @@ def path_arithmetic(ctx: Context, path: str):
         for options in installed:
             options.remove()
         if path in AUTOCAST_PATHS:
-            recapture(ctx.engine)
+            recapture(ctx, args)
 
 
-def recapture(engine) -> None:
-    """Drop the engine's CUDA graphs (captured under the previous arithmetic); the next rollout captures anew."""
-    if hasattr(engine, "close") and getattr(engine, "shares_actor_weights", False):
-        engine.close()
+def recapture(ctx: Context, args) -> None:
+    """A fresh native engine: its CUDA graphs were captured under the previous arithmetic.
+
+    (Re-capturing into a closed engine's graph pool fails in the caching allocator.)
+    """
+    if args.engine == "native":
+        ctx.engine.close()
+        ctx.engine = None
+        syn.free_memory(ctx.device)
+        ctx.engine = make_engine(args, ctx)
 
 
 @contextlib.contextmanager
@@ -545,8 +554,9 @@ def run(args, rank, device: torch.device) -> None:
             print(f"[step] {label} {path}: {case['step_s']:.2f}s, peak {case['peak_gib']:.1f} GiB, "
                   + ", ".join(f"{k} {v['s']:.2f}s ({v['pct_peak']:.0f}%)" for k, v in phases.items()), flush=True)
         for path in results:
-            base = "before" if path == "after" else "after"  # the after_* paths change "after"'s arithmetic
-            if path == "before" or base not in results:
+            # The after_* paths change "after"'s arithmetic; without "after", the first path is the base.
+            base = "before" if path == "after" else "after" if "after" in results else next(iter(results))
+            if path in ("before", base) or base not in results:
                 continue
             diff = compare_numbers(results[base][1], results[path][1])
             record.data.setdefault("comparisons", []).append({"prompts": prompts, "group": group, "path": path,

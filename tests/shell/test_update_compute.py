@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import fixtures
+from nla_shell import cli
 from nla_shell import families
 from nla_shell.engines.base import RolloutRequest
 from nla_shell.engines.native import NativeRolloutEngine
@@ -152,3 +153,33 @@ def test_compiled_block_parts_are_the_norms_and_mlps_and_keep_the_update(fp32_ac
         assert numbers.loss == pytest.approx(eager.loss, rel=1e-5, abs=1e-7)
         assert numbers.kl_mean == pytest.approx(eager.kl_mean, rel=1e-5, abs=1e-9)
         torch.testing.assert_close(g, eager_grad, rtol=1e-4, atol=1e-6)
+
+
+# --------------------------------------------------------------------------- nla train
+
+
+def test_bf16_autocast_run_trains_and_its_engine_follows_the_trainer(nla_run_inputs, tmp_path):
+    """Two steps of a bf16 run with and without the option: the same step-0 loss (the fresh LoRA's
+    B is 0, so no LoRA product reaches the forward yet), another gradient (bf16 products in its
+    backward), and at step 1 an engine/trainer log-prob gap no larger than the float32-LoRA run's."""
+    runs = {}
+    for flag in ("false", "true"):
+        save_dir = tmp_path / f"autocast_{flag}"
+        argv = fixtures.train_argv(nla_run_inputs, save_dir, num_steps=2, eval_every=0, lr=3e-3, dtype="bfloat16",
+                                   bf16_autocast=flag, engine="native")
+        assert cli.main(argv) == 0
+        runs[flag] = fixtures.read_metrics(save_dir)
+    fp32, bf16 = runs["false"], runs["true"]
+    assert bf16[0]["loss"] == fp32[0]["loss"]
+    assert bf16[0]["grad_norm"] != fp32[0]["grad_norm"]
+    assert bf16[0]["grad_norm"] == pytest.approx(fp32[0]["grad_norm"], rel=GRAD_NORM_REL_TOL)
+    assert 0 < bf16[1]["logp_diff_mean"] <= fp32[1]["logp_diff_mean"]
+
+
+def test_bf16_autocast_on_a_float32_run_is_refused_before_writing(nla_run_inputs, tmp_path, capsys):
+    save_dir = tmp_path / "run"
+    assert cli.main(fixtures.train_argv(nla_run_inputs, save_dir, bf16_autocast="true")) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "bf16_autocast" in err and "dtype=bfloat16" in err
+    assert len(err.strip().splitlines()) == 1, err
+    assert not save_dir.exists()

@@ -144,16 +144,17 @@ def teach_explanation_format(
     model.eval()
 
 
-def lora_actor(av_dir: Path, sidecar, *, seed: int = 0):
-    """(actor, injector): the trainer's float32 CPU actor (LoRA r4) with a non-zero LoRA B, so
-    the adapted policy and the reference differ, and its injector at the sidecar's marker."""
+def lora_actor(av_dir: Path, sidecar, *, seed: int = 0, dtype=None):
+    """(actor, injector): the trainer's CPU actor (LoRA r4; base in `dtype`, default float32, the
+    LoRA float32) with a non-zero LoRA B, so the adapted policy and the reference differ, and its
+    injector at the sidecar's marker."""
     import torch
 
     from nla_shell.models import Injector, load_actor
 
     torch.manual_seed(seed)
     actor = load_actor(av_dir, lora_r=4, lora_alpha=8, use_rslora=True, resume_adapter=None,
-                       dtype=torch.float32, device=torch.device("cpu"))
+                       dtype=dtype or torch.float32, device=torch.device("cpu"))
     for name, p in actor.named_parameters():
         if "lora_B" in name:
             torch.nn.init.normal_(p, std=0.05)

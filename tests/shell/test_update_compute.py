@@ -10,13 +10,12 @@ import pytest
 import torch
 
 import fixtures
-from nla_shell import cli
-from nla_shell import families
+from nla_shell import cli, families
 from nla_shell.engines.base import RolloutRequest
 from nla_shell.engines.native import NativeRolloutEngine
 from nla_shell.io.data import build_prompt_ids, load_rows
 from nla_shell.io.sidecars import load_sidecar
-from nla_shell.models import BackboneAutocast, CompiledBlockParts, Injector, load_actor, trainable_parameters
+from nla_shell.models import BackboneAutocast, CompiledBlockParts, trainable_parameters
 from nla_shell.training.update import LossOptions, policy_update
 
 # bf16 keeps 8 significant bits (relative rounding 2^-9 = 2e-3 per product); through the tiny
@@ -27,26 +26,25 @@ GRAD_NORM_REL_TOL = 2e-2
 KL_ABS_TOL = 1e-2
 
 
-@pytest.fixture(scope="module")
-def bf16_actor(nla_cache_dir: Path, tiny_tokenizer):
-    """The GPU's situation on the CPU: a bf16 base with float32 LoRA factors (PEFT's default), a
-    non-zero LoRA B, its injector, tokenizer, native engine and 3 requests."""
+def _actor_and_requests(nla_cache_dir: Path, tiny_tokenizer, dtype: torch.dtype):
+    """(actor, injector, tokenizer, 3 requests): the trainer's CPU actor with its base in `dtype`."""
     from transformers import AutoTokenizer
 
     av, _, parquet = fixtures.build_trainer_inputs(nla_cache_dir / "trainer_inputs", tiny_tokenizer)
     tokenizer = AutoTokenizer.from_pretrained(av)
     cfg = load_sidecar(Path(str(parquet) + ".nla_meta.yaml"))
-    torch.manual_seed(0)
-    actor = load_actor(av, lora_r=4, lora_alpha=8, use_rslora=True, resume_adapter=None,
-                       dtype=torch.bfloat16, device=torch.device("cpu"))
-    for name, p in actor.named_parameters():
-        if "lora_B" in name:
-            torch.nn.init.normal_(p, std=0.05)
-    assert {p.dtype for p in trainable_parameters(actor)} == {torch.float32}
-    injector = Injector(actor, marker_id=cfg.injection_token_id, left_id=cfg.injection_left_neighbor_id,
-                        right_id=cfg.injection_right_neighbor_id)
+    actor, injector = fixtures.lora_actor(av, cfg, dtype=dtype)
     requests = [RolloutRequest(tuple(build_prompt_ids(row.prompt, cfg, tokenizer)), row.activation)
                 for row in load_rows(parquet, cfg, max_rows=3)]
+    return actor, injector, tokenizer, requests
+
+
+@pytest.fixture(scope="module")
+def bf16_actor(nla_cache_dir: Path, tiny_tokenizer):
+    """The GPU's situation on the CPU: a bf16 base with float32 LoRA factors (PEFT's default);
+    the actor, injector, tokenizer, native engine and 3 requests."""
+    actor, injector, tokenizer, requests = _actor_and_requests(nla_cache_dir, tiny_tokenizer, torch.bfloat16)
+    assert {p.dtype for p in trainable_parameters(actor)} == {torch.float32}
     return actor, injector, tokenizer, NativeRolloutEngine(actor, injector, tokenizer), requests
 
 
@@ -117,15 +115,8 @@ def test_removed_autocast_leaves_rollouts_and_update_bit_equal(bf16_actor):
 
 @pytest.fixture(scope="module")
 def fp32_actor(nla_cache_dir: Path, tiny_tokenizer):
-    """The float32 CPU actor with a non-zero LoRA, 3 groups x 3 rollouts and their activations."""
-    from transformers import AutoTokenizer
-
-    av, _, parquet = fixtures.build_trainer_inputs(nla_cache_dir / "trainer_inputs", tiny_tokenizer)
-    tokenizer = AutoTokenizer.from_pretrained(av)
-    cfg = load_sidecar(Path(str(parquet) + ".nla_meta.yaml"))
-    actor, injector = fixtures.lora_actor(av, cfg)
-    requests = [RolloutRequest(tuple(build_prompt_ids(row.prompt, cfg, tokenizer)), row.activation)
-                for row in load_rows(parquet, cfg, max_rows=3)]
+    """The float32 CPU actor, injector, tokenizer, 3 groups x 3 rollouts and their requests."""
+    actor, injector, tokenizer, requests = _actor_and_requests(nla_cache_dir, tiny_tokenizer, torch.float32)
     return actor, injector, tokenizer, _rollouts(NativeRolloutEngine(actor, injector, tokenizer), requests), requests
 
 

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+import torch
+
 
 @dataclass(frozen=True)
 class ParityInputs:
@@ -115,3 +117,59 @@ def parity_failures(runs: Sequence[ParityRun], *, baseline: str = "hf", step0_to
             failures.append(f"{r.engine} seed {r.seed}: step-0 mean |behaviour - trainer| log-prob "
                             f"{r.step0_logp_diff_mean:.3g} > {step0_tolerance[r.engine]:g}")
     return failures
+
+
+# --------------------------------------------------------------------------- does an engine sample its policy?
+
+
+def randomized_pit(logits: torch.Tensor, tokens: torch.Tensor, *, generator: torch.Generator) -> torch.Tensor:
+    """Randomised probability integral transform of sampled tokens under the policy's softmax.
+
+    With the vocabulary ordered by descending probability p_(1) >= p_(2) >= ..., a token t of
+    rank r gets u = sum_{j<r} p_(j) + V * p_t, V ~ U(0, 1). If t ~ softmax(logits), u ~ U(0, 1)
+    exactly, whatever the distribution; and the u of successive tokens of one sequence, each
+    taken under its own prefix's conditional, are independent uniforms (chain rule). A sampler
+    that favours likely tokens (temperature < 1, top-k, top-p) puts too many u near 0, one
+    that flattens puts too many near 1. Computed in float64.
+
+    Args: logits: [N, V]; tokens: [N] int64.
+    Returns: [N] float64 in [0, 1].
+    """
+    probs = torch.softmax(logits.double(), dim=-1)
+    order = probs.argsort(dim=-1, descending=True, stable=True)
+    sorted_probs = probs.gather(-1, order)
+    rank = order.argsort(dim=-1).gather(-1, tokens[:, None])  # [N, 1] position of t in the order
+    mass_before = (sorted_probs.cumsum(-1) - sorted_probs).gather(-1, rank).squeeze(-1)
+    jitter = torch.rand(tokens.shape, generator=generator, dtype=torch.float64)
+    return mass_before + jitter * probs.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+@dataclass(frozen=True)
+class UniformityTest:
+    statistic: float
+    """Pearson's chi-square of the values' histogram over `bins` equal bins of [0, 1]."""
+    critical: float
+    """The chi-square(bins - 1) quantile at 1 - alpha (Wilson-Hilferty approximation)."""
+    n: int
+
+    @property
+    def passed(self) -> bool:
+        return self.statistic <= self.critical
+
+
+def uniformity_chi_square(values: torch.Tensor, *, bins: int = 20, alpha: float = 1e-3) -> UniformityTest:
+    """Chi-square test of values [N] in [0, 1] against U(0, 1): X = sum_k (O_k - N/K)^2 / (N/K).
+
+    Under U(0, 1), X ~ chi-square(K - 1); the critical value is its 1 - alpha quantile by
+    Wilson-Hilferty, k (1 - 2/(9k) + z sqrt(2/(9k)))^3 with k = K - 1 and z the normal
+    1 - alpha quantile (within 1 % of the exact quantile for k >= 10). Tests run it at fixed
+    seeds, so a pass or a fail is reproducible; alpha bounds how often a fresh seed would fail
+    an exact sampler.
+    """
+    n = values.numel()
+    counts = torch.histc(values.double().clamp(0, 1), bins=bins, min=0.0, max=1.0)
+    expected = n / bins
+    k = bins - 1
+    z = statistics.NormalDist().inv_cdf(1 - alpha)
+    critical = k * (1 - 2 / (9 * k) + z * (2 / (9 * k)) ** 0.5) ** 3
+    return UniformityTest(statistic=float(((counts - expected) ** 2).sum() / expected), critical=critical, n=n)

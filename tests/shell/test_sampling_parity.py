@@ -12,21 +12,14 @@ it only says the engine scored its tokens right. These tests look at the draws t
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
-from transformers import AutoTokenizer
-
 import nla_core
 import parity
-from nla_shell.engines.base import RolloutRequest
 from nla_shell.engines.hf import HFRolloutEngine
 from nla_shell.engines.native import NativeRolloutEngine
-from nla_shell.io.data import build_prompt_ids, load_rows
-from nla_shell.io.sidecars import load_sidecar
-from nla_shell.models import Injector, eos_token_ids, inner_lm, load_actor
-from nla_shell.training.update import LossOptions, policy_update, response_batch
+from nla_shell.models import eos_token_ids, inner_lm
+from nla_shell.training.update import LossOptions, policy_update
 
 CPU = torch.device("cpu")
 ENGINES = {
@@ -39,31 +32,14 @@ ENGINES = {
 @pytest.fixture
 def trained_setup(nla_run_inputs):
     """The trainer tests' AV (it writes `<explanation>...</explanation>` and EOS: a peaked policy
-    with real lengths) under a non-zero LoRA, its injector, tokenizer and 3 requests of 2 prompt lengths."""
+    with real lengths) under a fresh LoRA made non-zero, its injector, tokenizer and 3 requests."""
     av, _, parquet = nla_run_inputs
-    tokenizer = AutoTokenizer.from_pretrained(av)
-    cfg = load_sidecar(Path(str(parquet) + ".nla_meta.yaml"))
     torch.manual_seed(0)
-    actor = load_actor(av, lora_r=4, lora_alpha=8, use_rslora=True, resume_adapter=None, dtype=torch.float32, device=CPU)
+    actor, injector, tokenizer, requests = parity.policy_and_requests(av, parquet, device=CPU)
     for name, p in actor.named_parameters():
         if "lora_B" in name:
             torch.nn.init.normal_(p, std=0.05)
-    injector = Injector(actor, marker_id=cfg.injection_token_id, left_id=cfg.injection_left_neighbor_id,
-                        right_id=cfg.injection_right_neighbor_id)
-    rows = load_rows(parquet, cfg, max_rows=3)
-    prompts = [build_prompt_ids(r.prompt, cfg, tokenizer) for r in rows]
-    prompts[1] = tokenizer.encode("The cat sat on the mat. ", add_special_tokens=False) + prompts[1]
-    return actor, injector, tokenizer, [RolloutRequest(tuple(p), r.activation) for p, r in zip(prompts, rows)]
-
-
-def _conditional_logits(actor, injector, tokenizer, requests, rollouts) -> tuple[torch.Tensor, torch.Tensor]:
-    """The trainer's full next-token logits [N_tokens, V] at every generated position, and the tokens [N_tokens]."""
-    batch = response_batch(rollouts, pad_id=tokenizer.pad_token_id, device=CPU)
-    vectors = torch.stack([requests[r.prompt_index].activation for r in rollouts])
-    with torch.no_grad(), injector.inject(batch.input_ids, vectors):
-        logits = inner_lm(actor)(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
-    at_positions = logits.gather(1, batch.positions[..., None].expand(-1, -1, logits.shape[-1]))
-    return at_positions[batch.mask], batch.targets[batch.mask]
+    return actor, injector, tokenizer, requests
 
 
 def test_the_pit_test_passes_exact_samples_and_fails_biased_ones():
@@ -91,7 +67,7 @@ def test_every_generated_token_is_a_draw_from_the_trainers_softmax(trained_setup
     max_new_tokens = 12
     rollouts = ENGINES[engine_name](actor, injector, tokenizer).generate(requests, group_size=64,
                                                                         max_new_tokens=max_new_tokens)
-    logits, tokens = _conditional_logits(actor, injector, tokenizer, requests, rollouts)
+    logits, tokens = parity.conditional_logits(actor, injector, rollouts, requests, pad_id=tokenizer.pad_token_id)
     pit = parity.randomized_pit(logits, tokens, generator=torch.Generator().manual_seed(0))
     exact = parity.uniformity_chi_square(pit)
     assert exact.n > 1000 and exact.passed, exact
@@ -108,29 +84,31 @@ def test_every_generated_token_is_a_draw_from_the_trainers_softmax(trained_setup
 
 
 @pytest.mark.parametrize("merge_lora", [False, True])
-def test_native_behaviour_logprobs_stay_the_trainers_through_optimizer_steps(trained_setup, merge_lora):
-    """Three real GRPO steps at a large lr: before each, native's behaviour log-probs equal the
-    (updated) trainer's, while the same tokens' log-probs moved by orders of magnitude more."""
-    actor, injector, tokenizer, requests = trained_setup
+def test_native_stays_on_policy_through_optimizer_steps(toy_sft, toy_datasets, merge_lora):
+    """As in the parity runs: the SFT adapter continued (a frozen "reference" copy beside it, which
+    the KL forward switches to and back each step). Three real GRPO steps at a large lr: before
+    each, native's behaviour log-probs equal the updated trainer's, while the first batch's
+    tokens moved by orders of magnitude more than the tolerance."""
+    av, _ = toy_sft
+    torch.manual_seed(0)
+    actor, injector, tokenizer, requests = parity.policy_and_requests(av, toy_datasets / "rl.parquet", device=CPU)
+    assert set(actor.peft_config) == {"default", "reference"}
     engine = NativeRolloutEngine(actor, injector, tokenizer, merge_lora=merge_lora)
     optimizer = torch.optim.AdamW([p for p in actor.parameters() if p.requires_grad], lr=3e-2)
     torch.manual_seed(3)
-    first = None
+    batches = []
     for _ in range(3):
         rollouts = engine.generate(requests, group_size=4, max_new_tokens=10)
-        first = first or rollouts
-        advantages = torch.randn(len(rollouts))
         golds = torch.stack([requests[r.prompt_index].activation for r in rollouts])
-        stats = policy_update(actor, injector, optimizer, rollouts, advantages, golds, loss=LossOptions(kl_beta=0.0),
-                              micro_batch=6, max_grad_norm=1e9, pad_id=tokenizer.pad_token_id)
+        stats = policy_update(actor, injector, optimizer, rollouts, torch.randn(len(rollouts)), golds,
+                              loss=LossOptions(kl_beta=0.04), micro_batch=6, max_grad_norm=1e9,
+                              pad_id=tokenizer.pad_token_id)
         assert stats.stepped and stats.logp_diff_max <= 1e-4, stats
-    batch = response_batch(first, pad_id=tokenizer.pad_token_id, device=CPU)
-    vectors = torch.stack([requests[r.prompt_index].activation for r in first])
-    with torch.no_grad(), injector.inject(batch.input_ids, vectors):
-        logits = inner_lm(actor)(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
-    now = torch.log_softmax(logits.float(), -1).gather(1, batch.positions[..., None].expand(-1, -1, logits.shape[-1]))
-    now = now.gather(-1, batch.targets[..., None]).squeeze(-1)
-    assert float((now - batch.behavior_logp)[batch.mask].abs().max()) > 0.1  # the policy did move
+        batches.append(rollouts)
+    logits, tokens = parity.conditional_logits(actor, injector, batches[0], requests, pad_id=tokenizer.pad_token_id)
+    now = torch.log_softmax(logits, -1).gather(-1, tokens[:, None]).squeeze(-1)
+    then = torch.cat([r.behavior_logp for r in batches[0]])
+    assert float((now - then).abs().max()) > 0.1  # the policy did move
 
 
 def test_native_rollouts_equal_hf_generates_for_the_same_draws(trained_setup):

@@ -17,6 +17,7 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -24,7 +25,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -95,8 +96,9 @@ VLLM_PROFILING_CLASH = ("Error in memory profiling", "No available memory for th
 """vLLM's start-up memory profiling reads the whole GPU's free memory, so another process that
 allocates or frees memory meanwhile breaks it (vllm-project/vllm#55827, #56830): such a leg is
 rerun once."""
-ENGINE_STARTED = "[sync] initial weight push"
-"""The trainer's line once an engine with its own weights (vLLM) has started and been synced."""
+VLLM_PROFILED = ("Available KV cache memory", "[sync] initial weight push")
+"""Log lines after which a vLLM leg's start-up profiling is over: vLLM's own (V1 workers log the
+KV cache size it profiled) or, whatever vLLM prints, the trainer's once the engine is synced."""
 
 
 def run_one(inputs: ParityInputs, out_dir: Path, *, engine: str, seed: int, steps: int, device: str, dtype: str,
@@ -111,8 +113,10 @@ def run_one(inputs: ParityInputs, out_dir: Path, *, engine: str, seed: int, step
     its engine has started, so two vLLM start-ups never profile the same GPU at once.
     """
     run = out_dir / f"{engine}_seed{seed}"
+    shutil.rmtree(run, ignore_errors=True)  # a rerun in the same NLA_PARITY_DIR starts clean
     train_rows = max(batch_prompts, int(0.8 * inputs.rl_rows))
-    env = None if gpu is None else {**os.environ, "CUDA_VISIBLE_DEVICES": gpu}
+    # Unbuffered: `_nla` watches the log for a line while the process runs.
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **({} if gpu is None else {"CUDA_VISIBLE_DEVICES": gpu})}
     t0 = time.perf_counter()
     train = dict(av_ckpt=inputs.av, ar_ckpt=inputs.ar, rl_parquet=inputs.rl_parquet, num_steps=steps,
                  batch_prompts=batch_prompts, group_size=group_size, max_new_tokens=max_new_tokens, lr=lr,
@@ -124,7 +128,7 @@ def run_one(inputs: ParityInputs, out_dir: Path, *, engine: str, seed: int, step
         save_dir = run / f"rl{attempts}"
         lock = startup_lock if engine == "vllm" and startup_lock is not None else contextlib.nullcontext()
         try:
-            _nla("train", run / "train.log", env=env, hold_until=(lock, ENGINE_STARTED), save_dir=save_dir, **train)
+            _nla("train", run / ("train.log" if attempts == 1 else f"train{attempts}.log"), env=env, hold_until=(lock, VLLM_PROFILED), save_dir=save_dir, **train)
             break
         except LegFailed as failed:
             if attempts > 1 or not any(clash in failed.log_tail for clash in VLLM_PROFILING_CLASH):
@@ -147,20 +151,20 @@ class LegFailed(RuntimeError):
         self.log_tail = tail
 
 
-def _nla(command: str, log: Path, *, env: dict[str, str] | None, hold_until: tuple | None = None,
+def _nla(command: str, log: Path, *, env: dict[str, str], hold_until: tuple | None = None,
          **settings: object) -> None:
     """One `nla` command as `key=value` overrides, in a fresh Python process, its output in `log`.
 
-    hold_until = (lock, line): the lock is held from before the start until `line` appears in
-    the log (or the process ends).
+    hold_until = (lock, lines): the lock is held from before the start until one of `lines`
+    appears in the log (or the process ends).
     """
     argv = [sys.executable, "-m", "nla_shell.cli", command, *(f"{k}={v}" for k, v in settings.items())]
     log.parent.mkdir(parents=True, exist_ok=True)
-    lock, line = hold_until or (contextlib.nullcontext(), None)
+    lock, lines = hold_until or (contextlib.nullcontext(), ())
     with open(log, "w") as out:
         with lock:
             process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
-            while line is not None and process.poll() is None and line not in log.read_text(errors="replace"):
+            while lines and process.poll() is None and not any(line in log.read_text(errors="replace") for line in lines):
                 time.sleep(0.5)
         process.wait()
     if process.returncode != 0:
@@ -168,35 +172,49 @@ def _nla(command: str, log: Path, *, env: dict[str, str] | None, hold_until: tup
 
 
 def run_legs(inputs: ParityInputs, out_dir: Path, legs: Sequence[tuple[str, int]], *, lanes: Sequence[str | None],
-             dtypes: dict[str, str], engine_settings: dict[str, dict[str, object]] | None = None,
-             **settings: object) -> list[ParityRun]:
-    """Every (engine, seed) leg, `len(lanes)` at a time: one worker per lane entry, each running
-    its legs on that GPU (lanes ["0", "0", "1"]: two concurrent legs on GPU 0, one on GPU 1;
-    [None]: one leg at a time on the inherited devices). Legs are taken in the given order.
-    vLLM legs on one GPU start one after the other (see `run_one`). Each engine trains in
-    dtypes[engine], with engine_settings[engine] as extra `nla train` overrides; `settings` go
-    to every leg. Returns the runs in leg order.
+             vllm_lanes: Sequence[str | None] | None = None, dtypes: dict[str, str],
+             engine_settings: dict[str, dict[str, object]] | None = None,
+             progress: Callable[[list[ParityRun]], None] | None = None, **settings: object) -> list[ParityRun]:
+    """Every (engine, seed) leg, concurrently: one worker per lane entry, each running legs one
+    after another on that GPU (lanes ["0", "0", "1"]: two concurrent legs on GPU 0, one on GPU 1;
+    [None]: one leg at a time on the inherited devices). With vllm_lanes, vLLM legs run only in
+    those lanes and the others only in `lanes` (vLLM's start-up profiling dislikes co-tenants
+    that come and go); vLLM legs on one GPU start one after the other (see `run_one`). Each
+    engine trains in dtypes[engine], with engine_settings[engine] as extra `nla train`
+    overrides; `settings` go to every leg. `progress` gets the legs finished so far after each
+    one (so a run cut short still leaves its record). Returns the runs in leg order.
     """
-    pending = list(enumerate(legs))
+    indexed = list(enumerate(legs))
+    queues = ([([leg for leg in indexed if leg[1][0] != "vllm"], lanes), ([leg for leg in indexed if leg[1][0] == "vllm"], vllm_lanes)]
+              if vllm_lanes is not None else [(indexed, lanes)])
     results: dict[int, ParityRun] = {}
     guard = threading.Lock()
-    startup_locks = {gpu: threading.Lock() for gpu in lanes}
+    startup_locks = {gpu: threading.Lock() for _, group_lanes in queues for gpu in group_lanes}
 
-    def worker(gpu: str | None) -> None:
+    def worker(pending: list[tuple[int, tuple[str, int]]], gpu: str | None) -> None:
         while True:
             with guard:
                 if not pending:
                     return
                 index, (engine, seed) = pending.pop(0)
-            run = run_one(inputs, out_dir, engine=engine, seed=seed, gpu=gpu, startup_lock=startup_locks[gpu],
-                          dtype=dtypes[engine], engine_settings=(engine_settings or {}).get(engine), **settings)
+            try:
+                run = run_one(inputs, out_dir, engine=engine, seed=seed, gpu=gpu, startup_lock=startup_locks[gpu],
+                              dtype=dtypes[engine], engine_settings=(engine_settings or {}).get(engine), **settings)
+            except BaseException:
+                with guard:  # no lane starts another leg: the run has failed
+                    for queue, _ in queues:
+                        queue.clear()
+                raise
             print(f"[parity] {engine} seed {seed} (gpu {gpu}): FVE {run.fve:.4f}, worst per-step logp diff mean "
                   f"{run.worst_logp_diff_mean:.2g}, {run.wall_s:.0f}s", flush=True)
             with guard:
                 results[index] = run
+                if progress is not None:
+                    progress([results[i] for i in sorted(results)])
 
-    with concurrent.futures.ThreadPoolExecutor(max_workers=len(lanes)) as pool:
-        for future in [pool.submit(worker, gpu) for gpu in lanes]:
+    workers = [(pending, gpu) for pending, group_lanes in queues if pending for gpu in group_lanes]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, len(workers))) as pool:
+        for future in [pool.submit(worker, pending, gpu) for pending, gpu in workers]:
             future.result()  # a failed leg raises here (the other lanes finish their current leg)
     return [results[i] for i in range(len(legs))]
 
@@ -281,8 +299,10 @@ def parity_failures(runs: Sequence[ParityRun], *, baseline: str = "hf", logp_tol
     return failures
 
 
-def write_json(path: Path, runs: Sequence[ParityRun], *, settings: dict[str, object], failures: Sequence[str]) -> None:
-    """Every leg (per-step log-prob gaps included), each engine's mean/sd/se and the verdict, as JSON."""
+def write_json(path: Path, runs: Sequence[ParityRun], *, settings: dict[str, object],
+               failures: Sequence[str] | None) -> None:
+    """Every leg (per-step log-prob gaps included), each engine's mean/sd/se and the verdict
+    (failures None: the legs are not all done yet), as JSON."""
     engines = dict.fromkeys(r.engine for r in runs)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({
@@ -291,7 +311,8 @@ def write_json(path: Path, runs: Sequence[ParityRun], *, settings: dict[str, obj
                   "worst_logp_diff_max": r.worst_logp_diff_max} for r in runs],
         "engines": {e: {**dataclasses.asdict(engine_stats(runs, e)), "se": engine_stats(runs, e).standard_error}
                     for e in engines},
-        "failures": list(failures),
+        "complete": failures is not None,
+        "failures": None if failures is None else list(failures),
     }, indent=1, default=str, allow_nan=True))
 
 
@@ -316,7 +337,7 @@ def randomized_pit(logits: torch.Tensor, tokens: torch.Tensor, *, generator: tor
     sorted_probs = probs.gather(-1, order)
     rank = order.argsort(dim=-1).gather(-1, tokens[:, None])  # [N, 1] position of t in the order
     mass_before = (sorted_probs.cumsum(-1) - sorted_probs).gather(-1, rank).squeeze(-1)
-    jitter = torch.rand(tokens.shape, generator=generator, dtype=torch.float64)
+    jitter = torch.rand(tokens.shape, generator=generator, dtype=torch.float64, device=tokens.device)
     return mass_before + jitter * probs.gather(-1, tokens[:, None]).squeeze(-1)
 
 
@@ -343,7 +364,7 @@ def uniformity_chi_square(values: torch.Tensor, *, bins: int = 20, alpha: float 
     an exact sampler.
     """
     n = values.numel()
-    counts = torch.histc(values.double().clamp(0, 1), bins=bins, min=0.0, max=1.0)
+    counts = torch.histc(values.detach().double().cpu().clamp(0, 1), bins=bins, min=0.0, max=1.0)
     expected = n / bins
     k = bins - 1
     z = statistics.NormalDist().inv_cdf(1 - alpha)

@@ -65,12 +65,17 @@ class ParityRun:
 
     @property
     def worst_logp_diff_mean(self) -> float:
-        """The largest per-step mean gap: an engine that goes off-policy after some update shows here."""
-        return max(self.logp_diff_mean)
+        """The largest per-step mean gap (NaN if any step's is): an engine that goes off-policy
+        after some update shows here."""
+        return _worst(self.logp_diff_mean)
 
     @property
     def worst_logp_diff_max(self) -> float:
-        return max(self.logp_diff_max)
+        return _worst(self.logp_diff_max)
+
+
+def _worst(values: Sequence[float]) -> float:
+    return math.nan if any(math.isnan(v) for v in values) else max(values)
 
 
 def demo_inputs(run_dir: Path, *, seed: int = 0) -> ParityInputs:
@@ -282,7 +287,7 @@ def parity_failures(runs: Sequence[ParityRun], *, baseline: str = "hf", logp_tol
     failures = []
     stats = {engine: engine_stats(runs, engine) for engine in dict.fromkeys(r.engine for r in runs)}
     judged = {engine for engine, s in stats.items() if s.n >= 2 and math.isfinite(s.mean)}
-    for engine in stats.keys() - judged:
+    for engine in sorted(stats.keys() - judged):
         failures.append(f"{engine}: {stats[engine].n} seed(s), mean FVE {stats[engine].mean:.3f}: "
                         "need >= 2 seeds with a finite FVE")
     base = stats[baseline]
@@ -292,10 +297,10 @@ def parity_failures(runs: Sequence[ParityRun], *, baseline: str = "hf", logp_tol
             failures.append(f"{engine}: mean held-out FVE {stats[engine].mean:.3f} is {shortfall:.3f} below {baseline}'s "
                             f"{base.mean:.3f}, more than max(2 se, {margin:g}) = {allowed:.3f}")
     for r in runs:
-        step = max(range(len(r.logp_diff_mean)), key=r.logp_diff_mean.__getitem__)
         if not r.worst_logp_diff_mean <= logp_tolerance[r.engine]:
-            failures.append(f"{r.engine} seed {r.seed}: mean |behaviour - trainer| log-prob {r.worst_logp_diff_mean:.3g} "
-                            f"at step {step} > {logp_tolerance[r.engine]:g}")
+            step = next(i for i, v in enumerate(r.logp_diff_mean) if not v <= logp_tolerance[r.engine])
+            failures.append(f"{r.engine} seed {r.seed}: mean |behaviour - trainer| log-prob over "
+                            f"{logp_tolerance[r.engine]:g} first at step {step} (worst {r.worst_logp_diff_mean:.3g})")
     return failures
 
 

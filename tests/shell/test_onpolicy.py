@@ -323,7 +323,7 @@ def test_parity_verdict_compares_each_engine_with_the_hf_seed_spread():
     # A log-prob gap at a later step fails as a step-0 gap would.
     late = parity.ParityRun(engine="native", seed=1, fve=0.81, logp_diff_mean=(1e-6, 1e-6, 0.2), logp_diff_max=(1e-5,) * 3)
     (gap,) = parity.parity_failures(hf + [late, _run("native", 2, 0.81)], logp_tolerance=TOLERANCE)
-    assert "native seed 1" in gap and "at step 2" in gap
+    assert "native seed 1" in gap and "first at step 2 (worst 0.2)" in gap
     (lonely,) = parity.parity_failures(hf + [_run("native", 1, 0.81)], logp_tolerance=TOLERANCE)
     assert lonely.startswith("native: 1 seed(s)")
 

@@ -8,12 +8,14 @@ it only says the engine scored its tokens right. These tests look at the draws t
 - after real optimizer steps, native's behaviour log-probs still equal the trainer's (the
   policy moved by far more than the tolerance, so stale weights would show);
 - for the same random draws, native's rollouts equal HF generate's field by field.
+The CUDA-graph decode path is checked the same way on a GPU (tests/gpu/test_learning_parity.py).
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+
 import nla_core
 import parity
 from nla_shell.engines.hf import HFRolloutEngine

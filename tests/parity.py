@@ -276,11 +276,12 @@ def allowed_shortfall(engine: EngineStats, baseline: EngineStats, *, margin: flo
     return max(2 * se, margin)
 
 
-def parity_failures(runs: Sequence[ParityRun], *, baseline: str = "hf", logp_tolerance: dict[str, float],
+def parity_failures(runs: Sequence[ParityRun], *, baseline: str | None = "hf", logp_tolerance: dict[str, float],
                     margin: float = FVE_MARGIN) -> list[str]:
     """What breaks parity, one line each:
     - an engine (or the baseline) with fewer than 2 seeds (no spread to judge by) or a non-finite FVE;
-    - an engine whose mean FVE is below the baseline's by more than `allowed_shortfall`;
+    - an engine whose mean FVE is below the baseline's by more than `allowed_shortfall` (not
+      judged with baseline None: legs run apart from HF's, to be judged with them later);
     - a run whose mean |behaviour - trainer| log-prob exceeds its engine's tolerance at ANY step
       (an engine that samples a stale policy after some update shows there, not at step 0).
     """
@@ -290,7 +291,7 @@ def parity_failures(runs: Sequence[ParityRun], *, baseline: str = "hf", logp_tol
     for engine in sorted(stats.keys() - judged):
         failures.append(f"{engine}: {stats[engine].n} seed(s), mean FVE {stats[engine].mean:.3f}: "
                         "need >= 2 seeds with a finite FVE")
-    base = stats[baseline]
+    base = stats.get(baseline)
     for engine in sorted(judged - {baseline} if baseline in judged else set()):
         shortfall, allowed = base.mean - stats[engine].mean, allowed_shortfall(stats[engine], base, margin=margin)
         if shortfall > allowed:
@@ -319,6 +320,13 @@ def write_json(path: Path, runs: Sequence[ParityRun], *, settings: dict[str, obj
         "complete": failures is not None,
         "failures": None if failures is None else list(failures),
     }, indent=1, default=str, allow_nan=True))
+
+
+def read_json(path: Path) -> list[ParityRun]:
+    """The legs a `write_json` file holds: legs run by several commands can be judged together."""
+    fields = {f.name for f in dataclasses.fields(ParityRun)}
+    return [ParityRun(**{k: tuple(v) if isinstance(v, list) else v for k, v in leg.items() if k in fields})
+            for leg in json.loads(Path(path).read_text())["legs"]]
 
 
 # --------------------------------------------------------------------------- does an engine sample its policy?

@@ -72,7 +72,8 @@ def inputs(work_dir) -> parity.ParityInputs:
 
 
 def test_every_engine_reaches_the_hf_engines_heldout_fve(inputs, work_dir):
-    assert "hf" in ENGINES
+    """Without "hf" in NLA_PARITY_ENGINES only the log-prob gaps are judged here; the FVE verdict
+    then comes from the JSONs of both commands together (`parity.read_json`)."""
     json_path = os.environ.get("NLA_PARITY_JSON")
     settings = dict(steps=STEPS, seeds=SEEDS, engines=ENGINES, lanes=LANES, vllm_lanes=VLLM_LANES, dtypes=DTYPE,
                     engine_settings=ENGINE_SETTINGS, logp_tolerance=LOGP_TOLERANCE, fve_margin=parity.FVE_MARGIN)
@@ -84,7 +85,7 @@ def test_every_engine_reaches_the_hf_engines_heldout_fve(inputs, work_dir):
     legs = [(engine, seed) for seed in SEEDS for engine in ENGINES]  # seeds interleaved: lanes mix engines
     runs = parity.run_legs(inputs, work_dir / f"legs_{STEPS}steps", legs, lanes=LANES, vllm_lanes=VLLM_LANES,
                            dtypes=DTYPE, engine_settings=ENGINE_SETTINGS, progress=record, steps=STEPS, device="cuda")
-    failures = parity.parity_failures(runs, logp_tolerance=LOGP_TOLERANCE)
+    failures = parity.parity_failures(runs, logp_tolerance=LOGP_TOLERANCE, baseline="hf" if "hf" in ENGINES else None)
     record(runs, failures)
     print(f"\nheld-out FVE after {STEPS} RL steps from the toy SFT checkpoint:\n" + parity.format_table(runs), flush=True)
     assert failures == []

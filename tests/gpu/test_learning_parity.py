@@ -97,7 +97,9 @@ def test_native_cuda_graph_sampler_draws_its_policy_before_and_after_updates(inp
     the graph, KV windows, and weights updated in place under captured graphs. Every generated
     token's PIT under the trainer's softmax is uniform (a temperature of 0.9 fails the same
     test), before and after three GRPO steps at a large lr; and the behaviour log-probs equal
-    the updated trainer's at each step."""
+    the updated trainer's at each step. On CPU, 768 samples of the demo AV gave 14.7 against
+    the critical 43.9, and temperature 0.9 gave 25-40 on 1,294 informative tokens (this test
+    keeps about 8 times as many, so about 8 times the excess)."""
     from nla_shell.engines.native import NativeRolloutEngine
     from nla_shell.training.update import LossOptions, policy_update
 
@@ -108,15 +110,20 @@ def test_native_cuda_graph_sampler_draws_its_policy_before_and_after_updates(inp
     optimizer = torch.optim.AdamW([p for p in actor.parameters() if p.requires_grad], lr=3e-2)
 
     def pit_check(label: str) -> None:
-        rollouts = engine.generate(requests, group_size=256, max_new_tokens=16)
+        rollouts = engine.generate(requests, group_size=2048, max_new_tokens=16)
         assert engine.cuda_graphs and engine.graph_error is None
         logits, tokens = parity.conditional_logits(actor, injector, rollouts, requests, pad_id=tokenizer.pad_token_id)
+        # The toy AV is nearly deterministic on ~3/4 of its tokens, which carry no information
+        # about a bias; keeping positions by their conditional alone (not by the drawn token)
+        # leaves the kept PITs uniform under an exact sampler.
+        informative = logits.softmax(-1).amax(-1) < 0.9
+        logits, tokens = logits[informative], tokens[informative]
         jitter = torch.Generator(cuda).manual_seed(0)
         exact = parity.uniformity_chi_square(parity.randomized_pit(logits, tokens, generator=jitter))
         tempered = nla_core.sample_tokens(logits / 0.9, generator=torch.Generator(cuda).manual_seed(1)).tokens
         biased = parity.uniformity_chi_square(parity.randomized_pit(logits, tempered, generator=jitter))
         print(f"\n[native merge_lora={merge_lora}] {label}: {exact} (temperature 0.9: {biased.statistic:.1f})")
-        assert exact.passed and not biased.passed, (label, exact, biased)
+        assert exact.n > 2000 and exact.passed and not biased.passed, (label, exact, biased)
 
     pit_check("before updates")
     for _ in range(3):

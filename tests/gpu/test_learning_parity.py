@@ -83,6 +83,7 @@ def test_every_engine_reaches_the_hf_engines_heldout_fve(inputs, work_dir):
             parity.write_json(Path(json_path), runs, settings=settings, failures=failures)
 
     legs = [(engine, seed) for seed in SEEDS for engine in ENGINES]  # seeds interleaved: lanes mix engines
+    assert legs, f"no engine to run of {os.environ.get('NLA_PARITY_ENGINES')!r} (vllm is dropped where it does not import)"
     runs = parity.run_legs(inputs, work_dir / f"legs_{STEPS}steps", legs, lanes=LANES, vllm_lanes=VLLM_LANES,
                            dtypes=DTYPE, engine_settings=ENGINE_SETTINGS, progress=record, steps=STEPS, device="cuda")
     failures = parity.parity_failures(runs, logp_tolerance=LOGP_TOLERANCE, baseline="hf" if "hf" in ENGINES else None)

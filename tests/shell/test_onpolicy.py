@@ -8,6 +8,7 @@ and EasyNLA's anti-runaway shaping is available.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 from collections import Counter
@@ -271,7 +272,8 @@ def test_shaping_options_reach_the_logs(nla_run_inputs, tmp_path):
 # --------------------------------------------------------------------------- the GPU parity test's logic, on CPU
 
 
-def test_parity_legs_run_on_cpu_and_their_step0_logprobs_match_the_trainer(toy_sft, toy_datasets, tmp_path):
+def test_parity_legs_run_in_parallel_lanes_on_cpu_and_their_logprobs_match_the_trainer_at_every_step(
+        toy_sft, toy_datasets, tmp_path):
     import pyarrow.parquet as pq
 
     import parity
@@ -280,31 +282,74 @@ def test_parity_legs_run_on_cpu_and_their_step0_logprobs_match_the_trainer(toy_s
     rl = toy_datasets / "rl.parquet"
     inputs = parity.ParityInputs(av=av, ar=ar, rl_parquet=rl, eval_parquet=toy_datasets / "eval.parquet",
                                  rl_rows=pq.ParquetFile(rl).metadata.num_rows)
-    runs = [parity.run_one(inputs, tmp_path, engine=engine, seed=1, steps=1, device="cpu", dtype="float32",
-                           batch_prompts=2, group_size=2, max_new_tokens=6, eval_rows=8)
-            for engine in ("hf", "native")]
+    legs = [("hf", 1), ("native", 1)]
+    runs = parity.run_legs(inputs, tmp_path, legs, lanes=["", ""], dtypes={"hf": "float32", "native": "float32"},
+                           steps=2, device="cpu", batch_prompts=2, group_size=2, max_new_tokens=6, eval_rows=8)
+    assert [(r.engine, r.seed, r.gpu) for r in runs] == [("hf", 1, ""), ("native", 1, "")]
     for run in runs:
-        assert 0 <= run.step0_logp_diff_mean <= run.step0_logp_diff_max <= 1e-3
+        assert len(run.logp_diff_mean) == len(run.logp_diff_max) == 2  # one record per step
+        assert 0 <= run.worst_logp_diff_mean <= run.worst_logp_diff_max <= 1e-3
         # Scored by `nla eval` (NaN here: two SFT steps do not teach the toy AV to close its tags).
-        summary = json.loads((tmp_path / f"{run.engine}_seed1" / "eval" / "eval_summary.json").read_text())
+        leg = tmp_path / f"{run.engine}_seed1"
+        summary = json.loads((leg / "eval" / "eval_summary.json").read_text())
         assert summary["n_rows"] == 8 and (summary["av/fve"] is None) == math.isnan(run.fve)
+        assert (leg / "train.log").stat().st_size > 0 and (leg / "eval.log").exists()  # each leg's output, kept
     table = parity.format_table(runs)
-    assert table.count("\n") == 3 and "| native |" in table and f"{runs[0].fve:.3f}" in table
+    assert table.count("\n") == 3 and "| native |" in table
+    parity.write_json(tmp_path / "parity.json", runs, settings={"steps": 2}, failures=["x"])
+    written = json.loads((tmp_path / "parity.json").read_text())
+    assert [leg["logp_diff_mean"] for leg in written["legs"]] == [list(r.logp_diff_mean) for r in runs]
+    assert written["failures"] == ["x"] and written["complete"] and set(written["engines"]) == {"hf", "native"}
+    back = parity.read_json(tmp_path / "parity.json")  # FVE NaN here: compared apart (NaN != NaN)
+    assert [dataclasses.replace(r, fve=0.0) for r in back] == [dataclasses.replace(r, fve=0.0) for r in runs]
+    assert all(a.fve == b.fve or math.isnan(a.fve) and math.isnan(b.fve) for a, b in zip(back, runs))
+
+
+def _run(engine, seed, fve, gap=1e-5, steps=3):
+    import parity
+
+    return parity.ParityRun(engine=engine, seed=seed, fve=fve, logp_diff_mean=(gap,) * steps, logp_diff_max=(gap,) * steps)
+
+
+TOLERANCE = {"hf": 1e-3, "native": 1e-3, "vllm": 0.05}
 
 
 def test_parity_verdict_compares_each_engine_with_the_hf_seed_spread():
     import parity
 
-    def run(engine, seed, fve, gap=1e-5):
-        return parity.ParityRun(engine=engine, seed=seed, fve=fve, step0_logp_diff_mean=gap, step0_logp_diff_max=gap)
-
-    tolerance = {"hf": 1e-3, "native": 1e-3, "vllm": 0.05}
-    hf = [run("hf", 1, 0.816), run("hf", 2, 0.809), run("hf", 3, 0.788)]
+    hf = [_run("hf", 1, 0.816), _run("hf", 2, 0.809), _run("hf", 3, 0.788)]
     # The issue's measurement: vllm synced every step (mean 0.812) passes, every 20 steps (0.779) fails.
-    on_policy = [run("vllm", 2, 0.803, 0.02), run("vllm", 3, 0.819, 0.02), run("vllm", 1, 0.814, 0.02)]
-    assert parity.parity_failures(hf + on_policy, step0_tolerance=tolerance) == []
-    stale = [run("vllm", 2, 0.787), run("vllm", 3, 0.771)]
-    (failure,) = parity.parity_failures(hf + stale, step0_tolerance=tolerance)
-    assert "vllm" in failure and "0.779" in failure and "0.788" in failure
-    (gap,) = parity.parity_failures(hf + [run("native", 1, 0.81, gap=0.2)], step0_tolerance=tolerance)
-    assert "native seed 1" in gap
+    on_policy = [_run("vllm", 2, 0.803, 0.02), _run("vllm", 3, 0.819, 0.02), _run("vllm", 1, 0.814, 0.02)]
+    assert parity.parity_failures(hf + on_policy, logp_tolerance=TOLERANCE) == []
+    stale = [_run("vllm", 2, 0.787), _run("vllm", 3, 0.771)]
+    (failure,) = parity.parity_failures(hf + stale, logp_tolerance=TOLERANCE)
+    assert "vllm" in failure and "0.779" in failure and "0.025 below" in failure and "0.023" in failure
+    # A log-prob gap at a later step fails as a step-0 gap would.
+    late = parity.ParityRun(engine="native", seed=1, fve=0.81, logp_diff_mean=(1e-6, 1e-6, 0.2), logp_diff_max=(1e-5,) * 3)
+    (gap,) = parity.parity_failures(hf + [late, _run("native", 2, 0.81)], logp_tolerance=TOLERANCE)
+    assert "native seed 1" in gap and "first at step 2 (worst 0.2)" in gap
+    (lonely,) = parity.parity_failures(hf + [_run("native", 1, 0.81)], logp_tolerance=TOLERANCE)
+    assert lonely.startswith("native: 1 seed(s)")
+    # Legs run apart from HF's: only their log-prob gaps are judged until the JSONs are combined.
+    assert parity.parity_failures(stale, logp_tolerance=TOLERANCE, baseline=None) == []
+
+
+def test_the_parity_rule_allows_seed_noise_and_a_margin_not_a_stricter_floor_per_seed():
+    """The 9-seed measurement of bench/RESULTS.md: native's 0.010 shortfall is 1.7 standard errors
+    (se 0.0059), inside max(2 se, 0.005); the old rule (mean >= HF's lowest seed) failed it for two
+    of three seed triples. With many seeds a 1 pp gap fails, a 0.3 pp one passes (the margin)."""
+    import parity
+
+    hf_fves = [0.795, 0.786, 0.784, 0.782, 0.783, 0.787, 0.780, 0.804, 0.800]
+    native_fves = [0.799, 0.758, 0.771, 0.757, 0.784, 0.800, 0.777, 0.788, 0.778]
+    hf = [_run("hf", s, f) for s, f in enumerate(hf_fves, 1)]
+    native = [_run("native", s, f) for s, f in enumerate(native_fves, 1)]
+    assert parity.parity_failures(hf + native, logp_tolerance=TOLERANCE) == []
+    se = math.sqrt(parity.engine_stats(hf, "hf").standard_error ** 2 + parity.engine_stats(native, "native").standard_error ** 2)
+    allowed = parity.allowed_shortfall(parity.engine_stats(native, "native"), parity.engine_stats(hf, "hf"))
+    assert 0.0055 < se < 0.0060 and math.isclose(allowed, 2 * se)
+    # 90 seeds each, same spread shapes: 2 se falls below the margin; a 0.3 pp shift passes, a 1 pp shift fails.
+    many_hf = [_run("hf", s, f) for s, f in enumerate(hf_fves * 10)]
+    for shift, passes in ((0.003, True), (0.010, False)):
+        shifted = [_run("native", s, f - shift) for s, f in enumerate(hf_fves * 10)]
+        assert (parity.parity_failures(many_hf + shifted, logp_tolerance=TOLERANCE) == []) is passes

@@ -42,9 +42,11 @@ def test_denormalize_inverts_normalize_and_keeps_the_error(seed, shape, scale):
     gold, pred = _vectors(seed, shape, 2)
     torch.testing.assert_close(denormalize_activation(normalize_activation(gold, scale), gold, scale=scale), gold)
     spliced = denormalize_activation(normalize_activation(pred, scale), gold, scale=scale)
-    # What reconstruction_mse sees of pred is unchanged by going back to gold's units.
+    # What reconstruction_mse sees of pred is unchanged by going back to gold's units. The MSE is
+    # float32 inside and a small error is a difference of near-equal vectors, so its relative
+    # rounding reaches ~2e-5 (seed 19007, shape (2, 2), scale 8: 1.8e-5): rtol 1e-4.
     torch.testing.assert_close(reconstruction_mse(spliced.double(), gold, scale=scale).double(),
-                               reconstruction_mse(pred, gold, scale=scale).double(), rtol=1e-5, atol=1e-9)
+                               reconstruction_mse(pred, gold, scale=scale).double(), rtol=1e-4, atol=1e-9)
     if scale is not None:
         torch.testing.assert_close(spliced.norm(dim=-1), gold.norm(dim=-1))
 

@@ -13,20 +13,26 @@ from pathlib import Path
 
 import torch
 
-HIDDEN, LAYERS, HEADS, KV_HEADS, HEAD_DIM, FFN = 32, 3, 4, 2, 8, 64
+LAYERS, HEADS, KV_HEADS, HEAD_DIM = 3, 4, 2, 8
+HIDDEN = HEADS * HEAD_DIM
 WINDOW = 4
 """Sliding window of the windowed families: far shorter than the AV prompt (~15 tokens)."""
 FAMILY_NAMES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "gpt2")
 
 
-def tiny_config(model_type: str, tokenizer):
-    """A tiny config of `model_type` (an HF model_type) for `tokenizer`'s vocabulary."""
+def tiny_config(model_type: str, tokenizer, *, head_dim: int = HEAD_DIM, layers: int = LAYERS):
+    """A tiny config of `model_type` (an HF model_type) for `tokenizer`'s vocabulary.
+
+    HEADS query heads of `head_dim` (hidden = HEADS * head_dim, FFN = 2 * hidden); the GPU
+    tests ask for head_dim 64, a size vLLM's attention kernels serve.
+    """
     import transformers as tf
 
+    hidden = HEADS * head_dim
     ids = dict(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
-    shape = dict(vocab_size=len(tokenizer), hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
-                 num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, intermediate_size=FFN, max_position_embeddings=256,
-                 tie_word_embeddings=False, **ids)
+    shape = dict(vocab_size=len(tokenizer), hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=HEADS,
+                 num_key_value_heads=KV_HEADS, head_dim=head_dim, intermediate_size=2 * hidden,
+                 max_position_embeddings=256, tie_word_embeddings=False, **ids)
     if model_type == "llama":
         return tf.LlamaConfig(**shape)
     if model_type == "mistral":
@@ -37,18 +43,19 @@ def tiny_config(model_type: str, tokenizer):
         return tf.Qwen3Config(**shape)
     if model_type == "gemma2":
         return tf.Gemma2Config(**shape, sliding_window=WINDOW, final_logit_softcapping=2.0, attn_logit_softcapping=1.0,
-                               query_pre_attn_scalar=HEAD_DIM)
+                               query_pre_attn_scalar=head_dim)
     if model_type == "gemma3_text":
-        return tf.Gemma3TextConfig(**shape, sliding_window=WINDOW, query_pre_attn_scalar=HEAD_DIM,
-                                   layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+        return tf.Gemma3TextConfig(**shape, sliding_window=WINDOW, query_pre_attn_scalar=head_dim,
+                                   layer_types=[("sliding_attention", "full_attention")[i % 2] for i in range(layers)])
     if model_type == "gpt2":
-        return tf.GPT2Config(vocab_size=len(tokenizer), n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS, n_positions=256,
+        return tf.GPT2Config(vocab_size=len(tokenizer), n_embd=hidden, n_layer=layers, n_head=HEADS, n_positions=256,
                              tie_word_embeddings=False, **ids)
     raise ValueError(f"no tiny config for {model_type!r}")
 
 
-def build_tiny_model(model_type: str, tokenizer, *, seed: int = 0):
-    """A random float32 causal LM of the family, with full-distribution sampling defaults.
+def build_tiny_model(model_type: str, tokenizer, *, seed: int = 0, **shape):
+    """A random float32 causal LM of the family (`shape`: tiny_config's), with full-distribution
+    sampling defaults.
 
     Gemma 2's lm_head is scaled so its logits reach the soft-cap's non-linear range, as a
     trained model's do (random init gives logits near 0, where the cap is the identity).
@@ -56,7 +63,7 @@ def build_tiny_model(model_type: str, tokenizer, *, seed: int = 0):
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_config(model_type, tokenizer), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(tiny_config(model_type, tokenizer, **shape), dtype=torch.float32)
     if model_type == "gemma2":
         with torch.no_grad():
             model.lm_head.weight.mul_(40.0)

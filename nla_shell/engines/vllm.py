@@ -30,6 +30,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, NamedTuple, Seque
 import torch
 
 import nla_core
+from nla_shell import families
 from nla_shell.engines import vllm_steering
 from nla_shell.engines.base import Rollout, RolloutRequest
 from nla_shell.engines.weight_sync import iter_merged_weight_buckets
@@ -419,6 +420,9 @@ class VLLMRolloutEngine:
             raise ValueError(f"steering must be one of {STEERING_BACKENDS}, got {steering!r}")
         if injection_style != "residual_add" and steering != "nla":
             raise ValueError(f"injection_style {injection_style!r} needs steering='nla' (vllm-lens only adds at a layer)")
+        from transformers import AutoConfig
+
+        families.require_engine(AutoConfig.from_pretrained(model_dir), "vllm")  # before vLLM builds anything
         vllm = require_vllm()
         self.tokenizer = tokenizer
         self.marker_id, self.left_id, self.right_id = marker_id, left_id, right_id

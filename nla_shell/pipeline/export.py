@@ -102,7 +102,9 @@ def export(cfg: ExportConfig) -> dict[str, Path]:
     # --- the AR: upstream's critic layout ----------------------------------------------------
     if cfg.ar is not None:
         critic = ARModel.from_pretrained(cfg.ar, mse_scale=nla_core.resolve_target_scale(nla.mse_scale, nla.d_model),
-                                         dtype=dtype)
+                                         dtype=dtype, full_precision=True)
+        if critic.lora is not None:  # an AR-LoRA: upstream's critic is one plain checkpoint
+            critic.merge_lora()
         if critic.num_layers != nla.extraction_layer_index + 1:
             raise DataError(
                 f"ar: {cfg.ar} keeps {critic.num_layers} blocks but the sidecar's extraction layer is "

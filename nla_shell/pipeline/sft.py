@@ -75,11 +75,11 @@ class SFTConfig:
     max_grad_norm: float = 1.0
     """Gradient-norm clip; a non-finite norm skips the step."""
     lora_r: int = 64
-    """AV LoRA rank (q, k, v, o)."""
+    """LoRA rank (the AV's; the AR's with ar_lora) on families.lora_targets."""
     lora_alpha: int = 64
-    """AV LoRA alpha."""
+    """LoRA alpha (the AV's; the AR's with ar_lora)."""
     use_rslora: bool = True
-    """AV rsLoRA scaling alpha/sqrt(r)."""
+    """rsLoRA scaling alpha/sqrt(r) (the AV's LoRA; the AR's with ar_lora)."""
     max_tokens: int = 256
     """Longest AV response / AR input in tokens; longer rows are dropped (and counted)."""
     max_rows: int | None = None
@@ -105,8 +105,12 @@ class SFTConfig:
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """Model dtype ("auto": bf16 on cuda, fp32 on cpu); the AR value head stays float32."""
     quant: Literal["none", "4bit", "8bit"] = "none"
-    """mode=av: load the frozen base quantised with bitsandbytes (CUDA, pip install 'nla[bnb]'); the LoRA trains
-    in `dtype`. mode=ar trains the backbone, so it refuses quantisation."""
+    """Load the frozen base quantised with bitsandbytes (CUDA, pip install 'nla[bnb]'); the LoRA trains in `dtype`.
+    mode=ar needs ar_lora=true (a fully fine-tuned backbone cannot be quantised)."""
+    ar_lora: bool = False
+    """mode=ar: freeze the truncated backbone and train a LoRA on it (lora_r, lora_alpha, use_rslora) plus the
+    float32 value head, as EasyNLA's `--use-lora`; saved in EasyNLA's AR-LoRA layout (ar_meta.json +
+    ar_lora_value_head.safetensors, not the backbone). False fine-tunes the whole backbone."""
 
     def __post_init__(self) -> None:
         normalize_fields(self)
@@ -121,6 +125,9 @@ class SFTConfig:
             raise ConfigError(f"config key 'warmup_steps' = {self.warmup_steps} is invalid: use an integer >= 0")
         if self.max_rows is not None and self.max_rows < 1:
             raise ConfigError(f"config key 'max_rows' = {self.max_rows} is invalid: use an integer >= 1 or null")
+        if self.ar_lora and self.mode != "ar":
+            raise ConfigError("config key 'ar_lora' = true applies to mode=ar only (the AV always trains a LoRA); "
+                              "drop it or set mode=ar")
 
 
 SFT_RESUME_MUTABLE_KEYS = frozenset(
@@ -193,7 +200,7 @@ def _run_sft(cfg: SFTConfig, stop: StopSignals) -> Path:
     require_file("parquet", cfg.parquet)
     require_file("sidecar", cfg.sidecar)
     device, dtype = resolve_device(cfg.device, cfg.dtype)
-    require_quant(cfg.quant, device, trains_ar=cfg.mode == "ar")
+    require_quant(cfg.quant, device, trains_ar_backbone=cfg.mode == "ar" and not cfg.ar_lora)
     model_dir = Path(cfg.model).resolve()
     if (model_dir / "adapter_config.json").exists():
         raise ConfigError(
@@ -249,13 +256,14 @@ def _run_sft(cfg: SFTConfig, stop: StopSignals) -> Path:
             model, marker_id=nla.injection_token_id, left_id=nla.injection_left_neighbor_id,
             right_id=nla.injection_right_neighbor_id, style=style, injection_norm=injection_norm,
         )
+    elif resume_from is not None:  # an AR-LoRA checkpoint rebuilds its LoRA around the (quantised) base itself
+        model = ARModel.from_pretrained(resume_from, mse_scale=mse_scale, dtype=dtype, device=device)
     else:
-        model = (
-            ARModel.from_pretrained(resume_from, mse_scale=mse_scale, dtype=dtype, device=device)
-            if resume_from is not None
-            else ARModel.from_pretrained(model_dir, mse_scale=mse_scale, extraction_layer_index=nla.extraction_layer_index,
-                                         create_head=True, dtype=dtype, device=device)
-        )
+        model = ARModel.from_pretrained(model_dir, mse_scale=mse_scale, extraction_layer_index=nla.extraction_layer_index,
+                                        create_head=True, dtype=dtype, device=device, quant=cfg.quant)
+        if cfg.ar_lora:
+            model.add_lora(r=cfg.lora_r, alpha=cfg.lora_alpha, use_rslora=cfg.use_rslora, base_model=model_dir,
+                           quant=cfg.quant)
     model.train()
     optimizer = make_optimizer(trainable_parameters(model), cfg.lr, device=device, label=f"sft {cfg.mode}")
     order = DataOrder(len(examples), cfg.seed)

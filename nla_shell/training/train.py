@@ -45,7 +45,7 @@ from nla_shell.io.progress import progress_bar, say_line
 from nla_shell.metrics import cjk_fraction, fve_metrics, token_lengths
 from nla_shell.models import (
     ARModel, BackboneAutocast, CompiledBlockParts, Injector, base_model_dir, eos_token_ids, inner_lm, is_adapter_dir,
-    load_actor, trainable_parameters,
+    is_ar_lora_dir, load_actor, trainable_parameters,
 )
 from nla_shell.quant import require_quant
 from nla_shell.training.scoring import score_and_train_critic, score_explanations, shape_rewards
@@ -240,7 +240,7 @@ def train(cfg: TrainConfig) -> Path:
     rank = distributed.rank_info()
     device, dtype = resolve_device(cfg.device, cfg.dtype, rank)
     families.require_engine(AutoConfig.from_pretrained(base_model_dir(cfg.av_ckpt)), cfg.engine)
-    require_quant(cfg.quant, device, engine=cfg.engine, trains_ar=cfg.train_critic)
+    require_quant(cfg.quant, device, engine=cfg.engine, trains_ar_backbone=cfg.train_critic and not is_ar_lora_dir(cfg.ar_ckpt))
     if cfg.engine == "vllm":
         from nla_shell.engines.vllm import require_vllm
 

@@ -212,8 +212,8 @@ def test_quant_names_each_other_cause():
     require_quant("none", torch.device("cpu"))  # nothing to check
     with pytest.raises(ValueError, match="works with engine=hf only"):
         require_quant("4bit", cuda, engine="native")
-    with pytest.raises(ValueError, match="set train_critic=false"):
-        require_quant("8bit", cuda, trains_ar=True)
+    with pytest.raises(ValueError, match="only a LoRA on it can train: use sft --mode ar ar_lora=true"):
+        require_quant("8bit", cuda, trains_ar_backbone=True)
     try:
         import bitsandbytes  # noqa: F401
     except ImportError:

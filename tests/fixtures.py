@@ -261,6 +261,19 @@ def sft_config(mode: str, model: Path, data_dir: Path, save_dir: Path, **overrid
     return SFTConfig(**settings)
 
 
+def ar_predictions(ar, tokenizer, device: str = "cpu"):
+    """[3, D] predictions of an ARModel for three fixed texts (no grad): to compare two ARs."""
+    import torch
+
+    from nla_shell.models import pad_right
+
+    texts = ["the cat sat on the mat", "a dog ran", "explanation: birds fly south"]
+    ids, mask = pad_right([tokenizer.encode(t, add_special_tokens=False) for t in texts], tokenizer.pad_token_id,
+                          torch.device(device))
+    with torch.no_grad():
+        return ar(ids, mask)
+
+
 def build_sft_checkpoints(directory: Path, av_dir: Path, data_dir: Path) -> tuple[Path, Path]:
     """(AV adapter checkpoint, AR checkpoint) after two SFT steps each, built once into `directory`."""
     from nla_shell.pipeline.sft import sft

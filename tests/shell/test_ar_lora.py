@@ -18,20 +18,12 @@ from safetensors.torch import load_file
 
 import fixtures
 from nla_shell import cli
-from nla_shell.models import AR_LORA_FILE, AR_META_FILE, ARModel, pad_right
+from nla_shell.models import AR_LORA_FILE, AR_META_FILE, ARModel
 from nla_shell.pipeline.sft import sft
 
 MSE_SCALE = 8.0
 # EasyNLA nla/train_sft.py writes these ar_meta.json keys for an AR-LoRA.
 EASYNLA_META_KEYS = {"ar_num_layers", "lora_r", "lora_alpha", "quant", "target_modules", "final_norm_stripped"}
-
-
-def _predict(ar: ARModel, tokenizer) -> torch.Tensor:
-    texts = ["the cat sat on the mat", "a dog ran", "explanation: birds fly south"]
-    ids, mask = pad_right([tokenizer.encode(t, add_special_tokens=False) for t in texts], tokenizer.pad_token_id,
-                          torch.device("cpu"))
-    with torch.no_grad():
-        return ar(ids, mask)
 
 
 def _lora_ar(tiny_av_dir) -> ARModel:
@@ -43,20 +35,20 @@ def _lora_ar(tiny_av_dir) -> ARModel:
 def test_an_ar_lora_trains_only_its_lora_and_head_and_round_trips_in_easynlas_layout(tiny_av_dir, tiny_tokenizer,
                                                                                       tmp_path):
     ar = _lora_ar(tiny_av_dir)
-    before = _predict(ar, tiny_tokenizer)
+    before = fixtures.ar_predictions(ar, tiny_tokenizer)
     trainable = {name for name, p in ar.named_parameters() if p.requires_grad}
     assert trainable and all("lora_" in name or name == "value_head.weight" for name in trainable)
     assert "value_head.weight" in trainable and any("lora_B" in name for name in trainable)
     # B = 0 at the start: the fresh LoRA leaves the warm-start AR's predictions unchanged.
     plain = ARModel.from_pretrained(tiny_av_dir, mse_scale=MSE_SCALE, extraction_layer_index=fixtures.LAYER_INDEX,
                                     create_head=True)
-    torch.testing.assert_close(before, _predict(plain, tiny_tokenizer), rtol=0, atol=0)
+    torch.testing.assert_close(before, fixtures.ar_predictions(plain, tiny_tokenizer), rtol=0, atol=0)
 
     with torch.no_grad():
         for name, p in ar.named_parameters():
             if "lora_B" in name or name == "value_head.weight":
                 p.add_(torch.randn_like(p), alpha=0.05)
-    trained = _predict(ar, tiny_tokenizer)
+    trained = fixtures.ar_predictions(ar, tiny_tokenizer)
     assert (trained - before).abs().max() > 1e-3
     ar.save_pretrained(tmp_path / "ar")
 
@@ -76,10 +68,10 @@ def test_an_ar_lora_trains_only_its_lora_and_head_and_round_trips_in_easynlas_la
     # --- reloaded from the dir alone: the same predictions, bit for bit; merged: the same up to rounding
     again = ARModel.from_pretrained(tmp_path / "ar", mse_scale=MSE_SCALE)
     assert again.lora is not None and again.num_layers == fixtures.LAYER_INDEX + 1
-    torch.testing.assert_close(_predict(again, tiny_tokenizer), trained, rtol=0, atol=0)
+    torch.testing.assert_close(fixtures.ar_predictions(again, tiny_tokenizer), trained, rtol=0, atol=0)
     merged = again.merge_lora()
     assert merged.lora is None and not any("lora_" in name for name, _ in merged.named_parameters())
-    torch.testing.assert_close(_predict(merged, tiny_tokenizer), trained, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fixtures.ar_predictions(merged, tiny_tokenizer), trained, rtol=1e-5, atol=1e-5)
 
 
 def test_an_ar_lora_dir_that_cannot_be_rebuilt_is_refused_in_one_line(tiny_av_dir, tmp_path):
@@ -146,8 +138,8 @@ def test_sft_ar_lora_resumes_and_feeds_a_co_trained_critic_eval_and_export(tiny_
     exported = ARModel.from_pretrained(tmp_path / "export" / "ar", mse_scale=MSE_SCALE)
     assert exported.lora is None and not (tmp_path / "export" / "ar" / AR_META_FILE).exists()
     tokenizer = fixtures.tiny_tokenizer()
-    torch.testing.assert_close(_predict(exported, tokenizer),
-                               _predict(ARModel.from_pretrained(critic, mse_scale=MSE_SCALE), tokenizer),
+    torch.testing.assert_close(fixtures.ar_predictions(exported, tokenizer),
+                               fixtures.ar_predictions(ARModel.from_pretrained(critic, mse_scale=MSE_SCALE), tokenizer),
                                rtol=1e-5, atol=1e-5)
 
 

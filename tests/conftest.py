@@ -8,9 +8,31 @@ pay for, or see, transformers.
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import pytest
+
+_test_number = itertools.count()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def injection_cache_dir(tmp_path_factory: pytest.TempPathFactory):
+    """Datagen records proven injection characters in a user cache (nla_shell.io.injection_chars):
+    the session's builds write theirs here, not to ~/.cache."""
+    directory = tmp_path_factory.mktemp("injection_cache")
+    patch = pytest.MonkeyPatch()
+    patch.setenv("NLA_INJECTION_CACHE", str(directory / "session.yaml"))
+    yield directory
+    patch.undo()
+
+
+@pytest.fixture(autouse=True)
+def fresh_injection_cache(injection_cache_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Each test its own (empty) injection-character cache: one test's choice never steers another's."""
+    path = injection_cache_dir / f"test_{next(_test_number)}.yaml"
+    monkeypatch.setenv("NLA_INJECTION_CACHE", str(path))
+    return path
 
 
 @pytest.fixture(scope="session")

@@ -43,6 +43,7 @@ from nla_shell.explainers.jsonl import jsonl_objects, write_sites
 from nla_shell.io.config import ConfigError, normalize_fields, require
 from nla_shell import families
 from nla_shell.io.data import DataError, av_prompt_messages, chat_prompt_ids, check_tokenizer
+from nla_shell.io.injection_chars import cached_first, remember_injection_char
 from nla_shell.io.paths import require_file, require_model
 from nla_shell.io.progress import progress_bar, say_line
 from nla_shell.io.sidecars import DEFAULT_AR_TEMPLATE, DEFAULT_AV_TEMPLATE, dataset_sidecar, write_sidecar
@@ -558,7 +559,7 @@ def _write_datasets(cfg: DatagenConfig) -> DatagenResult | Path:
     d_model = model.config.hidden_size
     av_content = actor_content(cfg.av_template)
     template_chars = set(cfg.av_template) | set(cfg.ar_template)
-    candidates = injection_char_candidates(model.config)
+    candidates = cached_first(tokenizer, injection_char_candidates(model.config))
     if cfg.injection_char is not None:  # a requested char that cannot work fails before the forward passes
         choose_injection_char(tokenizer, template_chars, av_content=av_content, candidates=candidates,
                               requested=cfg.injection_char)
@@ -685,6 +686,7 @@ def _write_datasets(cfg: DatagenConfig) -> DatagenResult | Path:
         os.replace(tmp_dir / f"{split}.parquet", final_paths[split])
         os.replace(tmp_dir / f"{split}.parquet.nla_meta.yaml", out_dir / f"{split}.parquet.nla_meta.yaml")
     shutil.rmtree(tmp_dir)
+    remember_injection_char(tokenizer, char)
     rows = {s: writers[s].rows for s in active}
     say_line(f"[datagen] {n_docs} documents -> " + ", ".join(f"{s} {n} rows" for s, n in rows.items())
              + f"; injection char {char!r}; d_model {d_model}, layer {cfg.layer}")

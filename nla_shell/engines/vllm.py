@@ -420,10 +420,10 @@ class VLLMRolloutEngine:
             raise ValueError(f"steering must be one of {STEERING_BACKENDS}, got {steering!r}")
         if injection_style != "residual_add" and steering != "nla":
             raise ValueError(f"injection_style {injection_style!r} needs steering='nla' (vllm-lens only adds at a layer)")
+        vllm = require_vllm()
         from transformers import AutoConfig
 
         families.require_engine(AutoConfig.from_pretrained(model_dir), "vllm")  # before vLLM builds anything
-        vllm = require_vllm()
         self.tokenizer = tokenizer
         self.marker_id, self.left_id, self.right_id = marker_id, left_id, right_id
         self.injection_layer = injection_layer

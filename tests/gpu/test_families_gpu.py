@@ -186,6 +186,7 @@ def test_vllm_samples_what_the_trainer_scores(model_type, style, model_dir, tiny
 # --------------------------------------------------------------------------- refusals
 
 
+@needs_vllm
 def test_engines_refuse_a_family_they_do_not_claim_at_start_up(model_dir, tiny_tokenizer):
     """GPT-2: one line naming the engine and the one that does claim it, before any model is built."""
     from nla_shell.engines.vllm import VLLMRolloutEngine

@@ -100,14 +100,6 @@ def test_a_tokenizer_without_pad_pads_with_eos_and_one_without_either_is_refused
         families.use_eos_as_pad(bare, source=tmp_path / "tok")
 
 
-def test_vllm_engine_refuses_a_family_it_does_not_claim_before_loading_vllm(family_dir):
-    """GPT-2 is refused from its config alone: no vLLM (nor GPU) is needed to hear it."""
-    from nla_shell.engines.vllm import VLLMRolloutEngine
-
-    with pytest.raises(families.UnsupportedModelError, match=r"^engine=vllm does not support GPT-2 models; use engine=hf$"):
-        VLLMRolloutEngine(family_dir("gpt2"), fixtures.tiny_tokenizer(), marker_id=7, left_id=5, right_id=6)
-
-
 # --------------------------------------------------------------------------- engines vs trainer
 
 

@@ -21,7 +21,9 @@ Qwen3 of tests/gpu/test_vllm.py vLLM measured 0.017-0.018 and the native engine 
 missed injection) moves log-probs by 0.1-1. The max is printed, not asserted: a bf16
 near-tie on a rare token can move one log-prob by far more than the mean.
 
-Run (about 3 minutes on one H200; the vLLM cases need the vLLM bundle of shared/device/vllm):
+Run (not yet run: estimated 1 minute for the native cases, 3-4 more for the 8 vLLM engine
+start-ups, each compiling its model; `-k "native or refuse"` for the first minute alone; the
+vLLM cases need the vLLM bundle of shared/device/vllm):
   python -m pytest tests/gpu/test_families_gpu.py -q -s -p no:cacheprovider
 """
 

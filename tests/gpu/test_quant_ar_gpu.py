@@ -3,7 +3,7 @@
 Skipped without CUDA; the quantised runs also skip without bitsandbytes (the lead carries
 bitsandbytes 0.50.2). The float32 CPU analogue of every step is tests/shell/test_ar_lora.py.
 
-Run (under a minute on one H200):
+Run (not yet run; estimated under a minute on one H200):
   python -m pytest tests/gpu/test_quant_ar_gpu.py -q -s -p no:cacheprovider
 """
 

@@ -30,7 +30,6 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, NamedTuple, Seque
 import torch
 
 import nla_core
-from nla_shell import families
 from nla_shell.engines import vllm_steering
 from nla_shell.engines.base import Rollout, RolloutRequest
 from nla_shell.engines.weight_sync import iter_merged_weight_buckets
@@ -421,9 +420,6 @@ class VLLMRolloutEngine:
         if injection_style != "residual_add" and steering != "nla":
             raise ValueError(f"injection_style {injection_style!r} needs steering='nla' (vllm-lens only adds at a layer)")
         vllm = require_vllm()
-        from transformers import AutoConfig
-
-        families.require_engine(AutoConfig.from_pretrained(model_dir), "vllm")  # before vLLM builds anything
         self.tokenizer = tokenizer
         self.marker_id, self.left_id, self.right_id = marker_id, left_id, right_id
         self.injection_layer = injection_layer

@@ -10,7 +10,8 @@ Gemma 2's attention and final-logit soft-capping) in bf16 on CUDA:
 - the vLLM engine (residual_add on every family it claims, with CUDA graphs; kitft's
   embedding_replace, eager, on Llama and on Gemma 3, whose embeddings are scaled): the same;
 - in every case the injection matters: the trainer's log-probs without it are further off;
-- GPT-2, which neither claims, is refused by both engines at start-up with one line.
+- GPT-2, which neither claims, is refused by the native engine at start-up with one line
+  (`nla train engine=vllm` refuses it before vLLM starts; CPU-tested in test_families.py).
 
 Tolerance: mean |Δ log-prob| <= BF16_MEAN over the sampled tokens. Two bf16 forwards that
 differ only in kernel choice and summation order (a captured graph vs the trainer's eager
@@ -22,7 +23,7 @@ missed injection) moves log-probs by 0.1-1. The max is printed, not asserted: a 
 near-tie on a rare token can move one log-prob by far more than the mean.
 
 Run (not yet run: estimated 1 minute for the native cases, 3-4 more for the 8 vLLM engine
-start-ups, each compiling its model; `-k "native or refuse"` for the first minute alone; the
+start-ups, each compiling its model; `-k native` for the first minute alone; the
 vLLM cases need the vLLM bundle of shared/device/vllm):
   python -m pytest tests/gpu/test_families_gpu.py -q -s -p no:cacheprovider
 """
@@ -188,15 +189,10 @@ def test_vllm_samples_what_the_trainer_scores(model_type, style, model_dir, tiny
 # --------------------------------------------------------------------------- refusals
 
 
-@needs_vllm
-def test_engines_refuse_a_family_they_do_not_claim_at_start_up(model_dir, tiny_tokenizer):
-    """GPT-2: one line naming the engine and the one that does claim it, before any model is built."""
-    from nla_shell.engines.vllm import VLLMRolloutEngine
-
-    directory = model_dir("gpt2")
-    with pytest.raises(families.UnsupportedModelError, match=r"^engine=vllm does not support GPT-2 models; use engine=hf$"):
-        VLLMRolloutEngine(directory, tiny_tokenizer, marker_id=MARKER, left_id=LEFT, right_id=RIGHT)
-    actor = _actor(directory, random_adapter=False)
+def test_the_native_engine_refuses_a_family_it_does_not_claim_at_start_up(model_dir, tiny_tokenizer):
+    """GPT-2: one line naming the engine and the one that does claim it. (`nla train engine=vllm`
+    refuses it from the config before vLLM starts: tests/shell/test_families.py, on the CPU.)"""
+    actor = _actor(model_dir("gpt2"), random_adapter=False)
     injector = Injector(actor, marker_id=MARKER, left_id=LEFT, right_id=RIGHT, layer_index=LAYER)
-    with pytest.raises(families.UnsupportedModelError, match=r"^engine=native does not support GPT-2 models"):
+    with pytest.raises(families.UnsupportedModelError, match=r"^engine=native does not support GPT-2 models; use engine=hf$"):
         NativeRolloutEngine(actor, injector, tiny_tokenizer)

@@ -9,6 +9,13 @@
 #   V         (instead of A, on a fresh machine after the parts) install vLLM, register nla's
 #             vLLM plugin entry point, run every vLLM GPU test (TP=2 included)
 # Logs and JSON land in $OUT (at most 8 files a run come back).
+# Second session (2026-11-30, issues 11-13), after parts 1-3:
+#   R1        carry .device-carry/vllm/p4: install vLLM + plugin entry point; GPU0: bench_step
+#             256x8 with vLLM and the after_all options; GPU1: the native CUDA-graph sampler test,
+#             then the family and sleep-mode GPU tests
+#   R2        carry .whl (bitsandbytes): GPU0: the quantised-AR GPU test, then the vLLM parity legs;
+#             GPU1: the toy's SFT checkpoints, then hf + native parity legs
+#   R3        both GPUs: bench_step 256x8 under torchrun, 2 ranks
 set -uo pipefail
 stage=$1
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -21,7 +28,47 @@ train8b() {  # engine, extra overrides...
     eval_every=0 save_every=100 logger=console,jsonl "$@" 2>&1 | grep -v "Loading weights\|Writing model"
   cp /tmp/run_$engine/metrics.jsonl "$OUT/train_$engine.jsonl" 2>/dev/null
 }
+STEP_ARGS="--micro-batch 16 --critic-micro-batch 24 --reference-micro-batch 64"
+vllm_install() {  # the bundle's install.sh, then nla's vLLM plugin entry point (TP workers are spawned processes)
+  bash /tmp/parts/install.sh && source /tmp/vllm_env.sh || return 1
+  local dist=/tmp/site/nla-0.1.0.dist-info; mkdir -p $dist
+  printf 'Metadata-Version: 2.1\nName: nla\nVersion: 0.1.0\n' > $dist/METADATA
+  printf '[vllm.general_plugins]\nnla_steering = nla_shell.engines.vllm_steering:register\n' > $dist/entry_points.txt
+}
 case $stage in
+  R1)
+    mkdir -p /tmp/parts && cp .device-carry/vllm/p4/* /tmp/parts/
+    nvidia-smi --query-gpu=name,memory.total --format=csv > "$OUT/gpus.txt"
+    lane 1 "timeout -k 10 90 python3 -m pytest tests/gpu/test_learning_parity.py -q -s -p no:cacheprovider \
+            -k cuda_graph_sampler > $OUT/gpu_tests.log 2>&1" & sampler=$!
+    vllm_install > "$OUT/install.log" 2>&1; source /tmp/vllm_env.sh
+    lane 0 "timeout -k 10 $((560 - SECONDS)) python3 bench/bench_step.py --engine vllm --cases 256x8 --paths after_all \
+            $STEP_ARGS --out $OUT/step_256x8_vllm.json 2>&1 | grep -v '^INFO\|^WARNING\|^(EngineCore' > $OUT/step_vllm.log" &
+    wait $sampler
+    lane 1 "timeout -k 10 330 python3 -m pytest tests/gpu/test_families_gpu.py -q -p no:cacheprovider 2>&1 \
+              | grep -v '^INFO\|^WARNING\|^(EngineCore' >> $OUT/gpu_tests.log
+            timeout -k 10 120 python3 -m pytest tests/gpu/test_vllm.py -q -p no:cacheprovider -k sleep 2>&1 \
+              | grep -v '^INFO\|^WARNING\|^(EngineCore' >> $OUT/gpu_tests.log"
+    wait; tail -5 "$OUT/step_vllm.log"; grep -E "passed|failed|error" "$OUT/gpu_tests.log" ;;
+  R2)
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/bnb .whl/*.whl
+    source /tmp/vllm_env.sh; export PYTHONPATH=$PYTHONPATH:/tmp/bnb OMP_NUM_THREADS=2 NLA_PARITY_DIR=/tmp/parity
+    ( export CUDA_VISIBLE_DEVICES=1
+      python3 -c "import sys; from pathlib import Path; sys.path.insert(0, 'tests'); import parity; parity.demo_inputs(Path('/tmp/parity/demo'))" \
+        > "$OUT/parity_demo.log" 2>&1; touch /tmp/parity/ready
+      NLA_PARITY_JSON=$OUT/parity_hf_native.json NLA_PARITY_SEEDS=8 NLA_PARITY_ENGINES=hf,native \
+        NLA_PARITY_LANES=1,1,1,1,1,1,1,1 timeout -k 10 $((550 - SECONDS)) python3 -m pytest tests/gpu/test_learning_parity.py \
+        -q -s -p no:cacheprovider -k reaches > "$OUT/parity_a.log" 2>&1 ) &
+    ( export CUDA_VISIBLE_DEVICES=0
+      timeout -k 10 120 python3 -m pytest tests/gpu/test_quant_ar_gpu.py -q -p no:cacheprovider > "$OUT/quant_ar_gpu.log" 2>&1
+      until [ -f /tmp/parity/ready ]; do sleep 5; done
+      NLA_PARITY_JSON=$OUT/parity_vllm.json NLA_PARITY_SEEDS=6 NLA_PARITY_ENGINES=vllm NLA_PARITY_VLLM_LANES=0,0,0,0,0,0 \
+        timeout -k 10 $((550 - SECONDS)) python3 -m pytest tests/gpu/test_learning_parity.py -q -s -p no:cacheprovider \
+        -k reaches > "$OUT/parity_b.log" 2>&1 ) &
+    wait; tail -3 "$OUT/quant_ar_gpu.log"; tail -12 "$OUT/parity_a.log" "$OUT/parity_b.log" ;;
+  R3)
+    timeout -k 10 560 python3 bench/bench_step.py --cases 256x8 --paths after_all $STEP_ARGS --ranks 2 \
+      --case-timeout 540 --out $OUT/step_256x8_ranks2.json > "$OUT/ranks2.log" 2>&1; tail -30 "$OUT/ranks2.log" ;;
   part1|part2|part3)
     mkdir -p /tmp/parts && cp .device-carry/vllm/p${stage#part}/* /tmp/parts/ && ls /tmp/parts ;;
   A)
@@ -35,11 +82,7 @@ case $stage in
     wait ;;
   V)
     mkdir -p /tmp/parts && cp .device-carry/vllm/p4/* /tmp/parts/
-    bash /tmp/parts/install.sh > "$OUT/install.log" 2>&1 && source /tmp/vllm_env.sh
-    # TP workers are spawned processes: they find the steering plugin through its entry point.
-    dist=/tmp/site/nla-0.1.0.dist-info; mkdir -p $dist
-    printf 'Metadata-Version: 2.1\nName: nla\nVersion: 0.1.0\n' > $dist/METADATA
-    printf '[vllm.general_plugins]\nnla_steering = nla_shell.engines.vllm_steering:register\n' > $dist/entry_points.txt
+    vllm_install > "$OUT/install.log" 2>&1 && source /tmp/vllm_env.sh
     timeout -k 10 540 python3 -m pytest tests/gpu/test_vllm.py -q -s -p no:cacheprovider ${PYTEST_K:+-k "$PYTEST_K"} 2>&1 \
       | grep -v "^INFO\|^WARNING\|^(EngineCore\|Capturing CUDA" > "$OUT/vllm_gpu_test.log"
     tail -25 "$OUT/vllm_gpu_test.log" ;;

@@ -16,6 +16,7 @@
 #   R2        carry .whl (bitsandbytes): GPU0: the quantised-AR GPU test, then the vLLM parity legs;
 #             GPU1: the toy's SFT checkpoints, then hf + native parity legs
 #   R3        both GPUs: bench_step 256x8 under torchrun, 2 ranks
+#   R4        (one GPU, after parts 1-3 on a fresh machine; carry p4) the family GPU tests again
 set -uo pipefail
 stage=$1
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -66,6 +67,14 @@ case $stage in
         timeout -k 10 $((550 - SECONDS)) python3 -m pytest tests/gpu/test_learning_parity.py -q -s -p no:cacheprovider \
         -k reaches > "$OUT/parity_b.log" 2>&1 ) &
     wait; tail -3 "$OUT/quant_ar_gpu.log"; tail -12 "$OUT/parity_a.log" "$OUT/parity_b.log" ;;
+  R4)
+    mkdir -p /tmp/parts && cp .device-carry/vllm/p4/* /tmp/parts/
+    python3 -c "import transformers as t; c = t.Gemma2Config(); print('transformers', t.__version__, 'Gemma2 default attention:', t.AutoModelForCausalLM.from_config(t.Gemma2Config(num_hidden_layers=1, hidden_size=64, intermediate_size=64, num_attention_heads=1, num_key_value_heads=1, head_dim=64, vocab_size=64)).config._attn_implementation)" 2>&1 | tail -1
+    timeout -k 10 60 python3 -m pytest tests/gpu/test_families_gpu.py -q -p no:cacheprovider -k "native" > "$OUT/families_native.log" 2>&1 &
+    vllm_install > "$OUT/install.log" 2>&1; source /tmp/vllm_env.sh; wait
+    timeout -k 10 170 python3 -m pytest tests/gpu/test_families_gpu.py -q -s -p no:cacheprovider -k vllm 2>&1 \
+      | grep -v '^INFO\|^WARNING\|^(EngineCore\|Capturing' > "$OUT/families_vllm.log"
+    tail -3 "$OUT/families_native.log"; grep -E "mean\|dlogp|passed|failed" "$OUT/families_vllm.log" ;;
   R3)
     timeout -k 10 560 python3 bench/bench_step.py --cases 256x8 --paths after_all $STEP_ARGS --ranks 2 \
       --case-timeout 540 --out $OUT/step_256x8_ranks2.json > "$OUT/ranks2.log" 2>&1; tail -30 "$OUT/ranks2.log" ;;

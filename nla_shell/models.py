@@ -241,7 +241,8 @@ def load_actor(
 
     av_ckpt = Path(av_ckpt)
     base = AutoModelForCausalLM.from_pretrained(
-        base_model_dir(av_ckpt), dtype=dtype, **quantization.load_kwargs(quant, dtype=dtype, device=device)
+        base_model_dir(av_ckpt), dtype=dtype, **families.load_kwargs(base_model_dir(av_ckpt)),
+        **quantization.load_kwargs(quant, dtype=dtype, device=device),
     )
     if quant == "none":  # a quantised load is already on its device
         base = base.to(device)
@@ -536,7 +537,8 @@ class ARModel(nn.Module):
                 "`nla sft --mode ar` (its save_dir/step_NNNNNN) or a co-trained critic (an nla train run's step_NNNNNN/critic)"
             )
         lm = AutoModelForCausalLM.from_pretrained(
-            path, dtype=dtype, **quantization.load_kwargs(quant, dtype=dtype, device=torch.device(device))
+            path, dtype=dtype, **families.load_kwargs(path),
+            **quantization.load_kwargs(quant, dtype=dtype, device=torch.device(device)),
         )
         families.family_of(lm)  # an unsupported architecture stops here, with the supported list
         if extraction_layer_index is not None:

@@ -121,7 +121,7 @@ def explain(cfg: ExplainConfig) -> list[dict[str, Any]]:
         positions = [position % len(ids)]
 
     # --- capture, explain, reconstruct ---------------------------------------------------------
-    target = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=dtype).to(device).eval()
+    target = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=dtype, **families.load_kwargs(cfg.model)).to(device).eval()
     if target.config.hidden_size != nla.d_model:
         raise ValueError(f"model {cfg.model} has hidden size {target.config.hidden_size}, the sidecar's d_model is {nla.d_model}")
     if nla.extraction_layer_index is None:

@@ -156,7 +156,7 @@ def _vllm_engine(directory: Path, tokenizer, *, style: str):
         directory, tokenizer, marker_id=MARKER, left_id=LEFT, right_id=RIGHT, injection_layer=LAYER,
         injection_style=style, injection_norm=None,
         # Eight engines start in this process, and a closed engine may keep its memory.
-        gpu_memory_utilization=0.05, max_model_len=512,
+        gpu_memory_utilization=0.05, max_model_len=256,  # the tiny configs: max_position_embeddings 256
         # CUDA graphs (the production path) for residual_add; the embedding_replace cases run
         # eager to keep the file's time down: the style's custom op is the same either way.
         enforce_eager=style == "embedding_replace", llm_kwargs={"max_num_seqs": 64},

@@ -241,16 +241,20 @@ def train(cfg: TrainConfig) -> Path:
     device, dtype = resolve_device(cfg.device, cfg.dtype, rank)
     families.require_engine(AutoConfig.from_pretrained(base_model_dir(cfg.av_ckpt)), cfg.engine)
     require_quant(cfg.quant, device, engine=cfg.engine, trains_ar_backbone=cfg.train_critic and not is_ar_lora_dir(cfg.ar_ckpt))
+    if rank.world_size > 1 and cfg.engine == "vllm":
+        # vLLM 0.24's in-process engine builds its worker on cuda:0 whatever device the rank
+        # set, so every rank's copy would land on the first GPU (TRL colocates through
+        # distributed_executor_backend="external_launcher" instead; not done or tested here).
+        raise ConfigError(
+            f"config key 'engine' = 'vllm' is not supported under torchrun ({rank.world_size} ranks): each "
+            "rank's vLLM engine would start on cuda:0; use engine=native with --nproc, or engine=vllm in one "
+            "process (vllm_tp>1 spreads it over several GPUs)"
+        )
     if cfg.engine == "vllm":
         from nla_shell.engines.vllm import require_vllm
 
         require_vllm()  # before anything is written: say how to install it
     distributed.check_divisible("batch_prompts", cfg.batch_prompts, rank.world_size)
-    if rank.world_size > 1 and cfg.engine == "vllm" and cfg.vllm_tp > 1:
-        raise ConfigError(
-            f"config key 'vllm_tp' = {cfg.vllm_tp} is invalid under torchrun: each rank runs its own "
-            "vLLM engine on its own GPU; use vllm_tp=1 with torchrun, or vllm_tp>1 in one process"
-        )
     # Rank 0 holds the run dir's lock for the whole run; a signal stops every rank at one step.
     with distributed.process_group(rank, device), RunDirLock(cfg.save_dir), StopSignals(cfg.save_dir) as stop:
         return run_ranked(cfg, rank, device, dtype, stop)

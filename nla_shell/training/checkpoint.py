@@ -448,6 +448,23 @@ def load_training_state(directory: str | os.PathLike[str]) -> TrainingState:
     return TrainingState(**blob)
 
 
+def restore_optimizer(optimizer: torch.optim.Optimizer, state: TrainingState, name: str, directory: str | os.PathLike[str]) -> None:
+    """Load the `name` optimizer state of the checkpoint in `directory`, or say in one line why it does not fit.
+
+    A state saved for other trainable parameters (another AR mode, or a critic saved before
+    its final norm and lm_head were frozen) fails inside torch with a message that names no
+    file; this names the checkpoint, the optimizer and the way out.
+    """
+    try:
+        optimizer.load_state_dict(state.optimizer_states[name])
+    except (KeyError, ValueError) as error:
+        raise CheckpointError(
+            f"checkpoint {Path(directory) / TRAINING_STATE_NAME}: its {name} optimizer state does not fit this "
+            f"run's trainable {name} parameters ({describe_error(error)}); resume with the settings and nla version "
+            "that saved it, or start a new run from its weights (av_ckpt= its adapter, ar_ckpt= its critic)"
+        ) from None
+
+
 # --------------------------------------------------------------------------- run identity
 
 

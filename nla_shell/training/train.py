@@ -359,9 +359,9 @@ def run_ranked(cfg: TrainConfig, rank: RankInfo, device: torch.device, dtype: to
         state = ckpt.load_training_state(resume_from)
         start_step = state.step
         order.epoch, order.offset = state.data_cursor["epoch"], state.data_cursor["offset"]
-        optimizer.load_state_dict(state.optimizer_states["actor"])
+        ckpt.restore_optimizer(optimizer, state, "actor", resume_from)
         if critic_optimizer is not None:
-            critic_optimizer.load_state_dict(state.optimizer_states["critic"])
+            ckpt.restore_optimizer(critic_optimizer, state, "critic", resume_from)
         skipped_steps = int(state.extra.get("skipped_steps", 0))
         restore_rank_rng(state, rank, seed=cfg.seed, step=start_step)
         say(f"[resume] from {resume_from} at step {start_step}")

@@ -23,6 +23,7 @@ from nla_shell.training.checkpoint import (
     load_training_state,
     prune_checkpoints,
     remove_stale_entries,
+    restore_optimizer,
     rng_state,
     save_checkpoint,
     save_training_state,
@@ -344,3 +345,20 @@ def test_a_lock_on_a_new_dir_leaves_nothing_when_the_run_writes_nothing(tmp_path
     with RunDirLock(tmp_path / "kept"):
         claim_save_dir(tmp_path / "kept", config(), overwrite=False, resume="auto")
     assert sorted(p.name for p in (tmp_path / "kept").iterdir()) == ["config.yaml"]
+
+
+def test_an_optimizer_state_for_other_parameters_is_refused_naming_the_checkpoint(tmp_path):
+    """A critic saved with more trainable tensors (e.g. before its final norm and lm_head were
+    frozen) must not fail inside torch with a message that names no file."""
+    saved = torch.optim.AdamW([torch.nn.Parameter(torch.ones(2)) for _ in range(3)])
+    save_training_state(tmp_path, step=1, data_cursor={"epoch": 0, "offset": 0},
+                        optimizer_states={"actor": saved.state_dict(), "critic": saved.state_dict()}, rng={})
+    state = load_training_state(tmp_path)
+    fits = torch.optim.AdamW([torch.nn.Parameter(torch.ones(2)) for _ in range(3)])
+    restore_optimizer(fits, state, "actor", tmp_path)  # the same parameters: loads
+    fewer = torch.optim.AdamW([torch.nn.Parameter(torch.ones(2)) for _ in range(2)])
+    with pytest.raises(CheckpointError) as caught:
+        restore_optimizer(fewer, state, "critic", tmp_path)
+    message = str(caught.value)
+    assert "\n" not in message and str(tmp_path / "training_state.pt") in message
+    assert "critic optimizer state" in message and "start a new run from its weights" in message

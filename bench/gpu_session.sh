@@ -17,6 +17,8 @@
 #             GPU1: the toy's SFT checkpoints, then hf + native parity legs
 #   R3        both GPUs: bench_step 256x8 under torchrun, 2 ranks
 #   R4        (one GPU, after parts 1-3 on a fresh machine; carry p4) the family GPU tests again
+#             (pytest prints a failure's cause only at the end: to see why vLLM fails Qwen2/3, run
+#             `-k "vllm and qwen"` alone first)
 set -uo pipefail
 stage=$1
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}

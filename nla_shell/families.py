@@ -33,7 +33,7 @@ __all__ = [
     "final_logit_softcap",
     "final_norm",
     "layer_windows",
-    "load_kwargs",
+    "load_causal_lm",
     "load_tokenizer",
     "lora_targets",
     "require_engine",
@@ -204,18 +204,21 @@ def layer_windows(model_or_config: Any) -> list[int | None]:
     return [window if kind == "sliding_attention" else None for kind in layer_types]
 
 
-def load_kwargs(model_dir: str | Path) -> dict[str, Any]:
-    """Extra `from_pretrained` keyword arguments the family of the model in `model_dir` needs.
+def load_causal_lm(model_dir: str | Path, **kwargs: Any) -> Any:
+    """AutoModelForCausalLM.from_pretrained(model_dir, **kwargs), with what the model's family needs.
 
     Attention-logit soft-capping (Gemma 2: s = c * tanh(s / c)) is honoured by the eager
     attention only: SDPA has none (transformers 5.2x refuses it; the 5.17 on the H200 dropped
     it silently, and the native engine's decode, which is the eager arithmetic, then sampled
     0.41 nats per token away from the trainer on a tiny Gemma 2), so such a model loads eager.
+    The config is read once and handed to the model load.
     """
-    from transformers import AutoConfig
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(model_dir)
-    return {"attn_implementation": "eager"} if getattr(config, "attn_logit_softcapping", None) else {}
+    if getattr(config, "attn_logit_softcapping", None):
+        kwargs["attn_implementation"] = "eager"
+    return AutoModelForCausalLM.from_pretrained(model_dir, config=config, **kwargs)
 
 
 # --------------------------------------------------------------------------- tokenizers

@@ -237,12 +237,10 @@ def load_actor(
     quant ("4bit" / "8bit") loads the frozen base quantised onto `device` (nla_shell.quant).
     """
     from peft import PeftModel, get_peft_model
-    from transformers import AutoModelForCausalLM
 
     av_ckpt = Path(av_ckpt)
-    base = AutoModelForCausalLM.from_pretrained(
-        base_model_dir(av_ckpt), dtype=dtype, **families.load_kwargs(base_model_dir(av_ckpt)),
-        **quantization.load_kwargs(quant, dtype=dtype, device=device),
+    base = families.load_causal_lm(
+        base_model_dir(av_ckpt), dtype=dtype, **quantization.load_kwargs(quant, dtype=dtype, device=device)
     )
     if quant == "none":  # a quantised load is already on its device
         base = base.to(device)
@@ -524,8 +522,6 @@ class ARModel(nn.Module):
         full_precision rebuilds an AR-LoRA trained on a quantised backbone on the full-precision base
         instead, so the LoRA can be merged (lossy; EasyNLA's scripts/merge_lora_to_hf.py does the same).
         """
-        from transformers import AutoModelForCausalLM
-
         path = Path(path)
         if is_ar_lora_dir(path):
             return cls._from_ar_lora(path, mse_scale=mse_scale, dtype=dtype, device=device, full_precision=full_precision)
@@ -536,9 +532,8 @@ class ARModel(nn.Module):
                 f"the AR dir {path} has no {VALUE_HEAD_FILE}: it is {what}. Give a checkpoint of "
                 "`nla sft --mode ar` (its save_dir/step_NNNNNN) or a co-trained critic (an nla train run's step_NNNNNN/critic)"
             )
-        lm = AutoModelForCausalLM.from_pretrained(
-            path, dtype=dtype, **families.load_kwargs(path),
-            **quantization.load_kwargs(quant, dtype=dtype, device=torch.device(device)),
+        lm = families.load_causal_lm(
+            path, dtype=dtype, **quantization.load_kwargs(quant, dtype=dtype, device=torch.device(device))
         )
         families.family_of(lm)  # an unsupported architecture stops here, with the supported list
         if extraction_layer_index is not None:

@@ -538,8 +538,6 @@ def datagen(cfg: DatagenConfig) -> DatagenResult | Path:
 
 
 def _write_datasets(cfg: DatagenConfig) -> DatagenResult | Path:
-    from transformers import AutoModelForCausalLM
-
     # --- validate before anything is written ---------------------------------------------
     require_model("model", cfg.model)
     require_file("corpus", cfg.corpus)
@@ -549,7 +547,7 @@ def _write_datasets(cfg: DatagenConfig) -> DatagenResult | Path:
     if cfg.write_sites is not None:
         return datagen_sites(cfg, tokenizer)
     device, dtype = resolve_device(cfg.device, cfg.dtype)
-    model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=dtype, **families.load_kwargs(cfg.model)).to(device).eval()
+    model = families.load_causal_lm(cfg.model, dtype=dtype).to(device).eval()
     n_layers = model.config.num_hidden_layers
     if cfg.layer >= n_layers:
         raise ConfigError(

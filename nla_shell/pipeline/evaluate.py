@@ -355,10 +355,8 @@ def splice_kl_metrics(
     how many times the AV's error hurts more than a random one of the same size.
     Returns (metrics, per-row {name: kl} for every row, empty where not spliced).
     """
-    from transformers import AutoModelForCausalLM
-
     target_tokenizer = families.load_tokenizer(cfg.model)
-    model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=dtype, **families.load_kwargs(cfg.model)).to(device).eval()
+    model = families.load_causal_lm(cfg.model, dtype=dtype).to(device).eval()
     if model.config.hidden_size != d_model or layer >= model.config.num_hidden_layers:
         raise DataError(f"model: {cfg.model} (hidden size {model.config.hidden_size}, {model.config.num_hidden_layers} "
                         f"blocks) cannot be the LM of this data (d_model {d_model}, layer {layer}); pass the datagen model")

@@ -95,8 +95,6 @@ def trained_min_context(sidecar: Mapping[str, Any]) -> tuple[int, bool]:
 
 def explain(cfg: ExplainConfig) -> list[dict[str, Any]]:
     """Explain the asked positions of cfg.text; prints one block per position and returns them as dicts."""
-    from transformers import AutoModelForCausalLM
-
     for key, hub_ok in (("av", True), ("ar", False), ("model", True)):
         require_model(key, getattr(cfg, key), hub_ok=hub_ok)
     require_file("sidecar", cfg.sidecar)
@@ -121,7 +119,7 @@ def explain(cfg: ExplainConfig) -> list[dict[str, Any]]:
         positions = [position % len(ids)]
 
     # --- capture, explain, reconstruct ---------------------------------------------------------
-    target = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=dtype, **families.load_kwargs(cfg.model)).to(device).eval()
+    target = families.load_causal_lm(cfg.model, dtype=dtype).to(device).eval()
     if target.config.hidden_size != nla.d_model:
         raise ValueError(f"model {cfg.model} has hidden size {target.config.hidden_size}, the sidecar's d_model is {nla.d_model}")
     if nla.extraction_layer_index is None:

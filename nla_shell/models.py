@@ -404,8 +404,14 @@ def response_logprobs(
     lm = inner_lm(actor)
     hidden = families.backbone(lm)(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
     picked = hidden.gather(1, positions.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
+    return hidden_logprobs(lm, picked, targets)
+
+
+def hidden_logprobs(lm: nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """log softmax(lm_head(hidden))[targets] through the fused, chunked head, with the family's
+    final-logit soft-capping. Args: hidden: [n, T, D] final hidden states; targets: [n, T]. Returns [n, T] float32."""
     return nla_core.token_logprobs_from_hidden(
-        picked, lm.get_output_embeddings().weight, targets, softcap=families.final_logit_softcap(lm),
+        hidden, lm.get_output_embeddings().weight, targets, softcap=families.final_logit_softcap(lm),
         chunk_size=LOGPROB_CHUNK_TOKENS,
     )
 
@@ -634,13 +640,16 @@ class ARModel(nn.Module):
         return self.value_head(nla_core.normalize_activation(h_last, self.mse_scale))
 
 
-def pad_right(sequences: Sequence[Sequence[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token lists -> ([n, S] ids, [n, S] attention mask), padded on the right."""
-    width = max(len(s) for s in sequences)
+def pad_right(
+    sequences: Sequence[Sequence[int] | torch.Tensor], pad_id: int, device: torch.device, *, min_width: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token lists or 1-D id tensors -> ([n, S] ids, [n, S] attention mask), padded on the right
+    to S = max(min_width, longest)."""
+    width = max(min_width, max(len(s) for s in sequences))
     ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(sequences), width), dtype=torch.long)
     for row, seq in enumerate(sequences):
-        ids[row, : len(seq)] = torch.as_tensor(list(seq), dtype=torch.long)
+        ids[row, : len(seq)] = torch.as_tensor(seq, dtype=torch.long)
         mask[row, : len(seq)] = 1
     return ids.to(device), mask.to(device)
 

@@ -26,10 +26,9 @@ from typing import Sequence
 
 import torch
 
-import nla_core
 from nla_shell import families
 from nla_shell.engines.base import Rollout
-from nla_shell.models import LOGPROB_CHUNK_TOKENS, Injector, inner_lm
+from nla_shell.models import Injector, hidden_logprobs, inner_lm, pad_right
 
 
 @dataclass(frozen=True)
@@ -100,9 +99,9 @@ def prefix_batch(rollouts: Sequence[Rollout], rows: Sequence[int], injector: Inj
             raise ValueError(f"rollouts of group {r.prompt_index} hold different prompts; a group shares one prompt")
     prompt_row = {index: row for row, index in enumerate(prompts)}
     owner = [prompt_row[rollouts[i].prompt_index] for i in rows]
-    prompt_ids, prompt_mask = _pad_right([p for p in prompts.values()], pad_id)
+    prompt_ids, prompt_mask = pad_right(list(prompts.values()), pad_id, torch.device("cpu"))
     responses = [rollouts[i].full_ids[rollouts[i].prompt_len :] for i in rows]
-    response_ids, response_mask = _pad_right(responses, pad_id, min_width=1)
+    response_ids, response_mask = pad_right(responses, pad_id, torch.device("cpu"), min_width=1)
     behavior = torch.zeros(response_ids.shape, dtype=torch.float32)
     for row, i in enumerate(rows):
         behavior[row, : rollouts[i].behavior_logp.numel()] = rollouts[i].behavior_logp
@@ -120,16 +119,6 @@ def prefix_batch(rollouts: Sequence[Rollout], rows: Sequence[int], injector: Inj
         mask=response_mask.bool(),
         behavior_logp=behavior,
     )
-
-
-def _pad_right(sequences: Sequence[torch.Tensor], pad_id: int, *, min_width: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(min_width, max(s.numel() for s in sequences))
-    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(sequences), width), dtype=torch.long)
-    for row, seq in enumerate(sequences):
-        ids[row, : seq.numel()] = seq
-        mask[row, : seq.numel()] = 1
-    return ids, mask
 
 
 def supports_prefix_sharing(actor: torch.nn.Module) -> bool:
@@ -185,10 +174,7 @@ def prefix_logprobs(
             input_ids=inputs, attention_mask=attention, position_ids=positions, use_cache=True, **{cache_kw: cache},
         ).last_hidden_state  # [n, R - 1, D]
         hidden = torch.cat([hidden, response_hidden], dim=1)
-    return nla_core.token_logprobs_from_hidden(
-        hidden, lm.get_output_embeddings().weight, batch.response_ids,
-        softcap=families.final_logit_softcap(lm), chunk_size=LOGPROB_CHUNK_TOKENS,
-    )
+    return hidden_logprobs(lm, hidden, batch.response_ids)
 
 
 def _cache_keyword(decoder: torch.nn.Module) -> str:

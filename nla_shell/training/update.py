@@ -42,7 +42,7 @@ class ResponseBatch:
 
 
 def response_batch(rollouts: Sequence[Rollout], *, pad_id: int, device: torch.device) -> ResponseBatch:
-    ids, attn = pad_right([r.full_ids.tolist() for r in rollouts], pad_id, device)
+    ids, attn = pad_right([r.full_ids for r in rollouts], pad_id, device)
     lengths = torch.tensor([r.full_ids.numel() - r.prompt_len for r in rollouts])
     width = max(1, int(lengths.max()))
     t = torch.arange(width)

@@ -204,8 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     args, unknown = parser.parse_known_args(argv)
     if unknown:
         parser.subcommand_parsers[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
-    from nla_shell.training.distributed import rank_info
-    from nla_shell.training.preemption import RunStopped
+    from nla_shell.training.stopped import RunStopped  # no torch: `nla plot` starts light
 
     try:
         if args.command != "plot":
@@ -214,6 +213,8 @@ def main(argv: list[str] | None = None) -> int:
             quiet_libraries()
         commands[args.command](args)
     except RunStopped as stopped:
+        from nla_shell.training.distributed import rank_info
+
         # A signal stopped the run cleanly: say where to resume (rank 0 already did under torchrun).
         if not stopped.announced and rank_info().is_main:
             print(f"nla {args.command}: {stopped}", file=sys.stderr, flush=True)

@@ -26,10 +26,12 @@ def left_pad(sequences: Sequence[Sequence[int]], pad_id: int, device: torch.devi
     return ids.to(device), mask.to(device)
 
 
-def trim_at_eos(generated: torch.Tensor, eos_ids: Sequence[int]) -> int:
-    """Length of a generated row up to and including its first EOS, any of eos_ids (all of it when none)."""
-    hits = torch.isin(generated, torch.as_tensor(list(eos_ids), device=generated.device)).nonzero()
-    return int(hits[0, 0]) + 1 if hits.numel() else int(generated.shape[0])
+def eos_lengths(generated: torch.Tensor, eos_ids: Sequence[int]) -> list[int]:
+    """Per row of generated [N, T]: its length up to and including its first EOS, any of eos_ids
+    (T when none). One device pass and one host copy for the whole batch."""
+    hits = torch.isin(generated, torch.as_tensor(list(eos_ids), device=generated.device))
+    first = hits.int().argmax(dim=1)  # the first hit (argmax returns the first maximum)
+    return torch.where(hits.any(dim=1), first + 1, generated.shape[1]).tolist()
 
 
 class HFRolloutEngine:
@@ -110,8 +112,7 @@ class HFRolloutEngine:
         step_logits = torch.stack(out.logits, dim=1).float()
         logp = torch.log_softmax(step_logits, dim=-1).gather(-1, generated.unsqueeze(-1)).squeeze(-1)
         rollouts = []
-        for row, (prompt_index, req) in enumerate(flat):
-            n = trim_at_eos(generated[row], self.eos_ids)
+        for row, ((prompt_index, req), n) in enumerate(zip(flat, eos_lengths(generated, self.eos_ids), strict=True)):
             gen_ids = generated[row, :n].cpu()
             rollouts.append(
                 Rollout(

@@ -43,7 +43,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from nla_core.logprobs import SampledTokens
 from nla_shell import families
 from nla_shell.engines.base import Rollout, RolloutRequest
-from nla_shell.engines.hf import left_pad, trim_at_eos
+from nla_shell.engines.hf import eos_lengths, left_pad
 from nla_shell.models import Injector, eos_token_ids, inner_lm
 
 DECODE_ATTENTION = "nla_native_decode"
@@ -309,10 +309,9 @@ class NativeRolloutEngine:
         stats["decode_steps"] += columns - 1
         stats["sequences"] += n_rows
         rollouts = []
-        for row in range(n_rows):
+        for row, n in enumerate(eos_lengths(tokens, self.eos_ids)):
             req_index = row // group_size
             req = requests[req_index]
-            n = trim_at_eos(tokens[row], self.eos_ids)
             gen_ids = tokens[row, :n]
             rollouts.append(
                 Rollout(

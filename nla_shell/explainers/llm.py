@@ -18,6 +18,7 @@ from typing import Any, Callable, Mapping, Protocol, Sequence
 from nla_shell.explainers import ExplainerError, Site
 from nla_shell.explainers.cache import Reply, ReplyCache, cache_key
 from nla_shell.explainers.prompt import PROMPT_VERSION, api_summaries, instruction_prompt, parse_reply
+from nla_shell.io.progress import say_line
 
 
 class Completer(Protocol):
@@ -122,9 +123,7 @@ class LLMExplainer:
             self.tally.labelled += explanation is not None
             out.append(explanation)
         if self.progress:
-            from tqdm.auto import tqdm
-
-            tqdm.write(f"[explainer] {self.tally.line()}")
+            say_line(f"[explainer] {self.tally.line()}")
         return out
 
     def finish(self) -> None:

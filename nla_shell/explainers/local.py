@@ -76,14 +76,12 @@ class LocalCompleter:
 
     def _load(self) -> tuple[Any, Any]:
         if self._lm is None:
-            from transformers import AutoModelForCausalLM
-
-            from nla_shell.families import load_tokenizer
+            from nla_shell.families import load_causal_lm, load_tokenizer
             from nla_shell.training.train import resolve_device
 
             device, dtype = resolve_device(self.device_name, self.dtype_name)
             tokenizer = load_tokenizer(self.model)  # left padding needs a pad id: eos when there is none
             tokenizer.padding_side = "left"
             self._tokenizer = tokenizer
-            self._lm = AutoModelForCausalLM.from_pretrained(self.model, dtype=dtype).to(device).eval()
+            self._lm = load_causal_lm(self.model, dtype=dtype).to(device).eval()
         return self._lm, self._tokenizer

@@ -10,7 +10,6 @@ the datasets the AV was trained on) is flagged: the AV was never trained on one.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -90,7 +89,7 @@ def trained_min_context(sidecar: Mapping[str, Any]) -> tuple[int, bool]:
         min_context = (source.get("provenance") or {}).get("min_context")
         if isinstance(min_context, int):
             return min_context, True
-    return {f.name: f.default for f in dataclasses.fields(DatagenConfig)}["min_context"], False
+    return DatagenConfig.min_context, False
 
 
 def explain(cfg: ExplainConfig) -> list[dict[str, Any]]:

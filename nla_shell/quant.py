@@ -10,11 +10,10 @@ CUDA only: every refusal happens before anything is loaded or written.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
-Quant = Literal["none", "4bit", "8bit"]
 INSTALL_HINT = "pip install 'nla[bnb]' (bitsandbytes)"
 
 

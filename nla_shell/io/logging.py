@@ -201,6 +201,17 @@ def format_eval_line(step: int, record: Mapping[str, Scalar]) -> str:
     )
 
 
+def read_metrics(path: str | Path) -> list[dict]:
+    """The JSON objects of a metrics.jsonl (a line torn by a crash is skipped)."""
+    records = []
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records
+
+
 class JsonlLogger:
     """One flat JSON object per step in `path`; table rows in a sibling `samples.jsonl`.
 

@@ -15,6 +15,8 @@ import json
 import math
 from pathlib import Path
 
+from nla_shell.io.logging import read_metrics
+
 PANELS: tuple[tuple[str, str | None, str], ...] = (
     ("reward_mean", "eval/reward_mean", "reward"),
     ("fve", "eval/fve", "FVE (rawvar baseline)"),
@@ -24,17 +26,6 @@ PANELS: tuple[tuple[str, str | None, str], ...] = (
 """(training key, held-out key or None, panel title)."""
 ON_POLICY_PANEL = ("extraction_rate", "eval/extraction_rate", "extraction rate (clip fraction is 0: on-policy)")
 """Replaces the clip-fraction panel when no step clipped."""
-
-
-def read_metrics(path: str | Path) -> list[dict]:
-    """The JSON objects of a metrics.jsonl (a line torn by a crash is skipped)."""
-    records = []
-    for line in Path(path).read_text(encoding="utf-8").splitlines():
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return records
 
 
 def heldout_series(run_dir: Path, records: list[dict], key: str) -> tuple[list[int], list[float]]:

@@ -39,7 +39,7 @@ from nla_shell.engines.base import RolloutEngine, RolloutRequest, held_awake, sa
 from nla_shell.training.distributed import RankInfo
 from nla_shell.training.preemption import StopSignals
 from nla_shell.training.runlock import RunDirLock
-from nla_shell.io.logging import NullLogger, make_logger
+from nla_shell.io.logging import NullLogger, make_logger, read_metrics
 from nla_shell.io.paths import require_file, require_model
 from nla_shell.io.progress import progress_bar, say_line
 from nla_shell.metrics import cjk_fraction, fve_metrics, token_lengths
@@ -722,13 +722,7 @@ def write_summary(
     final: dict[str, Any] = {}
     metrics_path = save_dir / "metrics.jsonl"
     if metrics_path.exists():
-        for line in metrics_path.read_text(encoding="utf-8").splitlines():
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a line torn by a kill mid-write
-            if record.get("step") == steps_done - 1:
-                final = record
+        final = next((r for r in reversed(read_metrics(metrics_path)) if r.get("step") == steps_done - 1), {})
     summary_path = save_dir / "summary.json"
     if final_eval is None and summary_path.exists():
         try:

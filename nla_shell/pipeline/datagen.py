@@ -250,21 +250,28 @@ def read_documents(path: str | Path, *, text_column: str = "text", id_column: st
         raise DataError(f"corpus: {path} must end in .jsonl, .json, .txt or .parquet")
 
 
-def count_documents(path: str | Path) -> int | None:
-    """How many documents read_documents will yield (parquet: its footer; text: one cheap pass); None if unknown."""
+def count_documents(path: str | Path, *, limit: int | None = None) -> int | None:
+    """How many documents read_documents will yield, counting stopped at `limit` (parquet: its
+    footer; text: one streaming pass that reads no further than the limit); None if unknown."""
     path = Path(path)
     if path.suffix.lower() == ".parquet":
         try:
-            return pq.ParquetFile(path).metadata.num_rows
+            rows = pq.ParquetFile(path).metadata.num_rows
         except (OSError, pa.ArrowException):
             return None  # read_documents says what is wrong with it
+        return rows if limit is None else min(rows, limit)
     if path.suffix.lower() not in (".jsonl", ".json", ".txt"):
         return None
+    count, previous_filled = 0, False
     with path.open(encoding="utf-8") as f:
-        if path.suffix.lower() == ".txt":
-            lines = [bool(line.strip()) for line in f]
-            return sum(1 for i, filled in enumerate(lines) if filled and (i == 0 or not lines[i - 1]))
-        return sum(1 for line in f if line.strip())
+        for line in f:
+            filled = bool(line.strip())
+            # A .txt document is a run of non-blank lines; a JSON-lines document is one non-blank line.
+            count += filled and (path.suffix.lower() != ".txt" or not previous_filled)
+            previous_filled = filled
+            if limit is not None and count >= limit:
+                break
+    return count
 
 
 # --------------------------------------------------------------------------- activations
@@ -582,9 +589,8 @@ def _write_datasets(cfg: DatagenConfig) -> DatagenResult | Path:
     prompt = av_prompt_messages(av_content)
     corpus_chars: set[str] = set()
     n_docs = skipped = 0
-    n_total = count_documents(cfg.corpus)
-    bar = progress_bar(total=n_total if None in (n_total, cfg.max_docs) else min(n_total, cfg.max_docs), desc="datagen",
-                       unit="doc", enabled=cfg.progress)
+    bar = progress_bar(total=count_documents(cfg.corpus, limit=cfg.max_docs), desc="datagen", unit="doc",
+                       enabled=cfg.progress)
     batch: list[tuple[Document, list[int]]] = []
     unlabelled: list[tuple[str, dict[str, Any], Site]] = []
 

@@ -210,7 +210,7 @@ def main() -> None:
                     "engine": name, "seqs": seqs, "group": group, "decode_ms": decode_ms, "prefill_ms": 1000 * one_s,
                     "tokens_per_s": seqs * args.new_tokens / full_s, "floor_ms": floor_ms,
                     "x_floor": decode_ms / floor_ms, "lora": True, "peak_gib": syn.peak_gib(device),
-                    "mean_new_tokens": sum(r.full_ids.numel() - r.prompt_len for r in rollouts) / len(rollouts),
+                    "mean_new_tokens": sum(r.response_len for r in rollouts) / len(rollouts),
                     "fidelity": fidelity(actor, injector, requests, rollouts, pad_id=tokenizer.pad_token_id,
                                          device=device),
                 }

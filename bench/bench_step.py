@@ -253,7 +253,7 @@ def path_flops(config, rollouts, *, shared_prefix: bool, ar_tokens: list[int], c
     tokens = pairs = rows = 0
     prompts = {}
     for r in rollouts:
-        p, n = r.prompt_len, r.full_ids.numel() - r.prompt_len
+        p, n = r.prompt_len, r.response_len
         rows += n
         if shared_prefix:
             prompts[r.prompt_index] = p
@@ -269,7 +269,7 @@ def path_flops(config, rollouts, *, shared_prefix: bool, ar_tokens: list[int], c
     logits = forward_flops(config, layers=layers, tokens=0, attention_pairs=0, logit_rows=rows)
     ar = forward_flops(config, layers=critic_layers, tokens=sum(ar_tokens),
                        attention_pairs=sum(t * (t + 1) // 2 for t in ar_tokens), logit_rows=0)
-    generated = sum(r.full_ids.numel() - r.prompt_len for r in rollouts)
+    generated = sum(r.response_len for r in rollouts)
     return {"rollout": forward_flops(config, layers=layers, tokens=generated, attention_pairs=0, logit_rows=generated),
             "update": 3 * blocks + 4 * attention + 4 * logits, "score": ar, "critic": 3 * ar}
 
@@ -367,7 +367,7 @@ def grpo_step(ctx: Context, requests, group: int, new_tokens: int, args, *, path
             flops["score"] = critic_flops  # one AR forward + backward scored and trained
         results[path] = ({"rollout": path_rollout, **phases}, numbers, flops)
         print(f"[path] {path}: " + ", ".join(f"{k} {v['s']:.2f}s" for k, v in results[path][0].items()), flush=True)
-    extra = {"generated_tokens": sum(r.full_ids.numel() - r.prompt_len for r in rollouts),
+    extra = {"generated_tokens": sum(r.response_len for r in rollouts),
              "resident_gib_before_rollout": resident,
              "engine_stats": dict(getattr(ctx.engine, "last_stats", {}))}
     return results, extra

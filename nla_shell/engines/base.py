@@ -43,6 +43,11 @@ class Rollout:
     prompt_index: int
     """Index of the request this sample belongs to (its GRPO group)."""
 
+    @property
+    def response_len(self) -> int:
+        """Number of generated tokens (EOS included when sampled)."""
+        return self.full_ids.numel() - self.prompt_len
+
 
 @runtime_checkable
 class RolloutEngine(Protocol):

@@ -75,7 +75,7 @@ def plan_micro_batches(rollouts: Sequence[Rollout], micro_batch: int) -> list[li
         groups.setdefault(r.prompt_index, []).append(i)
 
     def length(i: int) -> int:
-        return rollouts[i].full_ids.numel() - rollouts[i].prompt_len
+        return rollouts[i].response_len
 
     ordered = sorted(groups.values(), key=lambda g: (rollouts[g[0]].prompt_len, max(map(length, g))), reverse=True)
     flat = [i for g in ordered for i in g]

@@ -91,7 +91,7 @@ class ShapedRewards:
 def truncated_rollouts(rollouts: Sequence[Rollout], *, max_new_tokens: int, eos_ids: Sequence[int]) -> torch.Tensor:
     """[N] bool: rollouts cut by the max_new_tokens cap (vLLM's finish_reason "length")."""
     return torch.tensor([
-        r.full_ids.numel() - r.prompt_len >= max_new_tokens and int(r.full_ids[-1]) not in eos_ids for r in rollouts
+        r.response_len >= max_new_tokens and int(r.full_ids[-1]) not in eos_ids for r in rollouts
     ], dtype=torch.bool)
 
 
@@ -120,7 +120,7 @@ def shape_rewards(
             valid=scores.valid & ~truncated,
             ar_inputs=scores.ar_inputs,
         )
-    lengths = torch.tensor([r.full_ids.numel() - r.prompt_len for r in rollouts], dtype=torch.long)
+    lengths = torch.tensor([r.response_len for r in rollouts], dtype=torch.long)
     penalty = nla_core.hinged_length_penalty(
         lengths, threshold=max(1, max_new_tokens - length_margin), coef=length_penalty
     )

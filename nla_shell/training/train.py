@@ -514,7 +514,7 @@ def run_ranked(cfg: TrainConfig, rank: RankInfo, device: torch.device, dtype: to
             "valid": scores.valid,
             "advantage": advantages,
             "cjk": torch.tensor([cjk_fraction(r.text) for r in rollouts], dtype=torch.float64),
-            "length": torch.tensor([r.full_ids.numel() - r.prompt_len for r in rollouts]),
+            "length": torch.tensor([r.response_len for r in rollouts]),
             "echo": torch.tensor([bool((r.full_ids[r.prompt_len :] == marker).any()) for r in rollouts]),
             "truncated": shaped.truncated,
             "length_penalty": shaped.length_penalty,

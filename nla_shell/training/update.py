@@ -43,7 +43,7 @@ class ResponseBatch:
 
 def response_batch(rollouts: Sequence[Rollout], *, pad_id: int, device: torch.device) -> ResponseBatch:
     ids, attn = pad_right([r.full_ids for r in rollouts], pad_id, device)
-    lengths = torch.tensor([r.full_ids.numel() - r.prompt_len for r in rollouts])
+    lengths = torch.tensor([r.response_len for r in rollouts])
     width = max(1, int(lengths.max()))
     t = torch.arange(width)
     starts = torch.tensor([r.prompt_len for r in rollouts])
@@ -132,7 +132,7 @@ def policy_update(
         )
     device = next(actor.parameters()).device
     n, n_tokens = (int(c) for c in distributed.all_reduce_sum(
-        [n_local, sum(r.full_ids.numel() - r.prompt_len for r in rollouts)]
+        [n_local, sum(r.response_len for r in rollouts)]
     ))
     denominator = n if loss.aggregation == "sequence_mean" else max(1, n_tokens)
     share_prefix = share_prefix and prefix.supports_prefix_sharing(actor)
@@ -153,7 +153,7 @@ def policy_update(
         return logp, batch.mask, batch.behavior_logp, index
 
     # --- reference log-probs: one no-grad pass, larger micro-batches ------------------------
-    width = max((r.full_ids.numel() - r.prompt_len for r in rollouts), default=1)
+    width = max((r.response_len for r in rollouts), default=1)
     reference = None
     # The KL is worth watching at kl_beta = 0 as well: the reference forward is then for the metric only.
     run_reference = loss.kl_beta != 0 or loss.kl_metric

@@ -98,7 +98,7 @@ def test_rollouts_keep_the_engine_contract(setup):
     assert [r.prompt_index for r in rollouts] == [0, 0, 1, 1, 2, 2]
     for r in rollouts:
         req = requests[r.prompt_index]
-        n_gen = r.full_ids.numel() - r.prompt_len
+        n_gen = r.response_len
         assert r.prompt_len == len(req.prompt_ids) and r.full_ids[: r.prompt_len].tolist() == list(req.prompt_ids)
         assert r.full_ids.dtype == torch.long and 1 <= n_gen <= 7
         assert r.behavior_logp.dtype == torch.float32 and r.behavior_logp.shape == (n_gen,)
@@ -120,7 +120,7 @@ def test_each_prompt_is_prefilled_once_for_its_group(setup):
     prefills = [c for c in calls if c[1] > 1]
     assert len(prefills) == 1 and prefills[0][0] == len(requests)  # one forward, one row per prompt
     assert calls[1:] and all(c == (len(requests) * 4, 1) for c in calls[1:])  # then B*G one-token steps
-    assert len(calls) - 1 == max(r.full_ids.numel() - r.prompt_len for r in rollouts) - 1
+    assert len(calls) - 1 == max(r.response_len for r in rollouts) - 1
 
 
 def test_the_injected_vector_steers_the_rollout(setup):

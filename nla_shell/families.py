@@ -27,6 +27,7 @@ __all__ = [
     "Family",
     "UnsupportedModelError",
     "backbone",
+    "causal_lm",
     "decoder_blocks",
     "embedding_scale",
     "family_of",
@@ -95,10 +96,7 @@ def _supported() -> str:
 
 def _config(model_or_config: Any) -> Any:
     """The HF config of a config, a *ForCausalLM, or a PEFT-wrapped one."""
-    if isinstance(model_or_config, nn.Module):
-        model = model_or_config.get_base_model() if hasattr(model_or_config, "get_base_model") else model_or_config
-        return model.config
-    return model_or_config
+    return causal_lm(model_or_config).config if isinstance(model_or_config, nn.Module) else model_or_config
 
 
 def family_of(model_or_config: Any) -> Family:
@@ -126,37 +124,38 @@ def require_engine(model_or_config: Any, engine: str) -> Family:
 # --------------------------------------------------------------------------- modules
 
 
-def _causal_lm(model: nn.Module) -> nn.Module:
+def causal_lm(model: nn.Module) -> nn.Module:
+    """The HF *ForCausalLM under any PEFT wrapping."""
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
 def backbone(model: nn.Module) -> nn.Module:
     """The decoder of a *ForCausalLM (PEFT-wrapped or not): token ids -> last_hidden_state."""
-    lm = _causal_lm(model)
+    lm = causal_lm(model)
     return getattr(lm, family_of(lm).backbone)
 
 
 def decoder_blocks(model: nn.Module) -> nn.ModuleList:
     """The decoder blocks, in order: block k's output is the residual stream after block k."""
-    lm = _causal_lm(model)
+    lm = causal_lm(model)
     return getattr(backbone(lm), family_of(lm).blocks)
 
 
 def final_norm(model: nn.Module) -> nn.Module:
     """The norm the backbone applies after its last block."""
-    lm = _causal_lm(model)
+    lm = causal_lm(model)
     return getattr(backbone(lm), family_of(lm).norm)
 
 
 def set_final_norm(model: nn.Module, norm: nn.Module) -> None:
     """Replace the backbone's final norm (the AR swaps in nn.Identity to read the raw residual)."""
-    lm = _causal_lm(model)
+    lm = causal_lm(model)
     setattr(backbone(lm), family_of(lm).norm, norm)
 
 
 def truncate_blocks(model: nn.Module, keep: int) -> None:
     """Keep the first `keep` blocks, and the config's per-layer fields in step with them."""
-    lm = _causal_lm(model)
+    lm = causal_lm(model)
     setattr(backbone(lm), family_of(lm).blocks, decoder_blocks(lm)[:keep])
     lm.config.num_hidden_layers = keep
     if getattr(lm.config, "layer_types", None) is not None:

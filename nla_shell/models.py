@@ -39,9 +39,8 @@ V = 152k) keep the lm_head product compute-bound, where the core's default (~27 
 V = 152k) re-reads the 1.2 GB lm_head weight for every 27 tokens."""
 
 
-def inner_lm(model: nn.Module) -> nn.Module:
-    """The HF *ForCausalLM under any PEFT wrapping."""
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
+inner_lm = families.causal_lm
+"""The HF *ForCausalLM under any PEFT wrapping (the name the trainer, engines and tests use)."""
 
 
 # --------------------------------------------------------------------------- injection
@@ -533,7 +532,7 @@ class ARModel(nn.Module):
             return cls._from_ar_lora(path, mse_scale=mse_scale, dtype=dtype, device=device, full_precision=full_precision)
         head_file = path / VALUE_HEAD_FILE
         if not head_file.exists() and not create_head:
-            what = "an AV adapter" if (path / "adapter_config.json").exists() else "not an AR checkpoint"
+            what = "an AV adapter" if is_adapter_dir(path) else "not an AR checkpoint"
             raise FileNotFoundError(
                 f"the AR dir {path} has no {VALUE_HEAD_FILE}: it is {what}. Give a checkpoint of "
                 "`nla sft --mode ar` (its save_dir/step_NNNNNN) or a co-trained critic (an nla train run's step_NNNNNN/critic)"

@@ -208,12 +208,12 @@ def make_engine(args, ctx: Context):
     engine = VLLMRolloutEngine(
         model_dir, ctx.tokenizer, marker_id=ctx.injector.marker_id, left_id=ctx.injector.left_id,
         right_id=ctx.injector.right_id, injection_layer=1, gpu_memory_utilization=args.vllm_gpu_mem,
-        max_model_len=args.prompt_len + (args.new_tokens or 160) + 16, load_format="dummy",
+        max_model_len=args.prompt_len + args.new_tokens + 16, load_format="dummy",
         llm_kwargs={"max_num_seqs": min(largest, args.vllm_max_seqs)}, sleep_level=args.vllm_sleep,
     )
     cache = engine.llm.llm_engine.vllm_config.cache_config
     blocks = getattr(cache, "num_gpu_blocks", None)
-    needed = min(largest, args.vllm_max_seqs) * (args.prompt_len + (args.new_tokens or 160))
+    needed = min(largest, args.vllm_max_seqs) * (args.prompt_len + args.new_tokens)
     print(f"[vllm] gpu_memory_utilization {args.vllm_gpu_mem}, sleep level {args.vllm_sleep}, KV cache "
           f"{blocks * cache.block_size if blocks else 'unknown'} tokens; {min(largest, args.vllm_max_seqs)} "
           f"concurrent sequences of {largest} need {needed}", flush=True)
@@ -494,7 +494,7 @@ def run(args, rank, device: torch.device) -> None:
     from nla_shell.training import distributed
 
     defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
-    new_tokens = args.new_tokens or (8 if args.tiny else defaults["max_new_tokens"])
+    new_tokens = args.new_tokens = args.new_tokens or (8 if args.tiny else defaults["max_new_tokens"])  # the engine reads it
     # bf16 autocast needs a bf16 base: the tiny run is then bf16 too.
     dtype = torch.float32 if args.tiny and not set(args.paths) & set(AUTOCAST_PATHS) else torch.bfloat16
     settings = {**vars(args), "new_tokens": new_tokens, "world_size": rank.world_size,

@@ -195,10 +195,7 @@ def validate_parquet_schema(
     Fixed-size activation lists are checked from the schema alone; variable-length lists
     by the lengths in the first row group (stream_rows checks every row).
     """
-    try:
-        pf = pq.ParquetFile(path)
-    except (OSError, pa.ArrowException) as err:
-        raise DataError(f"{key}: cannot open {path} as parquet: {err}") from None
+    pf = open_parquet(path, key=key)
     schema = pf.schema_arrow
     for name in REQUIRED_COLUMNS:
         if name not in schema.names:
@@ -359,12 +356,17 @@ def load_rows(path: str | Path, cfg: NLAConfig, *, max_rows: int | None = None, 
     return rows
 
 
-def parquet_num_rows(path: str | Path, *, key: str = "rl_parquet") -> int:
-    """Rows in a parquet file, from its footer."""
+def open_parquet(path: str | Path, *, key: str) -> pq.ParquetFile:
+    """The parquet file at `path` (its footer read), or DataError naming the config `key`."""
     try:
-        return pq.ParquetFile(path).metadata.num_rows
+        return pq.ParquetFile(path)
     except (OSError, pa.ArrowException) as err:
         raise DataError(f"{key}: cannot open {path} as parquet: {err}") from None
+
+
+def parquet_num_rows(path: str | Path, *, key: str = "rl_parquet") -> int:
+    """Rows in a parquet file, from its footer."""
+    return open_parquet(path, key=key).metadata.num_rows
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,9 @@
 #   R4        (one GPU, after parts 1-3 on a fresh machine; carry p4) the family GPU tests again
 #             (pytest prints a failure's cause only at the end: to see why vLLM fails Qwen2/3, run
 #             `-k "vllm and qwen"` alone first)
+# Third session (2026-11-30), after parts 1-3 on an x2 machine:
+#   S1        carry .device-carry/vllm/p4: GPU0: install vLLM, the vLLM family cases for Qwen2/3 alone
+#             (full pytest report), then Gemma 2/3 and embedding_replace; GPU1: bench_update variants
 set -uo pipefail
 stage=$1
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -77,6 +80,16 @@ case $stage in
     timeout -k 10 170 python3 -m pytest tests/gpu/test_families_gpu.py -q -s -p no:cacheprovider -k vllm 2>&1 \
       | grep -v '^INFO\|^WARNING\|^(EngineCore\|Capturing' > "$OUT/families_vllm.log"
     tail -3 "$OUT/families_native.log"; grep -E "mean\|dlogp|passed|failed" "$OUT/families_vllm.log" ;;
+  S1)
+    mkdir -p /tmp/parts && cp .device-carry/vllm/p4/* /tmp/parts/
+    lane 1 "timeout -k 10 400 python3 bench/bench_update.py --cases 32x8 --variants ${VARIANTS:-16,32,64,16:bf16,32:bf16,64:bf16,32:bf16+compile} \
+            --tables $OUT/update_tables --out $OUT/update.json > $OUT/update.log 2>&1" &
+    vllm_install > "$OUT/install.log" 2>&1; source /tmp/vllm_env.sh
+    timeout -k 10 200 python3 -m pytest tests/gpu/test_families_gpu.py -q -s -p no:cacheprovider -k "vllm and qwen" 2>&1 \
+      | grep -v '^INFO\|^WARNING\|^(EngineCore\|Capturing' > "$OUT/families_vllm_qwen.log"
+    timeout -k 10 $((560 - SECONDS)) python3 -m pytest tests/gpu/test_families_gpu.py -q -s -p no:cacheprovider \
+      -k "vllm and (gemma or embedding)" 2>&1 | grep -v '^INFO\|^WARNING\|^(EngineCore\|Capturing' > "$OUT/families_vllm_rest.log"
+    wait; grep "^\[update\]" "$OUT/update.log"; tail -40 "$OUT/families_vllm_qwen.log"; grep -E "mean\|dlogp|passed|failed" "$OUT/families_vllm_rest.log" ;;
   R3)
     timeout -k 10 560 python3 bench/bench_step.py --cases 256x8 --paths after_all $STEP_ARGS --ranks 2 \
       --case-timeout 540 --out $OUT/step_256x8_ranks2.json > "$OUT/ranks2.log" 2>&1; tail -30 "$OUT/ranks2.log" ;;

@@ -1,0 +1,212 @@
+"""The GRPO policy update alone at the Qwen3-8B shape: where its time goes (issue 12).
+
+`bench_step.py` times whole steps; this times only `training.update.policy_update` on
+synthetic rollouts (random prompt and response ids of fixed lengths, behaviour log-probs 0),
+so one variant costs seconds, not minutes, and no engine or AR is built. Per variant:
+
+  seconds      wall time of one update over all rollouts (no optimizer step: every variant
+               sees the same weights), after a warm-up update on the first micro-batches
+  TF/s, % pk   the update's matrix FLOPs (bench_step.path_flops) over that time, against 790
+  gpu busy     kernel time / wall time over a profiled update of a few micro-batches:
+               the share of the time the GPU computes (the rest it waits on the host)
+  syncs        host synchronisations in that profiled update (torch.cuda sync debug mode)
+  peak GiB     torch.cuda.max_memory_allocated during the timed update
+
+A variant is MICRO_BATCH[:OPTION+OPTION...], options `bf16` (bf16_autocast) and `compile`
+(compile_blocks), e.g. `16 32:bf16 32:bf16+compile`.
+
+    python bench/bench_update.py --cases 32x8 --variants 16,32,32:bf16 --out $OUT/update.json   # H200
+    .venv/bin/python bench/bench_update.py --tiny --variants 2,4:compile --out /tmp/update.json  # CPU smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import math
+import sys
+import warnings
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
+
+import torch  # noqa: E402
+
+import synthetic as syn  # noqa: E402
+from bench_step import PEAK_TFLOPS, path_flops  # noqa: E402
+
+OPTIONS = ("bf16", "compile")
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    micro_batch: int
+    options: frozenset[str]
+
+    @property
+    def name(self) -> str:
+        return f"{self.micro_batch}" + (":" + "+".join(sorted(self.options)) if self.options else "")
+
+
+def parse_variant(text: str) -> Variant:
+    size, _, options = text.partition(":")
+    chosen = frozenset(o for o in options.split("+") if o)
+    if not size.isdigit() or chosen - set(OPTIONS):
+        raise argparse.ArgumentTypeError(f"variant {text!r}: MICRO_BATCH[:OPTION+...] with options from {OPTIONS}")
+    return Variant(int(size), chosen)
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="bench/update.json", help="JSON written after every variant")
+    parser.add_argument("--tiny", action="store_true", help="CPU smoke run at a tiny shape")
+    parser.add_argument("--cases", default=None, help="prompts x samples (default 32x8; tiny 4x2)")
+    parser.add_argument("--variants", default="16", help="comma-separated MICRO_BATCH[:bf16+compile] variants")
+    parser.add_argument("--reference-micro-batch", type=int, default=64, help="samples per reference forward")
+    parser.add_argument("--prompt-len", type=int, default=None, help="default 96 (tiny 24)")
+    parser.add_argument("--new-tokens", type=int, default=None, help="default 160 (tiny 8)")
+    parser.add_argument("--profile-micro-batches", type=int, default=3,
+                        help="micro-batches in the profiled update that measures gpu busy and syncs (0: none)")
+    parser.add_argument("--tables", default=None, help="directory for each variant's torch.profiler table")
+    args = parser.parse_args()
+    prompts, _, group = (args.cases or ("4x2" if args.tiny else "32x8")).partition("x")
+    args.prompts, args.group = int(prompts), int(group)
+    args.variants = [parse_variant(v) for v in args.variants.split(",") if v]
+    args.prompt_len = args.prompt_len or (24 if args.tiny else 96)
+    args.new_tokens = args.new_tokens or (8 if args.tiny else 160)
+    return args
+
+
+def synthetic_rollouts(n_prompts: int, group: int, *, prompt_len: int, new_tokens: int, d_model: int,
+                       tokens: dict[str, int], vocab: int, seed: int = 0):
+    """Groups of `group` rollouts of one marker prompt each, responses of `new_tokens` random ids;
+    the prompts' activations [n_prompts * group, D]."""
+    from nla_shell.engines.base import Rollout
+
+    requests = syn.make_requests(n_prompts, prompt_len, d_model, tokens, vocab=vocab, seed=seed)
+    generator = torch.Generator().manual_seed(seed + 1)
+    rollouts = []
+    for index, request in enumerate(requests):
+        prompt = torch.tensor(request.prompt_ids)
+        for _ in range(group):
+            response = torch.randint(3, vocab, (new_tokens,), generator=generator)
+            rollouts.append(Rollout(torch.cat([prompt, response]), prompt_len, torch.zeros(new_tokens), "", index))
+    activations = torch.stack([requests[r.prompt_index].activation for r in rollouts])
+    return rollouts, activations
+
+
+@contextlib.contextmanager
+def options_installed(actor, options: frozenset[str]):
+    from nla_shell.models import BackboneAutocast, CompiledBlockParts
+
+    installed = []
+    if "bf16" in options:
+        installed.append(BackboneAutocast(actor, torch.bfloat16))
+    if "compile" in options:
+        installed.append(CompiledBlockParts(actor))
+    try:
+        yield
+    finally:
+        for option in installed:
+            option.remove()
+
+
+def profiled_update(update, device: torch.device, table_path: Path | None) -> dict[str, float]:
+    """gpu busy share and host syncs of one update (see the module docstring)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    syncs = 0
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if cuda:
+            torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with profile(activities=activities) as prof:
+                seconds, _ = syn.timed(update, device)
+        finally:
+            if cuda:
+                torch.cuda.set_sync_debug_mode("default")
+        syncs = sum("synchroniz" in str(w.message) for w in caught)
+    averages = prof.key_averages()
+    # Kernels and copies themselves (CPU ops carry their kernels' time too: summing those double-counts).
+    kernel_us = sum(e.time_range.elapsed_us() for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    busy_us = kernel_us if cuda else math.nan
+    if table_path is not None:
+        table_path.parent.mkdir(parents=True, exist_ok=True)
+        sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+        table_path.write_text(averages.table(sort_by=sort, row_limit=40, max_name_column_width=90))
+    return {"profiled_s": seconds, "gpu_busy": busy_us / 1e6 / seconds, "syncs": syncs}
+
+
+def main() -> None:
+    args = parse_args()
+    from nla_shell.io.config import TrainConfig
+    from nla_shell.models import trainable_parameters
+    from nla_shell.training.train import make_optimizer
+    from nla_shell.training.update import LossOptions, policy_update
+
+    device = torch.device("cpu") if args.tiny else torch.device("cuda")
+    needs_bf16 = any("bf16" in v.options for v in args.variants)
+    dtype = torch.float32 if args.tiny and not needs_bf16 else torch.bfloat16
+    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+    record = syn.Record(args.out, {**syn.environment(device), "settings": {k: str(v) for k, v in vars(args).items()},
+                                   "peak_tflops": PEAK_TFLOPS})
+    tokenizer, tokens = syn.toy_tokenizer()
+    config = syn.qwen3_config(syn.TINY if args.tiny else syn.QWEN3_8B, vocab_size=len(tokenizer))
+    actor = syn.attach_lora(syn.random_qwen3(config, device=device, dtype=dtype), r=defaults["lora_r"],
+                            alpha=defaults["lora_alpha"], use_rslora=defaults["use_rslora"])
+    actor.train()
+    injector = syn.make_injector(actor, tokens)
+    optimizer = make_optimizer(trainable_parameters(actor), defaults["lr"], device=device, label="actor")
+    rollouts, activations = synthetic_rollouts(
+        args.prompts, args.group, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
+        d_model=config.hidden_size, tokens=tokens, vocab=min(config.vocab_size, len(tokenizer)))
+    advantages = torch.randn(len(rollouts), generator=torch.Generator().manual_seed(2))
+    flops = path_flops(config, rollouts, shared_prefix=True, ar_tokens=[], critic_layers=0)["update"]
+
+    def update(variant: Variant, n: int):
+        return lambda: policy_update(
+            actor, injector, optimizer, rollouts[:n], advantages[:n], activations[:n], loss=LossOptions(),
+            micro_batch=variant.micro_batch, max_grad_norm=defaults["max_grad_norm"], pad_id=tokenizer.pad_token_id,
+            reference_micro_batch=args.reference_micro_batch, step_optimizer=False)
+
+    print(f"[setup] {args.prompts}x{args.group}, prompt {args.prompt_len} + {args.new_tokens} tokens, "
+          f"{flops / 1e15:.2f} PFLOP per update", flush=True)
+    for variant in args.variants:
+        label = f"{args.prompts}x{args.group} mb {variant.name}"
+        try:
+            with options_installed(actor, variant.options):
+                warm = min(len(rollouts), 2 * max(variant.micro_batch, args.group))
+                update(variant, warm)()  # first-use costs (compilation, allocator growth)
+                syn.free_memory(device)
+                syn.reset_peak(device)
+                seconds, stats = syn.timed(update(variant, len(rollouts)), device)
+                peak = syn.peak_gib(device)
+                profiled = {}
+                if args.profile_micro_batches:
+                    n = min(len(rollouts), args.profile_micro_batches * variant.micro_batch)
+                    table = Path(args.tables) / f"update_{variant.name.replace(':', '_')}.txt" if args.tables else None
+                    profiled = profiled_update(update(variant, n), device, table)
+        except Exception as err:  # noqa: BLE001 - one variant's failure (out of memory) leaves the others
+            record.error(label, err)
+            syn.free_memory(device)
+            continue
+        tflops = flops / seconds / 1e12
+        case = {"variant": variant.name, "micro_batch": variant.micro_batch, "options": sorted(variant.options),
+                "prompts": args.prompts, "group": args.group, "s": seconds, "tflops": tflops,
+                "pct_peak": 100 * tflops / PEAK_TFLOPS, "peak_gib": peak, "loss": stats.loss,
+                "grad_norm": stats.grad_norm, **profiled}
+        record.add(case)
+        print(f"[update] {label}: {seconds:.2f}s, {tflops:.1f} TF/s ({case['pct_peak']:.0f}% of peak), "
+              f"peak {peak:.1f} GiB, gpu busy {profiled.get('gpu_busy', math.nan):.0%}, "
+              f"syncs {profiled.get('syncs', 'n/a')} in {args.profile_micro_batches} micro-batches; "
+              f"loss {stats.loss:+.6e} grad_norm {stats.grad_norm:.6e}", flush=True)
+    print(f"saved {record.path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -68,6 +68,9 @@ class Family:
     """The backbone multiplies token embeddings by sqrt(hidden_size) (Gemma)."""
     engines: tuple[str, ...]
     """Rollout engines that support this family."""
+    vllm_needs_tied_embeddings: bool = False
+    """vLLM's model class asserts tied input and output embeddings (vLLM 0.24's Gemma2ForCausalLM:
+    `assert config.tie_word_embeddings`); every released checkpoint of the family has them."""
 
 
 _ALL_ENGINES = ("hf", "native", "vllm")
@@ -78,7 +81,8 @@ FAMILIES: tuple[Family, ...] = (
     Family(name="Mistral", model_types=("mistral",), scaled_embeddings=False, engines=_ALL_ENGINES, **_LLAMA_LIKE),
     Family(name="Qwen2", model_types=("qwen2",), scaled_embeddings=False, engines=_ALL_ENGINES, **_LLAMA_LIKE),
     Family(name="Qwen3", model_types=("qwen3",), scaled_embeddings=False, engines=_ALL_ENGINES, **_LLAMA_LIKE),
-    Family(name="Gemma2", model_types=("gemma2",), scaled_embeddings=True, engines=_ALL_ENGINES, **_LLAMA_LIKE),
+    Family(name="Gemma2", model_types=("gemma2",), scaled_embeddings=True, engines=_ALL_ENGINES,
+           vllm_needs_tied_embeddings=True, **_LLAMA_LIKE),
     Family(name="Gemma3 (text)", model_types=("gemma3_text",), scaled_embeddings=True, engines=_ALL_ENGINES,
            **_LLAMA_LIKE),
     # GPT-2: fused qkv projection `c_attn` and output `c_proj` (Conv1D), as EasyNLA's adapter targets.
@@ -112,11 +116,18 @@ def family_of(model_or_config: Any) -> Family:
 
 
 def require_engine(model_or_config: Any, engine: str) -> Family:
-    """The family, when `engine` claims it; else UnsupportedModelError naming the engines that do."""
+    """The family, when `engine` claims it and this model; else UnsupportedModelError naming the
+    engines that do."""
     family = family_of(model_or_config)
     if engine not in family.engines:
         raise UnsupportedModelError(
             f"engine={engine} does not support {family.name} models; use engine={' or engine='.join(family.engines)}"
+        )
+    others = " or engine=".join(e for e in family.engines if e != engine)
+    if engine == "vllm" and family.vllm_needs_tied_embeddings and not _config(model_or_config).tie_word_embeddings:
+        raise UnsupportedModelError(
+            f"engine=vllm needs a {family.name} model with tied input and output embeddings (vLLM's {family.name} "
+            f"asserts tie_word_embeddings) and this one sets tie_word_embeddings=false; use engine={others}"
         )
     return family
 

@@ -20,11 +20,13 @@ WINDOW = 4
 FAMILY_NAMES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "gpt2")
 
 
-def tiny_config(model_type: str, tokenizer, *, head_dim: int = HEAD_DIM, layers: int = LAYERS):
+def tiny_config(model_type: str, tokenizer, *, head_dim: int = HEAD_DIM, layers: int = LAYERS,
+                tie_word_embeddings: bool = False):
     """A tiny config of `model_type` (an HF model_type) for `tokenizer`'s vocabulary.
 
     HEADS query heads of `head_dim` (hidden = HEADS * head_dim, FFN = 2 * hidden); the GPU
-    tests ask for head_dim 64, a size vLLM's attention kernels serve.
+    tests ask for head_dim 64, a size vLLM's attention kernels serve. Untied embeddings by
+    default, so lm_head can be scaled on its own; vLLM serves Gemma 2 only tied.
     """
     import transformers as tf
 
@@ -32,7 +34,7 @@ def tiny_config(model_type: str, tokenizer, *, head_dim: int = HEAD_DIM, layers:
     ids = dict(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
     shape = dict(vocab_size=len(tokenizer), hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=HEADS,
                  num_key_value_heads=KV_HEADS, head_dim=head_dim, intermediate_size=2 * hidden,
-                 max_position_embeddings=256, tie_word_embeddings=False, **ids)
+                 max_position_embeddings=256, tie_word_embeddings=tie_word_embeddings, **ids)
     if model_type == "llama":
         return tf.LlamaConfig(**shape)
     if model_type == "mistral":
@@ -49,7 +51,7 @@ def tiny_config(model_type: str, tokenizer, *, head_dim: int = HEAD_DIM, layers:
                                    layer_types=[("sliding_attention", "full_attention")[i % 2] for i in range(layers)])
     if model_type == "gpt2":
         return tf.GPT2Config(vocab_size=len(tokenizer), n_embd=hidden, n_layer=layers, n_head=HEADS, n_positions=256,
-                             tie_word_embeddings=False, **ids)
+                             tie_word_embeddings=tie_word_embeddings, **ids)
     raise ValueError(f"no tiny config for {model_type!r}")
 
 
@@ -64,7 +66,7 @@ def build_tiny_model(model_type: str, tokenizer, *, seed: int = 0, **shape):
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(tiny_config(model_type, tokenizer, **shape), dtype=torch.float32)
-    if model_type == "gemma2":
+    if model_type == "gemma2" and not model.config.tie_word_embeddings:
         with torch.no_grad():
             model.lm_head.weight.mul_(40.0)
     model.generation_config = GenerationConfig(

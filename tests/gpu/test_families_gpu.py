@@ -22,9 +22,9 @@ Qwen3 of tests/gpu/test_vllm.py vLLM measured 0.017-0.018 and the native engine 
 missed injection) moves log-probs by 0.1-1. The max is printed, not asserted: a bf16
 near-tie on a rare token can move one log-prob by far more than the mean.
 
-Run (not yet run: estimated 1 minute for the native cases, 3-4 more for the 8 vLLM engine
-start-ups, each compiling its model; `-k native` for the first minute alone; the
-vLLM cases need the vLLM bundle of shared/device/vllm):
+Run (about 1 minute for the native cases, 4 more for the 8 vLLM engine start-ups, each
+compiling its model; `-k native` for the first minute alone; the vLLM cases need the vLLM
+bundle of shared/device/vllm):
   python -m pytest tests/gpu/test_families_gpu.py -q -s -p no:cacheprovider
 """
 
@@ -70,10 +70,11 @@ def model_dir(tmp_path_factory, tiny_tokenizer):
     """
     root = tmp_path_factory.mktemp("families_gpu")
 
-    def build(model_type: str) -> Path:
-        directory = root / model_type
+    def build(model_type: str, *, tied: bool = False) -> Path:
+        directory = root / (model_type + ("_tied" if tied else ""))
         if not (directory / "config.json").exists():
-            model = family_models.build_tiny_model(model_type, tiny_tokenizer, head_dim=HEAD_DIM, layers=LAYERS)
+            model = family_models.build_tiny_model(model_type, tiny_tokenizer, head_dim=HEAD_DIM, layers=LAYERS,
+                                                   tie_word_embeddings=tied)
             generator = torch.Generator().manual_seed(1)
             with torch.no_grad():
                 for p in model.parameters():
@@ -169,8 +170,10 @@ def test_vllm_samples_what_the_trainer_scores(model_type, style, model_dir, tiny
     from vllm.config import CUDAGraphMode
     from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
-    assert "vllm" in families.family_of(family_models.tiny_config(model_type, tiny_tokenizer)).engines
-    directory = model_dir(model_type)
+    # vLLM serves Gemma 2 with tied embeddings only (as every released Gemma 2 has them; untied is refused).
+    tied = families.family_of(family_models.tiny_config(model_type, tiny_tokenizer)).vllm_needs_tied_embeddings
+    directory = model_dir(model_type, tied=tied)
+    families.require_engine(family_models.tiny_config(model_type, tiny_tokenizer, tie_word_embeddings=tied), "vllm")
     requests = _requests(8, len(tiny_tokenizer))
     engine = _vllm_engine(directory, tiny_tokenizer, style=style)
     try:

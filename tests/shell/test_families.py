@@ -75,6 +75,26 @@ def test_unknown_architecture_is_refused_with_the_supported_list():
     assert "'bert'" in message and all(name in message for name in ("Llama", "Mistral", "Gemma2", "GPT-2", "Qwen3"))
 
 
+def test_train_refuses_what_vllm_cannot_serve_before_anything_is_written(family_dir, family_data, tmp_path, capsys):
+    """GPT-2 (no engine=vllm) and a Gemma 2 with untied embeddings: vLLM 0.24's Gemma2ForCausalLM
+    asserts tie_word_embeddings (seen on the H200: a bare AssertionError from inside vLLM)."""
+    for model_type, cause in (("gpt2", "does not support GPT-2 models; use engine=hf"),
+                              ("gemma2", "tied input and output embeddings")):
+        av, data = family_dir(model_type), family_data(model_type)
+        capsys.readouterr()
+        assert cli.main(["train", f"av_ckpt={av}", f"ar_ckpt={av}", f"rl_parquet={data / 'rl.parquet'}",
+                         f"save_dir={tmp_path / model_type}", "engine=vllm", "device=cpu"]) == 2
+        errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+        assert len(errors) == 1 and "engine=vllm" in errors[0] and cause in errors[0], errors
+        assert not (tmp_path / model_type).exists()
+    tied = family_models.tiny_config("gemma2", _tokenizer("gemma2"), tie_word_embeddings=True)
+    assert families.require_engine(tied, "vllm").name == "Gemma2"
+    untied = family_models.tiny_config("gemma2", _tokenizer("gemma2"))
+    assert families.require_engine(untied, "native").name == "Gemma2"
+    with pytest.raises(families.UnsupportedModelError, match="use engine=hf or engine=native$"):
+        families.require_engine(untied, "vllm")
+
+
 def test_embedding_scale_and_soft_cap_follow_the_config(family_dir):
     for model_type in FAMILIES:
         config = family_models.tiny_config(model_type, _tokenizer(model_type))

@@ -57,10 +57,21 @@ class PrefixBatch:
     """[n, R] bool, the same as response_mask: where a log-prob counts."""
     behavior_logp: torch.Tensor
     """[n, R] float32 engine log-probs, 0 at padding."""
+    prompts_padded: bool
+    """Whether any prompt row is padded (known on the host: the prompt forward then needs its mask)."""
 
     def to(self, device: torch.device) -> "PrefixBatch":
-        """On `device`, copied without a host synchronisation."""
-        return PrefixBatch(**{f.name: getattr(self, f.name).to(device, non_blocking=True) for f in fields(self)})
+        """On `device`, copied without a host synchronisation.
+
+        A copy from pageable host memory waits for the device's queue (CUDA's API
+        synchronisation rules), so the tensors are pinned first on a CUDA device.
+        """
+        def moved(value):
+            if not isinstance(value, torch.Tensor):
+                return value
+            return (value.pin_memory() if device.type == "cuda" else value).to(device, non_blocking=True)
+
+        return PrefixBatch(**{f.name: moved(getattr(self, f.name)) for f in fields(self)})
 
 
 def plan_micro_batches(rollouts: Sequence[Rollout], micro_batch: int) -> list[list[int]]:
@@ -118,6 +129,7 @@ def prefix_batch(rollouts: Sequence[Rollout], rows: Sequence[int], injector: Inj
         response_mask=response_mask,
         mask=response_mask.bool(),
         behavior_logp=behavior,
+        prompts_padded=bool((prompt_mask == 0).any()),
     )
 
 
@@ -157,9 +169,12 @@ def prefix_logprobs(
     cache_kw = _cache_keyword(decoder)
     k, width = batch.prompt_ids.shape
     prompt_positions = torch.arange(width, device=batch.prompt_ids.device).expand(k, width)
+    # Unpadded prompts need no mask (plain causal attention, the same arithmetic): given one,
+    # transformers reads it on the host to find that out, a device synchronisation per micro-batch.
+    prompt_mask = batch.prompt_mask if batch.prompts_padded else None
     with injector.inject(batch.prompt_ids, vectors, sites=batch.sites):
         prompt_hidden = decoder(
-            input_ids=batch.prompt_ids, attention_mask=batch.prompt_mask, position_ids=prompt_positions,
+            input_ids=batch.prompt_ids, attention_mask=prompt_mask, position_ids=prompt_positions,
             use_cache=True, **{cache_kw: cache},
         ).last_hidden_state  # [k, P, D]
     # The last prompt token's output predicts the first response token.

@@ -106,6 +106,9 @@ def test_shared_prefix_logprobs_equal_the_full_forward_and_the_injection_reaches
     rows = list(range(len(rollouts)))
     batch = prefix.prefix_batch(rollouts, rows, injector, pad_id=tokenizer.pad_token_id)
     assert batch.prompt_ids.shape[0] == 3 and len(set(batch.prompt_lengths.tolist())) == 3
+    # Only padded prompts are run with a mask (reading an unpadded one costs transformers a sync).
+    one_group = [i for i, r in enumerate(rollouts) if r.prompt_index == rollouts[0].prompt_index]
+    assert batch.prompts_padded and not prefix.prefix_batch(rollouts, one_group, injector, pad_id=0).prompts_padded
     full = response_batch(rollouts, pad_id=tokenizer.pad_token_id, device=torch.device("cpu"))
     with torch.no_grad():
         shared = prefix.prefix_logprobs(actor, injector, batch, acts[batch.prompt_sources])

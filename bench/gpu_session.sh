@@ -22,6 +22,11 @@
 # Third session (2026-11-30), after parts 1-3 on an x2 machine:
 #   S1        carry .device-carry/vllm/p4: GPU0: install vLLM, the vLLM family cases for Qwen2/3 alone
 #             (full pytest report), then Gemma 2/3 and embedding_replace; GPU1: bench_update variants
+#   S2        carry p4 and .bnb (bitsandbytes 0.50.2 unzipped, only its CUDA 13 libraries: the wheel and
+#             p4 together exceed a call's 64 MiB): GPU0: bench_step 256x8 with vLLM at micro-batch 64,
+#             nvidia-smi sampling memory; GPU1: the same step with the native engine as a 1-rank
+#             torchrun job (kept in /tmp/ranks.json for S3), then the vLLM Gemma 2 family case
+#   S3        both GPUs: the 2-rank job (speed-up against S2's 1 rank), then bench_update variants
 set -uo pipefail
 stage=$1
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -35,6 +40,7 @@ train8b() {  # engine, extra overrides...
   cp /tmp/run_$engine/metrics.jsonl "$OUT/train_$engine.jsonl" 2>/dev/null
 }
 STEP_ARGS="--micro-batch 16 --critic-micro-batch 24 --reference-micro-batch 64"
+MB64_ARGS="--micro-batch 64 --critic-micro-batch 24 --reference-micro-batch 64"
 vllm_install() {  # the bundle's install.sh, then nla's vLLM plugin entry point (TP workers are spawned processes)
   bash /tmp/parts/install.sh && source /tmp/vllm_env.sh || return 1
   local dist=/tmp/site/nla-0.1.0.dist-info; mkdir -p $dist
@@ -90,6 +96,30 @@ case $stage in
     timeout -k 10 $((560 - SECONDS)) python3 -m pytest tests/gpu/test_families_gpu.py -q -s -p no:cacheprovider \
       -k "vllm and (gemma or embedding)" 2>&1 | grep -v '^INFO\|^WARNING\|^(EngineCore\|Capturing' > "$OUT/families_vllm_rest.log"
     wait; grep "^\[update\]" "$OUT/update.log"; tail -40 "$OUT/families_vllm_qwen.log"; grep -E "mean\|dlogp|passed|failed" "$OUT/families_vllm_rest.log" ;;
+  S2)
+    mkdir -p /tmp/parts && cp .device-carry/vllm/p4/* /tmp/parts/ && cp -r .bnb /tmp/bnb
+    nvidia-smi --query-gpu=timestamp,index,memory.used --format=csv,noheader -lms 1000 > "$OUT/smi.csv" & smi=$!
+    ( export PYTHONPATH=$PYTHONPATH:/tmp/bnb CUDA_VISIBLE_DEVICES=1
+      timeout -k 10 420 python3 bench/bench_step.py --cases 256x8 --paths after_all $MB64_ARGS --ranks 1 \
+        --case-timeout 400 --out /tmp/ranks.json > "$OUT/rank1.log" 2>&1
+      source /tmp/vllm_env.sh
+      timeout -k 10 $((580 - SECONDS)) python3 -m pytest tests/gpu/test_families_gpu.py -q -s -p no:cacheprovider \
+        -k "vllm and gemma2" 2>&1 | grep -v '^INFO\|^WARNING\|^(EngineCore\|Capturing' > "$OUT/families_gemma2.log" ) & gpu1=$!
+    vllm_install > "$OUT/install.log" 2>&1; source /tmp/vllm_env.sh; export PYTHONPATH=$PYTHONPATH:/tmp/bnb
+    lane 0 "timeout -k 10 $((580 - SECONDS)) python3 bench/bench_step.py --engine vllm --cases 256x8 --paths after_all \
+            $MB64_ARGS --out $OUT/step_256x8_vllm.json 2>&1 | grep -v '^INFO\|^WARNING\|^(EngineCore' > $OUT/step_vllm.log"
+    wait $gpu1; kill $smi; cp /tmp/ranks.json "$OUT/ranks1.json" 2>/dev/null
+    tail -4 "$OUT/step_vllm.log"; grep "^\[step\]\|optim\|error" "$OUT/rank1.log" "$OUT/step_vllm.log"; grep -E "dlogp|passed|failed" "$OUT/families_gemma2.log"
+    awk -F, '{m[$2]=($3+0>m[$2]?$3+0:m[$2])} END {for (g in m) print "gpu" g " max MiB used", m[g]}' "$OUT/smi.csv" ;;
+  S3)
+    export PYTHONPATH=$PYTHONPATH:/tmp/bnb
+    timeout -k 10 400 python3 bench/bench_step.py --cases 256x8 --paths after_all $MB64_ARGS --ranks 2 --keep-runs \
+      --case-timeout 380 --out /tmp/ranks.json > "$OUT/ranks2.log" 2>&1; cp /tmp/ranks.json "$OUT/ranks.json"
+    lane 0 "timeout -k 10 $((580 - SECONDS)) python3 bench/bench_update.py --cases 32x8 --variants 16,64:bf16 \
+            --out $OUT/update_a.json > $OUT/update_a.log 2>&1" &
+    lane 1 "timeout -k 10 $((580 - SECONDS)) python3 bench/bench_update.py --cases 32x8 --variants 64:bf16+compile,128:bf16+compile \
+            --out $OUT/update_b.json > $OUT/update_b.log 2>&1" &
+    wait; grep "scaling\|^\[step\]\|error" "$OUT/ranks2.log"; grep -h "^\[update\]\|error" "$OUT"/update_*.log ;;
   R3)
     timeout -k 10 560 python3 bench/bench_step.py --cases 256x8 --paths after_all $STEP_ARGS --ranks 2 \
       --case-timeout 540 --out $OUT/step_256x8_ranks2.json > "$OUT/ranks2.log" 2>&1; tail -30 "$OUT/ranks2.log" ;;

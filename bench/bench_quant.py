@@ -14,8 +14,18 @@ T tokens with one injection marker each, the last R tokens the "response"):
 Each mode reports ratios to bf16 from the same run. Needs CUDA and bitsandbytes for the
 quantised modes (pip install 'nla[bnb]'); on CPU, `--modes none --tiny` is a smoke run.
 
+`--role ar` measures the AR instead, loaded as `nla sft --mode ar` and the co-trained critic
+load it (`ARModel.from_pretrained`, truncated after block --extraction-layer, value head):
+mode `full` trains the whole bf16 backbone (the default critic), `none` / `8bit` / `4bit` a
+LoRA r128 on a bf16 / 8-bit / 4-bit frozen backbone (EasyNLA's `--use-lora` AR, which
+`ar_lora=true` builds). A step is the AR's forward over the batch, the critic's MSE to random
+targets, backward and the optimizer step (`train.make_optimizer`: AdamW8bit when bitsandbytes
+is installed); `pred_*` compare each mode's predictions before training with `none`'s,
+relative to their norm (`full` carries no LoRA, so it differs by the LoRA's small B too).
+
     python bench/bench_quant.py --out bench/quant_h200.json              # H200, 8B geometry
     python bench/bench_quant.py --layers 8 --out /tmp/quant.json         # quicker, 8 blocks
+    python bench/bench_quant.py --role ar --modes none,full,8bit,4bit --out /tmp/quant_ar.json
     .venv/bin/python bench/bench_quant.py --tiny --modes none            # CPU smoke run
 """
 
@@ -39,7 +49,10 @@ import synthetic  # noqa: E402
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--modes", default="none,8bit,4bit", help="comma-separated quant modes; none (bf16) first")
+    p.add_argument("--modes", default="none,8bit,4bit", help="comma-separated quant modes; none (bf16) first "
+                   "(--role ar: also full, the whole bf16 backbone trained)")
+    p.add_argument("--role", default="av", choices=["av", "ar"], help="the actor's frozen base, or the AR")
+    p.add_argument("--extraction-layer", type=int, default=24, help="--role ar: the AR keeps blocks 0..this")
     p.add_argument("--layers", type=int, default=None, help="decoder blocks (default: the 8B model's 36)")
     p.add_argument("--batch", type=int, default=8, help="sequences per step")
     p.add_argument("--seq-len", type=int, default=512, help="tokens per sequence")
@@ -110,6 +123,68 @@ def run_mode(mode: str, model_dir: Path, tokens: dict, args, device: torch.devic
     return {"mode": mode, "load_gib": load_gib, "peak_gib": peak, "step_s": statistics.median(times), "logp": logp}
 
 
+def run_ar_mode(mode: str, model_dir: Path, tokens: dict, args, device: torch.device) -> dict:
+    """One AR mode: loaded as the trainer loads it, then timed optimizer steps of the critic's MSE."""
+    from nla_core import resolve_target_scale
+    from nla_shell.models import ARModel, trainable_parameters
+    from nla_shell.training.train import make_optimizer
+
+    torch.manual_seed(0)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    quant = "none" if mode == "full" else mode
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_dir)
+    layer = min(args.extraction_layer, config.num_hidden_layers - 1)
+    ar = ARModel.from_pretrained(model_dir, mse_scale=resolve_target_scale("sqrt_d_model", config.hidden_size),
+                                 extraction_layer_index=layer, create_head=True, dtype=torch.bfloat16, device=device,
+                                 quant=quant)
+    if mode != "full":
+        ar.add_lora(r=128, alpha=16, use_rslora=True, base_model=model_dir, quant=quant)
+        with torch.no_grad():  # the same non-zero LoRA in every mode, so predictions depend on it
+            for name, param in ar.named_parameters():
+                if "lora_B" in name:
+                    param.normal_(0.0, 1e-3, generator=torch.Generator(param.device).manual_seed(0))
+    ar.train()
+    load_gib = torch.cuda.memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
+    optimizer = make_optimizer(trainable_parameters(ar), 1e-5, device=device, label=f"ar {mode}")
+    ids, mask, _, _, _ = batch(args, tokens, vocab=config.vocab_size, d_model=config.hidden_size, device=device)
+    targets = torch.randn(ids.shape[0], config.hidden_size, generator=torch.Generator().manual_seed(1)).to(device)
+    with torch.no_grad():
+        predictions = ar(ids, mask).float().cpu()
+    times = []
+    for step in range(args.steps + 1):
+        synthetic.sync(device)
+        start = time.perf_counter()
+        loss = (ar(ids, mask) - targets).pow(2).mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        synthetic.sync(device)
+        if step:
+            times.append(time.perf_counter() - start)
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
+    trainable = sum(p.numel() for p in trainable_parameters(ar))
+    del ar, optimizer
+    return {"mode": mode, "load_gib": load_gib, "peak_gib": peak, "step_s": statistics.median(times),
+            "predictions": predictions, "trainable": trainable}
+
+
+def ar_rows(results: list[dict]) -> list[dict]:
+    """Each AR mode against bf16 LoRA (`none`): memory, time, predictions."""
+    base = next(r for r in results if r["mode"] == "none")
+    rows = []
+    for r in results:
+        gap = (r["predictions"] - base["predictions"]).norm(dim=-1) / base["predictions"].norm(dim=-1)
+        rows.append({"mode": r["mode"], "trainable": r["trainable"], "load_gib": r["load_gib"], "peak_gib": r["peak_gib"],
+                     "step_s": r["step_s"], "load_vs_bf16_lora": r["load_gib"] / base["load_gib"],
+                     "step_vs_bf16_lora": r["step_s"] / base["step_s"],
+                     "pred_rel_max": float(gap.max()), "pred_rel_mean": float(gap.mean())})
+    return rows
+
+
 def main() -> None:
     args = parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -118,6 +193,12 @@ def main() -> None:
         sys.exit("--modes must start with none: the other modes are compared with bf16")
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="bench_quant_"))
     model_dir, tokens = save_random_model(work / "model", args, device)
+    if args.role == "ar":
+        rows = ar_rows([run_ar_mode(mode, model_dir, tokens, args, device) for mode in modes])
+        for row in rows:
+            print(json.dumps(row), flush=True)
+        write_record(args, device, rows)
+        return
     results = [run_mode(mode, model_dir, tokens, args, device) for mode in modes]
     base = results[0]
     rows = []
@@ -129,6 +210,10 @@ def main() -> None:
             "logp_max_abs": float(diff.max()), "logp_mean_abs": float(diff.mean()),
         })
         print(json.dumps(rows[-1]), flush=True)
+    write_record(args, device, rows)
+
+
+def write_record(args, device: torch.device, rows: list[dict]) -> None:
     record = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "args": vars(args),
               "date": time.strftime("%Y-%m-%d"), "results": rows}
     if args.out:

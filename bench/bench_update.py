@@ -12,8 +12,10 @@ so one variant costs seconds, not minutes, and no engine or AR is built. Per var
   syncs        host synchronisations in that profiled update (torch.cuda sync debug mode)
   peak GiB     torch.cuda.max_memory_allocated during the timed update
 
-A variant is MICRO_BATCH[:OPTION+OPTION...], options `bf16` (bf16_autocast) and `compile`
-(compile_blocks), e.g. `16 32:bf16 32:bf16+compile`.
+A variant is MICRO_BATCH[:OPTION+OPTION...], options `bf16` (bf16_autocast), `compile`
+(compile_blocks) and `synced` (the shared-prefix forward as it was before its host
+synchronisations were removed: the prompt mask always passed, so transformers reads it on the
+host, and pageable host-to-device copies), e.g. `16 16:synced 32:bf16+compile`.
 
     python bench/bench_update.py --cases 32x8 --variants 16,32,32:bf16 --out $OUT/update.json   # H200
     .venv/bin/python bench/bench_update.py --tiny --variants 2,4:compile --out /tmp/update.json  # CPU smoke
@@ -37,7 +39,7 @@ import torch  # noqa: E402
 import synthetic as syn  # noqa: E402
 from bench_step import PEAK_TFLOPS, path_flops  # noqa: E402
 
-OPTIONS = ("bf16", "compile")
+OPTIONS = ("bf16", "compile", "synced")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,11 +108,38 @@ def options_installed(actor, options: frozenset[str]):
         installed.append(BackboneAutocast(actor, torch.bfloat16))
     if "compile" in options:
         installed.append(CompiledBlockParts(actor))
+    with contextlib.ExitStack() as stack:
+        if "synced" in options:
+            stack.enter_context(synchronising_prefix_batches())
+        try:
+            yield
+        finally:
+            for option in installed:
+                option.remove()
+
+
+@contextlib.contextmanager
+def synchronising_prefix_batches():
+    """`training.prefix` as before the sync fix: every prompt forward gets its mask (transformers
+    then checks it on the host) and batches move from pageable memory (a copy that waits for the
+    device's queue)."""
+    from nla_shell.training import prefix
+
+    build, move = prefix.prefix_batch, prefix.PrefixBatch.to
+
+    def masked(*args, **kwargs):
+        return dataclasses.replace(build(*args, **kwargs), prompts_padded=True)
+
+    def pageable(batch, device):
+        return prefix.PrefixBatch(**{f.name: getattr(batch, f.name).to(device, non_blocking=True)
+                                     if isinstance(getattr(batch, f.name), torch.Tensor) else getattr(batch, f.name)
+                                     for f in dataclasses.fields(batch)})
+
+    prefix.prefix_batch, prefix.PrefixBatch.to = masked, pageable
     try:
         yield
     finally:
-        for option in installed:
-            option.remove()
+        prefix.prefix_batch, prefix.PrefixBatch.to = build, move
 
 
 def profiled_update(update, device: torch.device, table_path: Path | None) -> dict[str, float]:

@@ -27,6 +27,8 @@
 #             nvidia-smi sampling memory; GPU1: the same step with the native engine as a 1-rank
 #             torchrun job (kept in /tmp/ranks.json for S3), then the vLLM Gemma 2 family case
 #   S3        both GPUs: the 2-rank job (speed-up against S2's 1 rank), then bench_update variants
+#   S4        carry .bnb: GPU0: bench_quant --role ar (bf16 full / LoRA, 8-bit, 4-bit AR); GPU1:
+#             bench_update with and without the prefix batches' host synchronisations, same process
 set -uo pipefail
 stage=$1
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -120,6 +122,13 @@ case $stage in
     lane 1 "timeout -k 10 $((580 - SECONDS)) python3 bench/bench_update.py --cases 32x8 --variants 64:bf16+compile,128:bf16+compile \
             --out $OUT/update_b.json > $OUT/update_b.log 2>&1" &
     wait; grep "scaling\|^\[step\]\|error" "$OUT/ranks2.log"; grep -h "^\[update\]\|error" "$OUT"/update_*.log ;;
+  S4)
+    mkdir -p /tmp/bnb && cp -r .bnb/. /tmp/bnb/
+    lane 0 "PYTHONPATH=$PYTHONPATH:/tmp/bnb timeout -k 10 540 python3 bench/bench_quant.py --role ar --modes none,full,8bit,4bit \
+            --work /tmp/quant --out $OUT/quant_ar.json > $OUT/quant_ar.log 2>&1" &
+    lane 1 "timeout -k 10 540 python3 bench/bench_update.py --cases 32x8 \
+            --variants 16:synced,16,64:bf16+compile+synced,64:bf16+compile --out $OUT/update_sync.json > $OUT/update_sync.log 2>&1" &
+    wait; grep -h "^{\|error\|Error" "$OUT/quant_ar.log" | tail -8; grep -h "^\[update\]\|error" "$OUT/update_sync.log" ;;
   R3)
     timeout -k 10 560 python3 bench/bench_step.py --cases 256x8 --paths after_all $STEP_ARGS --ranks 2 \
       --case-timeout 540 --out $OUT/step_256x8_ranks2.json > "$OUT/ranks2.log" 2>&1; tail -30 "$OUT/ranks2.log" ;;

@@ -36,7 +36,7 @@ from nla_shell.io.progress import progress_bar, say_line
 from nla_shell.models import ARModel, Injector, load_actor, response_logprobs, trainable_parameters
 from nla_shell.quant import require_quant
 from nla_shell.training.scoring import critic_step
-from nla_shell.training.preemption import StopSignals
+from nla_shell.training.preemption import StopSignals, boundary_save_due
 from nla_shell.training.runlock import RunDirLock
 from nla_shell.training.train import DataOrder, make_optimizer, resolve_device, seed_everything
 from nla_shell.training.update import response_batch
@@ -303,7 +303,8 @@ def _run_sft(cfg: SFTConfig, stop: StopSignals) -> Path:
     for step in range(start_step, cfg.num_steps):
         # --- preemption: a signal ends the run here, between steps -----------------------------
         if stop.should_stop(step):
-            if cfg.save_on_signal and step > start_step and step % cfg.save_every != 0:
+            if boundary_save_due(step, start_step=start_step, save_every=cfg.save_every,
+                                 save_on_signal=cfg.save_on_signal):
                 save(step)
             logger.close()
             raise stop.stopped(ckpt.latest_checkpoint(save_dir), command="sft")

@@ -35,6 +35,12 @@ class _AbandonStep(BaseException):
     KeyboardInterrupt, so that no `except Exception` on the way swallows it)."""
 
 
+def boundary_save_due(steps_done: int, *, start_step: int, save_every: int, save_on_signal: bool) -> bool:
+    """Whether a run stopped after `steps_done` steps needs a checkpoint of its own: save_on_signal
+    is on, this run finished a step, and the periodic save did not just take that step."""
+    return save_on_signal and steps_done > start_step and steps_done % save_every != 0
+
+
 class StopSignals:
     """Context manager: SIGTERM/SIGINT handlers for one run (only in the main thread).
 

@@ -37,7 +37,7 @@ from nla_shell.io.data import (
 from nla_shell.io.sidecars import MODEL_SIDECAR, injection_settings, load_sidecar, model_sidecar, write_sidecar
 from nla_shell.engines.base import RolloutEngine, RolloutRequest, held_awake, sample_explanations
 from nla_shell.training.distributed import RankInfo
-from nla_shell.training.preemption import StopSignals
+from nla_shell.training.preemption import StopSignals, boundary_save_due
 from nla_shell.training.runlock import RunDirLock
 from nla_shell.io.logging import NullLogger, make_logger, read_metrics
 from nla_shell.io.paths import require_file, require_model
@@ -433,15 +433,29 @@ def run_ranked(cfg: TrainConfig, rank: RankInfo, device: torch.device, dtype: to
     bar = progress_bar(total=cfg.num_steps, initial=start_step, desc="train", unit="step",
                        enabled=rank.is_main and "console" in cfg.logger)
 
+    def held_out(step: int, step_logger) -> dict[str, float]:
+        """The held-out eval at `step` (rank 0 only)."""
+        return evaluate_rows(
+            eval_engine.current(), critic, tokenizer, eval_rows, eval_prompt_ids, logger=step_logger, step=step,
+            max_new_tokens=cfg.eval_max_new_tokens or cfg.max_new_tokens, rawvar=rawvar, meannorm=meannorm,
+            score_kwargs=score_kwargs,
+        )
+
+    def finish(steps_done: int, final_eval: dict[str, Any] | None = None) -> None:
+        """Close the bar, the engine and the logger; rank 0 writes summary.json."""
+        bar.close()
+        engine.close()
+        logger.close()
+        if rank.is_main:
+            write_summary(save_dir, steps_done=steps_done, rawvar=rawvar, meannorm=meannorm, final_eval=final_eval)
+
     for step in range(start_step, cfg.num_steps):
         # --- preemption: a signal ends the run here, between steps, on every rank at once ----
         if stop.should_stop(step):
-            if cfg.save_on_signal and step > start_step and step % cfg.save_every != 0:
+            if boundary_save_due(step, start_step=start_step, save_every=cfg.save_every,
+                                 save_on_signal=cfg.save_on_signal):
                 save(step)
-            engine.close()
-            logger.close()
-            if rank.is_main:
-                write_summary(save_dir, steps_done=step, rawvar=rawvar, meannorm=meannorm)
+            finish(step)
             raise stop.stopped(ckpt.latest_checkpoint(save_dir), command="train")
 
         t_step = time.perf_counter()
@@ -570,11 +584,7 @@ def run_ranked(cfg: TrainConfig, rank: RankInfo, device: torch.device, dtype: to
         # --- held-out eval (document-disjoint rows): rank 0 alone, the others wait ------------
         if eval_on and step % cfg.eval_every == 0:
             if rank.is_main:
-                record.update(evaluate_rows(
-                    eval_engine.current(), critic, tokenizer, eval_rows, eval_prompt_ids, logger=logger, step=step,
-                    max_new_tokens=cfg.eval_max_new_tokens or cfg.max_new_tokens,
-                    rawvar=rawvar, meannorm=meannorm, score_kwargs=score_kwargs,
-                ))
+                record.update(held_out(step, logger))
             distributed.barrier()
         logger.log(step, record)
         last_record = {"step": step, **record}
@@ -590,18 +600,10 @@ def run_ranked(cfg: TrainConfig, rank: RankInfo, device: torch.device, dtype: to
     if eval_on and last_record and last_record["step"] % cfg.eval_every != 0:
         if rank.is_main:
             with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-                final_eval = {"step": last_record["step"], **evaluate_rows(
-                    eval_engine.current(), critic, tokenizer, eval_rows, eval_prompt_ids, logger=NullLogger(),
-                    step=last_record["step"], max_new_tokens=cfg.eval_max_new_tokens or cfg.max_new_tokens,
-                    rawvar=rawvar, meannorm=meannorm, score_kwargs=score_kwargs,
-                )}
+                final_eval = {"step": last_record["step"], **held_out(last_record["step"], NullLogger())}
         distributed.barrier()
-    bar.close()
-    engine.close()
-    logger.close()
+    finish(max(start_step, cfg.num_steps), final_eval)
     if rank.is_main:
-        write_summary(save_dir, steps_done=max(start_step, cfg.num_steps), rawvar=rawvar, meannorm=meannorm,
-                      final_eval=final_eval)
         say(f"[nla train] done: {cfg.num_steps} steps; checkpoint {ckpt.checkpoint_dir(save_dir, cfg.num_steps)} "
             f"(adapter/ is the AV{', critic/ the AR' if cfg.train_critic else ''}); metrics {save_dir / 'metrics.jsonl'}, "
             f"summary {save_dir / 'summary.json'}; curves: nla plot {save_dir}")

@@ -123,8 +123,8 @@ def require_engine(model_or_config: Any, engine: str) -> Family:
         raise UnsupportedModelError(
             f"engine={engine} does not support {family.name} models; use engine={' or engine='.join(family.engines)}"
         )
-    others = " or engine=".join(e for e in family.engines if e != engine)
     if engine == "vllm" and family.vllm_needs_tied_embeddings and not _config(model_or_config).tie_word_embeddings:
+        others = " or engine=".join(e for e in family.engines if e != engine)
         raise UnsupportedModelError(
             f"engine=vllm needs a {family.name} model with tied input and output embeddings (vLLM's {family.name} "
             f"asserts tie_word_embeddings) and this one sets tie_word_embeddings=false; use engine={others}"

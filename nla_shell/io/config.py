@@ -30,6 +30,8 @@ from typing import Any, Literal, TypeVar
 
 import yaml
 
+from nla_shell.io.files import write_text_atomically
+
 T = TypeVar("T")
 
 
@@ -435,10 +437,7 @@ def save_config(cfg: Any, path: str | os.PathLike[str]) -> None:
 
     Written to a temp file then renamed, so a crash never leaves a truncated config.yaml.
     """
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
-    os.replace(tmp, path)
+    write_text_atomically(path, yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
 
 
 # --------------------------------------------------------------------------- coercion

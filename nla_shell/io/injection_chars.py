@@ -25,6 +25,7 @@ from typing import Any
 import yaml
 
 from nla_shell.io.data import DataError
+from nla_shell.io.files import write_text_atomically
 
 __all__ = ["SHIPPED_CACHE", "cached_first", "cached_injection_char", "remember_injection_char", "user_cache_path"]
 
@@ -101,6 +102,4 @@ def remember_injection_char(tokenizer: Any, char: str) -> None:
     (token_id,) = tokenizer.encode(char, add_special_tokens=False)
     cache[key] = {"char": char, "token_id": int(token_id)}
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(yaml.safe_dump(cache, allow_unicode=True, sort_keys=True), encoding="utf-8")
-    os.replace(tmp, path)
+    write_text_atomically(path, yaml.safe_dump(cache, allow_unicode=True, sort_keys=True))

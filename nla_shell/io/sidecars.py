@@ -10,7 +10,6 @@ resolves paths, reads YAML into an NLAConfig and writes mappings upstream reader
 from __future__ import annotations
 
 import datetime
-import os
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -19,6 +18,7 @@ import yaml
 import nla_core
 from nla_core import NLAConfig, canonical_neighbors, parse_sidecar, resolve_target_scale, upstream_actor_template
 from nla_shell.io.data import DataError, av_prompt_messages, chat_prompt_ids
+from nla_shell.io.files import write_text_atomically
 
 __all__ = [
     "DEFAULT_AR_TEMPLATE",
@@ -139,11 +139,7 @@ def injection_settings(
 
 def write_sidecar(mapping: Mapping[str, Any], path: str | Path) -> Path:
     """Write a sidecar mapping as UTF-8 YAML, keys in the order given, atomically (tmp + rename)."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(yaml.safe_dump(dict(mapping), sort_keys=False, allow_unicode=True), encoding="utf-8")
-    os.replace(tmp, path)
-    return path
+    return write_text_atomically(path, yaml.safe_dump(dict(mapping), sort_keys=False, allow_unicode=True))
 
 
 def critic_suffix_ids(tokenizer: Any, ar_template: str) -> list[int] | None:

@@ -38,6 +38,7 @@ import torch
 import yaml
 
 from nla_shell.io.config import RESUME_MUTABLE_KEYS, ConfigError
+from nla_shell.io.files import write_text_atomically
 from nla_shell.training.runlock import LOCK_NAME
 
 COMPLETE = "COMPLETE"
@@ -514,9 +515,7 @@ def claim_save_dir(
                 else:
                     child.unlink()
     save_dir.mkdir(parents=True, exist_ok=True)
-    tmp = save_dir / f".{CONFIG_NAME}.tmp"
-    tmp.write_text(yaml.safe_dump(dict(config_dict), sort_keys=False))
-    os.replace(tmp, config_path)
+    write_text_atomically(config_path, yaml.safe_dump(dict(config_dict), sort_keys=False))
 
 
 def _run_conflict(

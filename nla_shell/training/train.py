@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import random
 import resource
 import time
@@ -39,6 +38,7 @@ from nla_shell.engines.base import RolloutEngine, RolloutRequest, held_awake, sa
 from nla_shell.training.distributed import RankInfo
 from nla_shell.training.preemption import StopSignals, boundary_save_due
 from nla_shell.training.runlock import RunDirLock
+from nla_shell.io.files import write_text_atomically
 from nla_shell.io.logging import NullLogger, make_logger, read_metrics
 from nla_shell.io.paths import require_file, require_model
 from nla_shell.io.progress import progress_bar, say_line
@@ -742,6 +742,4 @@ def write_summary(
     if final_eval is not None:
         summary["final_eval"] = {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
                                  for k, v in final_eval.items()}
-    tmp = save_dir / ".summary.json.tmp"
-    tmp.write_text(json.dumps(summary, indent=2))
-    os.replace(tmp, summary_path)
+    write_text_atomically(summary_path, json.dumps(summary, indent=2))

@@ -466,9 +466,14 @@ def profiled(directory: str | None, name: str, device: torch.device):
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as prof:
         yield
+    write_profile_table(prof, Path(directory) / f"{name}.txt", device)
+
+
+def write_profile_table(prof, path: Path, device: torch.device, *, rows: int = 30) -> None:
+    """A torch.profiler's ops by their own device time (CPU time on the CPU), the top `rows`."""
     sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
-    Path(directory).mkdir(parents=True, exist_ok=True)
-    (Path(directory) / f"{name}.txt").write_text(prof.key_averages().table(sort_by=sort, row_limit=30, max_name_column_width=90))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(prof.key_averages().table(sort_by=sort, row_limit=rows, max_name_column_width=90))
 
 
 def main() -> None:

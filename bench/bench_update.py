@@ -37,7 +37,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 import torch  # noqa: E402
 
 import synthetic as syn  # noqa: E402
-from bench_step import PEAK_TFLOPS, path_flops  # noqa: E402
+from bench_step import PEAK_TFLOPS, path_flops, write_profile_table  # noqa: E402
 
 OPTIONS = ("bf16", "compile", "synced")
 
@@ -160,14 +160,11 @@ def profiled_update(update, device: torch.device, table_path: Path | None) -> di
             if cuda:
                 torch.cuda.set_sync_debug_mode("default")
         syncs = sum("synchroniz" in str(w.message) for w in caught)
-    averages = prof.key_averages()
     # Kernels and copies themselves (CPU ops carry their kernels' time too: summing those double-counts).
     kernel_us = sum(e.time_range.elapsed_us() for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
     busy_us = kernel_us if cuda else math.nan
     if table_path is not None:
-        table_path.parent.mkdir(parents=True, exist_ok=True)
-        sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
-        table_path.write_text(averages.table(sort_by=sort, row_limit=40, max_name_column_width=90))
+        write_profile_table(prof, table_path, device, rows=40)
     return {"profiled_s": seconds, "gpu_busy": busy_us / 1e6 / seconds, "syncs": syncs}
 
 

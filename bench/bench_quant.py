@@ -91,9 +91,8 @@ def run_mode(mode: str, model_dir: Path, tokens: dict, args, device: torch.devic
     from nla_shell.models import load_actor, response_logprobs
 
     torch.manual_seed(0)
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
+    synthetic.free_memory(device)
+    synthetic.reset_peak(device)
     actor = load_actor(model_dir, lora_r=128, lora_alpha=16, use_rslora=True, resume_adapter=None,
                        dtype=torch.bfloat16, device=device, quant=mode)
     with torch.no_grad():
@@ -105,22 +104,29 @@ def run_mode(mode: str, model_dir: Path, tokens: dict, args, device: torch.devic
     config = actor.get_base_model().config
     ids, mask, positions, targets, vectors = batch(args, tokens, vocab=config.vocab_size, d_model=config.hidden_size,
                                                    device=device)
-    times, logp = [], None
-    for step in range(args.steps + 1):
-        synthetic.sync(device)
-        start = time.perf_counter()
+
+    def step() -> torch.Tensor:
         with injector.inject(ids, vectors):
             out = response_logprobs(actor, ids, mask, positions, targets)
         out.mean().backward()
-        synthetic.sync(device)
-        if step:
-            times.append(time.perf_counter() - start)
-        logp = out.detach().float().cpu()
         actor.zero_grad(set_to_none=True)
-    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
+        return out.detach().float().cpu()
+
+    step_s, logp = median_step(step, args.steps, device)
+    peak = synthetic.peak_gib(device)
     injector.remove()
-    del actor
-    return {"mode": mode, "load_gib": load_gib, "peak_gib": peak, "step_s": statistics.median(times), "logp": logp}
+    actor = injector = step = None  # the next mode's load needs this one's memory back
+    return {"mode": mode, "load_gib": load_gib, "peak_gib": peak, "step_s": step_s, "logp": logp}
+
+
+def median_step(step, steps: int, device: torch.device):
+    """(median seconds of `steps` timed calls of step() after one warm-up call, the last call's result)."""
+    times, result = [], None
+    for i in range(steps + 1):
+        seconds, result = synthetic.timed(step, device)
+        if i:
+            times.append(seconds)
+    return statistics.median(times), result
 
 
 def run_ar_mode(mode: str, model_dir: Path, tokens: dict, args, device: torch.device) -> dict:
@@ -130,9 +136,8 @@ def run_ar_mode(mode: str, model_dir: Path, tokens: dict, args, device: torch.de
     from nla_shell.training.train import make_optimizer
 
     torch.manual_seed(0)
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
+    synthetic.free_memory(device)
+    synthetic.reset_peak(device)
     quant = "none" if mode == "full" else mode
     from transformers import AutoConfig
 
@@ -154,21 +159,17 @@ def run_ar_mode(mode: str, model_dir: Path, tokens: dict, args, device: torch.de
     targets = torch.randn(ids.shape[0], config.hidden_size, generator=torch.Generator().manual_seed(1)).to(device)
     with torch.no_grad():
         predictions = ar(ids, mask).float().cpu()
-    times = []
-    for step in range(args.steps + 1):
-        synthetic.sync(device)
-        start = time.perf_counter()
-        loss = (ar(ids, mask) - targets).pow(2).mean()
-        loss.backward()
+
+    def step() -> None:
+        (ar(ids, mask) - targets).pow(2).mean().backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        synthetic.sync(device)
-        if step:
-            times.append(time.perf_counter() - start)
-    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
+
+    step_s, _ = median_step(step, args.steps, device)
+    peak = synthetic.peak_gib(device)
     trainable = sum(p.numel() for p in trainable_parameters(ar))
-    del ar, optimizer
-    return {"mode": mode, "load_gib": load_gib, "peak_gib": peak, "step_s": statistics.median(times),
+    ar = optimizer = step = None  # the next mode's load needs this one's memory back
+    return {"mode": mode, "load_gib": load_gib, "peak_gib": peak, "step_s": step_s,
             "predictions": predictions, "trainable": trainable}
 
 

@@ -414,20 +414,14 @@ def behaviour_gap(ctx: Context, rollouts, requests, micro_batch: int) -> float:
 @contextlib.contextmanager
 def path_arithmetic(ctx: Context, path: str, args):
     """The path's trainer options while its phases run: TF32, bf16 autocast, compiled block parts."""
-    from nla_shell.models import BackboneAutocast, CompiledBlockParts
-
-    installed = []
-    if path in AUTOCAST_PATHS:
-        installed.append(BackboneAutocast(ctx.actor, torch.bfloat16))
-        recapture(ctx, args)
-    if path in COMPILE_PATHS:
-        installed += [CompiledBlockParts(ctx.actor), CompiledBlockParts(ctx.critic.lm)]
+    compiled = (ctx.actor, ctx.critic.lm) if path in COMPILE_PATHS else ()
     try:
-        with tf32_matmuls(path == "after_tf32"):
-            yield
+        with syn.trainer_options(ctx.actor, bf16_autocast=path in AUTOCAST_PATHS, compiled=compiled):
+            if path in AUTOCAST_PATHS:
+                recapture(ctx, args)
+            with tf32_matmuls(path == "after_tf32"):
+                yield
     finally:
-        for options in installed:
-            options.remove()
         if path in AUTOCAST_PATHS:
             recapture(ctx, args)
 

@@ -101,21 +101,9 @@ def synthetic_rollouts(n_prompts: int, group: int, *, prompt_len: int, new_token
 
 @contextlib.contextmanager
 def options_installed(actor, options: frozenset[str]):
-    from nla_shell.models import BackboneAutocast, CompiledBlockParts
-
-    installed = []
-    if "bf16" in options:
-        installed.append(BackboneAutocast(actor, torch.bfloat16))
-    if "compile" in options:
-        installed.append(CompiledBlockParts(actor))
-    with contextlib.ExitStack() as stack:
-        if "synced" in options:
-            stack.enter_context(synchronising_prefix_batches())
-        try:
+    with syn.trainer_options(actor, bf16_autocast="bf16" in options, compiled=(actor,) if "compile" in options else ()):
+        with synchronising_prefix_batches() if "synced" in options else contextlib.nullcontext():
             yield
-        finally:
-            for option in installed:
-                option.remove()
 
 
 @contextlib.contextmanager

@@ -8,11 +8,12 @@ practically never drawn from a random model over a 152k vocabulary).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -112,6 +113,21 @@ def make_injector(actor, tokens: dict[str, int]):
 
     return Injector(actor, marker_id=tokens["injection_token_id"], left_id=tokens["injection_left_neighbor_id"],
                     right_id=tokens["injection_right_neighbor_id"])
+
+
+@contextlib.contextmanager
+def trainer_options(actor, *, bf16_autocast: bool, compiled: Sequence[torch.nn.Module] = ()) -> Iterator[None]:
+    """The trainer's `bf16_autocast` (on the actor) and `compile_blocks` (on each of `compiled`)
+    options installed for the block, as `nla train` installs them for a run; removed after."""
+    from nla_shell.models import BackboneAutocast, CompiledBlockParts
+
+    installed = [BackboneAutocast(actor, torch.bfloat16)] if bf16_autocast else []
+    installed += [CompiledBlockParts(model) for model in compiled]
+    try:
+        yield
+    finally:
+        for option in installed:
+            option.remove()
 
 
 def sync(device: torch.device) -> None:

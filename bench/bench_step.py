@@ -110,9 +110,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--vllm-gpu-mem", type=float, default=0.35,
                         help="vLLM's share of GPU memory: at the 8B shape 0.35 is 49 GiB, ~29 GiB of KV cache "
                              "after the weights (~200k tokens)")
-    parser.add_argument("--vllm-max-seqs", type=int, default=512,
-                        help="vLLM's max_num_seqs: 512 sequences of 96 + 160 tokens (18 GiB of KV at 8B) decode "
-                             "together without preemption in 0.35's cache; 2048 run as 4 waves")
+    parser.add_argument("--vllm-max-seqs", type=int, default=None,
+                        help="vLLM's max_num_seqs (default vLLM's own, as the trainer leaves it)")
+    parser.add_argument("--vllm-prefix-caching", default="on", choices=["on", "off"],
+                        help="TrainConfig.vllm_prefix_caching: a group's samples share their prompt's prefill")
     parser.add_argument("--vllm-sleep", type=int, default=2, choices=[0, 1, 2],
                         help="vLLM's sleep level between rollouts (TrainConfig.vllm_sleep); 0 keeps it resident")
     parser.add_argument("--ranks", default=None,
@@ -209,14 +210,21 @@ def make_engine(args, ctx: Context):
         model_dir, ctx.tokenizer, marker_id=ctx.injector.marker_id, left_id=ctx.injector.left_id,
         right_id=ctx.injector.right_id, injection_layer=1, gpu_memory_utilization=args.vllm_gpu_mem,
         max_model_len=args.prompt_len + args.new_tokens + 16, load_format="dummy",
-        llm_kwargs={"max_num_seqs": min(largest, args.vllm_max_seqs)}, sleep_level=args.vllm_sleep,
+        enable_prefix_caching=args.vllm_prefix_caching == "on",
+        llm_kwargs={"max_num_seqs": args.vllm_max_seqs} if args.vllm_max_seqs else None, sleep_level=args.vllm_sleep,
     )
-    cache = engine.llm.llm_engine.vllm_config.cache_config
+    config = engine.llm.llm_engine.vllm_config
+    cache, max_seqs = config.cache_config, config.scheduler_config.max_num_seqs
     blocks = getattr(cache, "num_gpu_blocks", None)
-    needed = min(largest, args.vllm_max_seqs) * (args.prompt_len + args.new_tokens)
-    print(f"[vllm] gpu_memory_utilization {args.vllm_gpu_mem}, sleep level {args.vllm_sleep}, KV cache "
-          f"{blocks * cache.block_size if blocks else 'unknown'} tokens; {min(largest, args.vllm_max_seqs)} "
-          f"concurrent sequences of {largest} need {needed}", flush=True)
+    concurrent = min(largest, max_seqs)
+    # With prefix caching the G samples of a group hold one copy of their prompt's blocks.
+    group = max(g for _, g in args.cases)
+    prompt_share = args.prompt_len / group if args.vllm_prefix_caching == "on" else args.prompt_len
+    needed = int(concurrent * (prompt_share + args.new_tokens))
+    print(f"[vllm] gpu_memory_utilization {args.vllm_gpu_mem}, sleep level {args.vllm_sleep}, prefix caching "
+          f"{args.vllm_prefix_caching}, max_num_seqs {max_seqs}, KV cache "
+          f"{blocks * cache.block_size if blocks else 'unknown'} tokens; {concurrent} concurrent sequences of "
+          f"{largest} need ~{needed}", flush=True)
     if blocks and blocks * cache.block_size < needed:
         print("[vllm] warning: the KV cache cannot hold every concurrent sequence at full length: vLLM will "
               "preempt and recompute (raise --vllm-gpu-mem or lower --vllm-max-seqs)", flush=True)

@@ -13,7 +13,8 @@ so one variant costs seconds, not minutes, and no engine or AR is built. Per var
   peak GiB     torch.cuda.max_memory_allocated during the timed update
 
 A variant is MICRO_BATCH[:OPTION+OPTION...], options `bf16` (bf16_autocast), `compile`
-(compile_blocks) and `synced` (the shared-prefix forward as it was before its host
+(compile_blocks: norms, MLPs and LoRA layers), `mlpcompile` (compile_blocks as it was before the
+LoRA layers joined: norms and MLPs only) and `synced` (the shared-prefix forward as it was before its host
 synchronisations were removed: the prompt mask always passed, so transformers reads it on the
 host, and pageable host-to-device copies), e.g. `16 16:synced 32:bf16+compile`.
 
@@ -39,7 +40,7 @@ import torch  # noqa: E402
 import synthetic as syn  # noqa: E402
 from bench_step import PEAK_TFLOPS, path_flops, write_profile_table  # noqa: E402
 
-OPTIONS = ("bf16", "compile", "synced")
+OPTIONS = ("bf16", "compile", "mlpcompile", "synced")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,7 +102,8 @@ def synthetic_rollouts(n_prompts: int, group: int, *, prompt_len: int, new_token
 
 @contextlib.contextmanager
 def options_installed(actor, options: frozenset[str]):
-    with syn.trainer_options(actor, bf16_autocast="bf16" in options, compiled=(actor,) if "compile" in options else ()):
+    compiled = (actor,) if options & {"compile", "mlpcompile"} else ()
+    with syn.trainer_options(actor, bf16_autocast="bf16" in options, compiled=compiled, lora_layers="mlpcompile" not in options):
         with synchronising_prefix_batches() if "synced" in options else contextlib.nullcontext():
             yield
 

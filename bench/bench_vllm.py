@@ -4,13 +4,16 @@ Random weights (vLLM's "dummy" loader), prompts of --prompt-len tokens with one 
 --new-tokens generated per sample (EOS ignored, so every sample runs the full length),
 one request per prompt with n = --group-size. Sequences S in --seqs means S / group_size
 prompts. ms per decode step = (time(new_tokens) - time(1 token)) / (new_tokens - 1),
-medians over --repeats, so prefill is excluded.
+medians over --repeats, so prefill is excluded; rollout s = time(new_tokens), prefill included.
 
 Configurations (each in its own subprocess: vLLM plugins load once per process, and
 vllm-lens cannot be switched off once loaded):
   baseline   plain vLLM, CUDA graphs, unsteered: the reference point of every ratio
   nla        our plugin, CUDA graphs: steered, and the same engine unsteered (op overhead);
              also the weight sync (GPU actor, LoRA merge + push) and a CPU-bucket push
+  nla_cached nla with salted prefix caching (TrainConfig.vllm_prefix_caching): the n samples of
+             a prompt share its prefill; the cache is reset before every generate call, as a
+             weight push resets it in training, so no call reuses an earlier one's blocks
   eager      plain vLLM, enforce_eager, unsteered (what vllm-lens forces)
   vllm_lens  the reference path: vllm-lens SteeringVectors (eager), slow at 256 sequences
 
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -48,7 +52,7 @@ SHAPES = {
         num_attention_heads=32, num_key_value_heads=8, head_dim=128,
     ),
 }
-CONFIGS = ("baseline", "nla", "eager", "vllm_lens")
+CONFIGS = ("baseline", "nla", "nla_cached", "eager", "vllm_lens")
 MARKER, LEFT, RIGHT, EOS = 7, 5, 6, 2
 LAYER = 1
 
@@ -112,6 +116,7 @@ def _decode_timings(run, specs_for, args) -> dict:
         out[str(seqs)] = {
             "decode_ms": 1000 * (t_full - t_one) / (args.new_tokens - 1),
             "prefill_ms": 1000 * t_one,
+            "rollout_s": t_full,
         }
         print(f"  [{args.worker}] {seqs} seqs: {out[str(seqs)]}", flush=True)
     return out
@@ -121,6 +126,8 @@ def _llm_info(llm) -> dict:
     config = llm.llm_engine.vllm_config
     return {
         "runner": "v2" if config.use_v2_model_runner else "v1",
+        "max_num_seqs": config.scheduler_config.max_num_seqs,
+        "kv_cache_tokens": (config.cache_config.num_gpu_blocks or 0) * config.cache_config.block_size,
         "cudagraph_mode": str(config.compilation_config.cudagraph_mode),
         "enforce_eager": config.model_config.enforce_eager,
     }
@@ -178,7 +185,8 @@ def worker(args) -> dict:
         enable_prefix_caching=False,
         load_format="dummy",
     )
-    extra = {"max_num_seqs": max(args.seqs)}
+    max_seqs = max(args.seqs) if args.max_num_seqs is None else args.max_num_seqs
+    extra = {"max_num_seqs": max_seqs} if max_seqs else {}  # 0: vLLM's default, as the trainer leaves it
 
     def specs_for(seqs: int, new_tokens: int):
         requests = _requests(seqs // args.group_size, args.prompt_len, d_model, vocab)
@@ -199,12 +207,20 @@ def worker(args) -> dict:
         result.update(_llm_info(llm), timings=_decode_timings(run, specs_for, args))
         return result
 
+    cached = args.worker == "nla_cached"
     engine = VLLMRolloutEngine(
         model_dir, _Tokenizer(), marker_id=MARKER, left_id=LEFT, right_id=RIGHT, injection_layer=LAYER,
-        steering="nla" if args.worker == "nla" else "vllm_lens", enforce_eager=False, llm_kwargs=extra, **common,
+        steering="vllm_lens" if args.worker == "vllm_lens" else "nla", enforce_eager=False, llm_kwargs=extra,
+        **{**common, "enable_prefix_caching": cached},
     )
     result.update(_llm_info(engine.llm))
-    result["timings"] = _decode_timings(lambda specs: engine.run_specs(specs), specs_for, args)
+
+    def run(specs):
+        if cached and not engine.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM refused to reset its prefix cache")
+        engine.run_specs(specs)
+
+    result["timings"] = _decode_timings(run, specs_for, args)
     if args.worker == "nla":
         result["timings_unsteered"] = _decode_timings(lambda specs: engine.run_specs(specs, steered=False), specs_for, args)
         result["push"] = _push_timings(engine, args.shape)
@@ -222,6 +238,7 @@ def _run_worker(config: str, shape: str, args) -> dict:
         "--seqs", ",".join(map(str, args.seqs)), "--group-size", str(args.group_size),
         "--prompt-len", str(args.prompt_len), "--new-tokens", str(args.new_tokens),
         "--repeats", str(args.repeats), "--gpu-memory-utilization", str(args.gpu_memory_utilization),
+        *(["--max-num-seqs", str(args.max_num_seqs)] if args.max_num_seqs is not None else []),
     ]
     env = dict(os.environ)
     if config == "vllm_lens":
@@ -237,7 +254,8 @@ def _run_worker(config: str, shape: str, args) -> dict:
 
 
 def _table(results: list[dict], args) -> str:
-    lines = [f"{'shape':6} {'seqs':>5} {'config':22} {'ms/step':>9} {'x base':>7} {'prefill ms':>10}  runner/graphs"]
+    lines = [f"{'shape':6} {'seqs':>5} {'config':22} {'ms/step':>9} {'x base':>7} {'prefill ms':>10} {'rollout s':>9}"
+             "  runner/graphs"]
     for shape in args.shapes:
         rows = {r["config"]: r for r in results if r["shape"] == shape and "error" not in r}
         base = rows.get("baseline")
@@ -252,6 +270,7 @@ def _table(results: list[dict], args) -> str:
                 ratio = ms / base["timings"][seqs]["decode_ms"] if base else float("nan")
                 lines.append(
                     f"{shape:6} {seqs:>5} {name:22} {ms:9.2f} {ratio:7.2f} {timings[seqs]['prefill_ms']:10.1f}"
+                    f" {timings[seqs].get('rollout_s', math.nan):9.2f}"
                     f"  {row['runner']}/{row['cudagraph_mode']}{' eager' if row['enforce_eager'] else ''}"
                 )
         for row in rows.values():
@@ -275,6 +294,8 @@ def main() -> None:
     parser.add_argument("--new-tokens", default=160, type=int)
     parser.add_argument("--repeats", default=3, type=int)
     parser.add_argument("--gpu-memory-utilization", default=0.6, type=float)
+    parser.add_argument("--max-num-seqs", default=None, type=int,
+                        help="vLLM's max_num_seqs (default the largest --seqs; 0: vLLM's own default)")
     parser.add_argument("--out", default="bench/vllm_bench.json")
     parser.add_argument("--worker", choices=CONFIGS, help=argparse.SUPPRESS)
     parser.add_argument("--shape", choices=sorted(SHAPES), help=argparse.SUPPRESS)
@@ -298,7 +319,8 @@ def main() -> None:
         "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
         "vllm": vllm.__version__,
         "torch": torch.__version__,
-        "settings": {k: getattr(args, k) for k in ("seqs", "group_size", "prompt_len", "new_tokens", "repeats")},
+        "settings": {k: getattr(args, k) for k in ("seqs", "group_size", "prompt_len", "new_tokens", "repeats",
+                                                     "gpu_memory_utilization", "max_num_seqs")},
         "results": results,
         "table": table,
     }

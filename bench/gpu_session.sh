@@ -29,11 +29,18 @@
 #   S3        both GPUs: the 2-rank job (speed-up against S2's 1 rank), then bench_update variants
 #   S4        carry .bnb: GPU0: bench_quant --role ar (bf16 full / LoRA, 8-bit, 4-bit AR); GPU1:
 #             bench_update with and without the prefix batches' host synchronisations, same process
+# Fourth session (2026-11-30, issue 12), after parts 1-3 on an x2 machine:
+#   T1        carry p4 and .bnb: GPU0: install vLLM, bench_step 256x8 with vLLM (salted prefix caching on,
+#             vLLM's default max_num_seqs, LoRA layers compiled); GPU1: bench_update with compile_blocks
+#             without / with the LoRA layers (profile tables), the prefix-caching GPU tests, then
+#             bench_vllm's rollout of 2048 sequences without / with prefix caching at the trainer's 0.35
+#   T2        carry .bnb: both GPUs: bench_step 256x8 under torchrun, 2 ranks (native engine)
 set -uo pipefail
 stage=$1
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 lane() { local gpu=$1; shift; CUDA_VISIBLE_DEVICES=$gpu bash -c "$*"; }
+pack() { tar -C "$OUT" -czf "/tmp/$1.tgz" . && rm -rf "${OUT:?}"/* && mv "/tmp/$1.tgz" "$OUT/"; }  # one file back, not > 8
 train8b() {  # engine, extra overrides...
   local engine=$1; shift
   timeout -k 10 "${T:-240}" python3 -m nla_shell.cli train av_ckpt=/tmp/nla8b/av ar_ckpt=/tmp/nla8b/ar \
@@ -129,6 +136,26 @@ case $stage in
     lane 1 "timeout -k 10 540 python3 bench/bench_update.py --cases 32x8 \
             --variants 16:synced,16,64:bf16+compile+synced,64:bf16+compile --out $OUT/update_sync.json > $OUT/update_sync.log 2>&1" &
     wait; grep -h "^{\|error\|Error" "$OUT/quant_ar.log" | tail -8; grep -h "^\[update\]\|error" "$OUT/update_sync.log" ;;
+  T1)
+    mkdir -p /tmp/parts && cp .device-carry/vllm/p4/* /tmp/parts/ && cp -r .bnb /tmp/bnb
+    lane 1 "timeout -k 10 300 python3 bench/bench_update.py --cases 32x8 --variants 64:bf16+mlpcompile,64:bf16+compile \
+            --tables $OUT/update_tables --out $OUT/update.json > $OUT/update.log 2>&1" & update=$!
+    vllm_install > "$OUT/install.log" 2>&1; source /tmp/vllm_env.sh; export PYTHONPATH=$PYTHONPATH:/tmp/bnb
+    lane 0 "timeout -k 10 $((585 - SECONDS)) python3 bench/bench_step.py --engine vllm --cases 256x8 --paths after_all \
+            $MB64_ARGS --out $OUT/step_256x8_vllm.json 2>&1 | grep -v '^INFO\|^WARNING\|^(EngineCore' > $OUT/step_vllm.log" &
+    wait $update
+    lane 1 "timeout -k 10 100 python3 -m pytest tests/gpu/test_vllm.py -q -p no:cacheprovider -k 'prefix or leak' 2>&1 \
+              | grep -v '^INFO\|^WARNING\|^(EngineCore\|Capturing' > $OUT/vllm_prefix_tests.log
+            timeout -k 10 $((580 - SECONDS)) python3 bench/bench_vllm.py --shapes 8b --configs nla,nla_cached --seqs 2048 \
+              --repeats 1 --gpu-memory-utilization 0.35 --max-num-seqs 0 --out $OUT/vllm_cache.json 2>&1 \
+              | grep -v '^INFO\|^WARNING\|^(EngineCore\|Capturing' > $OUT/vllm_cache.log"
+    wait; grep -h "^\[update\]\|error" "$OUT/update.log"; tail -3 "$OUT/vllm_prefix_tests.log"; tail -6 "$OUT/vllm_cache.log"
+    grep "^\[vllm\]\|^\[step\]\|^\[path\]\|rror" "$OUT/step_vllm.log"; tail -4 "$OUT/step_vllm.log"; pack T1 ;;
+  T2)
+    export PYTHONPATH=$PYTHONPATH:/tmp/bnb
+    timeout -k 10 580 python3 bench/bench_step.py --cases 256x8 --paths after_all $MB64_ARGS --ranks 2 \
+      --case-timeout 560 --out $OUT/step_256x8_ranks2.json > "$OUT/ranks2.log" 2>&1
+    grep "scaling\|^\[step\]\|^\[path\]\|rror" "$OUT/ranks2.log"; tail -12 "$OUT/ranks2.log" ;;
   R3)
     timeout -k 10 560 python3 bench/bench_step.py --cases 256x8 --paths after_all $STEP_ARGS --ranks 2 \
       --case-timeout 540 --out $OUT/step_256x8_ranks2.json > "$OUT/ranks2.log" 2>&1; tail -30 "$OUT/ranks2.log" ;;

@@ -329,21 +329,24 @@ class CompiledBlockParts:
     """From construction until `remove()`, the cache-free parts of each decoder block run compiled.
 
     torch.compile (dynamic shapes, so micro-batches of other lengths reuse the graphs) of every
-    block's largest sub-modules that hold no LoRA layer and see no KV cache: the norms and the
-    MLP (Qwen3: input / post-attention RMSNorm, q / k RMSNorm, SwiGLU MLP), where the eager
-    forward launches one kernel per element-wise op. The attention (PEFT's LoRA layers, the
+    block's largest sub-modules that see no KV cache: the norms and the MLP (Qwen3: input /
+    post-attention RMSNorm, q / k RMSNorm, SwiGLU MLP), where the eager forward launches one
+    kernel per element-wise op, and with `lora_layers` PEFT's LoRA layers (base product + LoRA
+    product, scaled and added: the scale and the sum fuse). The attention module itself (the
     cache's Python bookkeeping) stays eager: compiling whole blocks recompiled on every cache
-    state. Identical blocks share one compiled graph. While a CUDA graph is being captured
+    state. Identical layers share one compiled graph. While a CUDA graph is being captured
     (the native engine's decode) the eager forward runs, so no compilation happens in a capture.
 
-    Args: model: the actor (PEFT or not) or the AR's truncated LM; backend: torch.compile's.
+    Args: model: the actor (PEFT or not) or the AR's truncated LM; backend: torch.compile's;
+      lora_layers: compile the LoRA layers too (False: the norms and MLPs only, for A/B benchmarks).
     """
 
-    def __init__(self, model: nn.Module, *, backend: str = "inductor") -> None:
-        self.modules = [m for block in families.decoder_blocks(model) for m in _cache_free_parts(block)]
+    def __init__(self, model: nn.Module, *, backend: str = "inductor", lora_layers: bool = True) -> None:
+        self.modules = [m for block in families.decoder_blocks(model) for m in _cache_free_parts(block, lora_layers)]
         """The compiled sub-modules."""
         # One forward (the RMSNorm's) serves hidden and per-head inputs, with and without grad and
-        # autocast, in the actor and the AR: more variants than dynamo's default 8 graphs per code.
+        # autocast, in the actor and the AR; a LoRA layer's, projections of three shapes with the
+        # adapter on and off (the reference pass): more variants than dynamo's default 8 graphs per code.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         for module in self.modules:
             module.forward = _compiled_unless_capturing(module.forward, backend=backend)
@@ -354,17 +357,20 @@ class CompiledBlockParts:
             del module.forward
 
 
-def _cache_free_parts(module: nn.Module) -> Iterator[nn.Module]:
-    """The largest sub-modules of `module` with no LoRA layer and no KV-cache access, bare linears aside.
+def _cache_free_parts(module: nn.Module, lora_layers: bool) -> Iterator[nn.Module]:
+    """The largest sub-modules of `module` with no KV-cache access and no LoRA layer inside, bare
+    linears aside; with `lora_layers` the LoRA layers themselves too.
 
     HF attention modules (the ones that update the cache) carry a `layer_idx`; PEFT's LoRA layers
-    a `cast_input_dtype_enabled`. Modules holding either are searched, never compiled.
+    a `cast_input_dtype_enabled`. Modules holding either are searched, never compiled whole.
     """
     for child in module.children():
         if hasattr(child, "cast_input_dtype_enabled"):
+            if lora_layers:
+                yield child
             continue
         if hasattr(child, "layer_idx") or any(hasattr(m, "cast_input_dtype_enabled") for m in child.modules()):
-            yield from _cache_free_parts(child)
+            yield from _cache_free_parts(child, lora_layers)
         elif not isinstance(child, (nn.Linear, nn.Dropout, nn.Identity)):
             yield child
 

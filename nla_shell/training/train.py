@@ -118,6 +118,7 @@ def make_engine(cfg: TrainConfig, actor, injector: Injector, tokenizer, *, layer
         gpu_memory_utilization=cfg.vllm_gpu_mem,
         max_model_len=cfg.vllm_max_len,
         tensor_parallel_size=cfg.vllm_tp,
+        enable_prefix_caching=cfg.vllm_prefix_caching,
         sleep_level=cfg.vllm_sleep,
         eos_ids=eos_token_ids(inner_lm(actor).generation_config, tokenizer),
         # Under torchrun each rank's engine samples from a stream of its own.

@@ -120,8 +120,9 @@ def fp32_actor(nla_cache_dir: Path, tiny_tokenizer):
     return actor, injector, tokenizer, _rollouts(NativeRolloutEngine(actor, injector, tokenizer), requests), requests
 
 
-def test_compiled_block_parts_are_the_norms_and_mlps_and_keep_the_update(fp32_actor):
-    """Compiled norms and MLPs give the eager update's numbers; micro-batches of another size
+def test_compiled_block_parts_are_the_norms_mlps_and_lora_layers_and_keep_the_update(fp32_actor):
+    """Compiled norms, MLPs and LoRA layers give the eager update's numbers (the reference pass
+    runs the LoRA layers with the adapter off); micro-batches of another size
     reuse the graphs (dynamic shapes); removal restores the eager forwards. The "aot_eager"
     backend traces what inductor would compile, without a C++ build per graph (minutes here)."""
     from torch._dynamo.utils import counters
@@ -130,9 +131,10 @@ def test_compiled_block_parts_are_the_norms_and_mlps_and_keep_the_update(fp32_ac
     eager, eager_grad = _update(actor, injector, tokenizer, rollouts, requests)
     compiled = CompiledBlockParts(actor, backend="aot_eager")
     try:
-        assert {type(m).__name__ for m in compiled.modules} == {"Qwen3RMSNorm", "Qwen3MLP"}
-        # Per block: the input, post-attention, q and k norms, and the MLP.
-        assert len(compiled.modules) == 5 * len(families.decoder_blocks(actor))
+        assert {type(m).__qualname__ for m in compiled.modules} == {"Qwen3RMSNorm", "Qwen3MLP", "Linear"}
+        lora = [m for m in compiled.modules if hasattr(m, "cast_input_dtype_enabled")]
+        # Per block: the input, post-attention, q and k norms, the MLP, and the LoRA on q, k, v, o.
+        assert len(compiled.modules) == 9 * len(families.decoder_blocks(actor)) and len(lora) == 4 * len(families.decoder_blocks(actor))
         stats, grad = _update(actor, injector, tokenizer, rollouts, requests)
         graphs = counters["stats"]["unique_graphs"]
         larger, larger_grad = _update(actor, injector, tokenizer, rollouts, requests, micro_batch=9)

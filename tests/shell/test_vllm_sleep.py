@@ -54,7 +54,9 @@ class FakeLLM:
         self.mapped = {"weights", "kv_cache"}
         self.llm_engine = SimpleNamespace(
             model_config=SimpleNamespace(get_hidden_size=lambda: d_model),
-            vllm_config=SimpleNamespace(cache_config=SimpleNamespace(enable_prefix_caching=False)),
+            vllm_config=SimpleNamespace(
+                cache_config=SimpleNamespace(enable_prefix_caching=kwargs.get("enable_prefix_caching", False))
+            ),
             engine_core=SimpleNamespace(shutdown=lambda: log.append("shutdown")),
         )
 
@@ -300,3 +302,28 @@ def test_train_wakes_once_per_rollout_and_eval_and_pushes_only_while_awake(nla_r
         assert block[2 : 2 + buckets] == ["push"] * buckets
         assert block[2 + buckets] == ("wake_up", ("kv_cache",))
     assert blocks[0].count(("wake_up", ("weights",))) == 0  # awake since start-up
+
+
+@pytest.mark.parametrize("flag", ["true", "false"])
+def test_train_builds_vllm_with_salted_prefix_caching_as_configured(nla_run_inputs, tmp_path, monkeypatch, flag):
+    """vllm_prefix_caching (default on) reaches vllm.LLM; every rollout prompt carries its injection's
+    salt, so a group's samples share their prompt's blocks and no two injections share one."""
+    log: list = []
+    install_fake_vllm(monkeypatch, log, None, fixtures.D_MODEL)
+    built, prompts = [], []
+    make_llm = sys.modules["vllm"].LLM
+
+    def recording_llm(**kwargs):
+        llm = make_llm(**kwargs)
+        built.append(kwargs)
+        generate = llm.generate
+        llm.generate = lambda batch, params, use_tqdm=False: (prompts.extend(batch), generate(batch, params))[1]
+        return llm
+
+    monkeypatch.setattr(sys.modules["vllm"], "LLM", recording_llm)
+    overrides = {} if flag == "true" else {"vllm_prefix_caching": flag}
+    argv = fixtures.train_argv(nla_run_inputs, tmp_path / "run", engine="vllm", num_steps=1, eval_every=0, **overrides)
+    assert cli.main(argv) == 0
+    assert [kwargs["enable_prefix_caching"] for kwargs in built] == [flag == "true"]
+    steered = [p for p in prompts if "cache_salt" in p]
+    assert steered and all(p["cache_salt"].startswith("nla-steer-") for p in steered)

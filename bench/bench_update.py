@@ -205,7 +205,7 @@ def main() -> None:
                 profiled = {}
                 if args.profile_micro_batches:
                     n = min(len(rollouts), args.profile_micro_batches * variant.micro_batch)
-                    table = Path(args.tables) / f"update_{variant.name.replace(':', '_')}.txt" if args.tables else None
+                    table = Path(args.tables) / f"update_{variant.name.replace(':', '_').replace('+', '-')}.txt" if args.tables else None
                     profiled = profiled_update(update(variant, n), device, table)
         except Exception as err:  # noqa: BLE001 - one variant's failure (out of memory) leaves the others
             record.error(label, err)

@@ -133,6 +133,12 @@ def _llm_info(llm) -> dict:
     }
 
 
+def _cache_counters(llm) -> dict:
+    """vLLM's prefix-cache and preemption counters over every call of the worker (warm-ups included)."""
+    return {m.name: m.value for m in llm.get_metrics()
+            if hasattr(m, "value") and ("prefix_cache" in m.name or "preempt" in m.name)}
+
+
 def _push_timings(engine, shape: str) -> dict:
     """Full sync from a GPU PEFT actor (our path) and a push of CPU bf16 buckets (the reference's)."""
     import torch
@@ -187,6 +193,7 @@ def worker(args) -> dict:
     )
     max_seqs = max(args.seqs) if args.max_num_seqs is None else args.max_num_seqs
     extra = {"max_num_seqs": max_seqs} if max_seqs else {}  # 0: vLLM's default, as the trainer leaves it
+    extra["disable_log_stats"] = False  # for the prefix-cache and preemption counters (`_cache_counters`)
 
     def specs_for(seqs: int, new_tokens: int):
         requests = _requests(seqs // args.group_size, args.prompt_len, d_model, vocab)
@@ -204,7 +211,7 @@ def worker(args) -> dict:
             params = [vllm.SamplingParams(**sampling_kwargs(s, extra_args=None)) for s in specs]
             llm.generate(prompts, params, use_tqdm=False)
 
-        result.update(_llm_info(llm), timings=_decode_timings(run, specs_for, args))
+        result.update(_llm_info(llm), timings=_decode_timings(run, specs_for, args), counters=_cache_counters(llm))
         return result
 
     cached = args.worker == "nla_cached"
@@ -221,6 +228,7 @@ def worker(args) -> dict:
         engine.run_specs(specs)
 
     result["timings"] = _decode_timings(run, specs_for, args)
+    result["counters"] = _cache_counters(engine.llm)
     if args.worker == "nla":
         result["timings_unsteered"] = _decode_timings(lambda specs: engine.run_specs(specs, steered=False), specs_for, args)
         result["push"] = _push_timings(engine, args.shape)
@@ -277,6 +285,10 @@ def _table(results: list[dict], args) -> str:
             if "push" in row:
                 lines.append(f"{shape:6} weight sync from GPU actor (merge + push): {row['push']['sync_gpu_actor_s']:.2f} s; "
                              f"push of CPU buckets: {row['push']['push_cpu_buckets_s']:.2f} s")
+    for r in results:
+        if r.get("counters"):
+            lines.append(f"{r['shape']}/{r['config']} (max_num_seqs {r['max_num_seqs']}, KV {r['kv_cache_tokens']} tokens): "
+                         + ", ".join(f"{k} {v:g}" for k, v in sorted(r["counters"].items())))
     for r in results:
         if "error" in r:
             lines.append(f"{r['shape']}/{r['config']}: {r['error']}")

@@ -35,6 +35,9 @@
 #             without / with the LoRA layers (profile tables), the prefix-caching GPU tests, then
 #             bench_vllm's rollout of 2048 sequences without / with prefix caching at the trainer's 0.35
 #   T2        carry .bnb: both GPUs: bench_step 256x8 under torchrun, 2 ranks (native engine)
+#   T3        (a fresh x2 machine, after parts 1-3) carry p4 and .bnb: GPU0: bench_vllm's rollout of 2048
+#             sequences without / with prefix caching at max_num_seqs 512 (vLLM captures CUDA graphs up
+#             to 512); GPU1: bench_step 256x8 with vLLM, prefix caching on, max_num_seqs 512
 set -uo pipefail
 stage=$1
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -151,6 +154,17 @@ case $stage in
               | grep -v '^INFO\|^WARNING\|^(EngineCore\|Capturing' > $OUT/vllm_cache.log"
     wait; grep -h "^\[update\]\|error" "$OUT/update.log"; tail -3 "$OUT/vllm_prefix_tests.log"; tail -6 "$OUT/vllm_cache.log"
     grep "^\[vllm\]\|^\[step\]\|^\[path\]\|rror" "$OUT/step_vllm.log"; tail -4 "$OUT/step_vllm.log"; pack T1 ;;
+  T3)
+    mkdir -p /tmp/parts && cp .device-carry/vllm/p4/* /tmp/parts/ && cp -r .bnb /tmp/bnb
+    vllm_install > "$OUT/install.log" 2>&1; source /tmp/vllm_env.sh; export PYTHONPATH=$PYTHONPATH:/tmp/bnb
+    lane 1 "timeout -k 10 $((585 - SECONDS)) python3 bench/bench_step.py --engine vllm --cases 256x8 --paths after_all \
+            $MB64_ARGS --vllm-max-seqs 512 --out $OUT/step_256x8_vllm512.json 2>&1 \
+            | grep -v '^INFO\|^WARNING\|^(EngineCore' > $OUT/step_vllm512.log" &
+    lane 0 "timeout -k 10 $((580 - SECONDS)) python3 bench/bench_vllm.py --shapes 8b --configs nla,nla_cached --seqs 2048 \
+            --repeats 1 --gpu-memory-utilization 0.35 --max-num-seqs 512 --out $OUT/vllm_cache.json 2>&1 \
+            | grep -v '^INFO\|^WARNING\|^(EngineCore\|Capturing' > $OUT/vllm_cache.log"
+    wait; tail -8 "$OUT/vllm_cache.log"
+    grep "^\[vllm\]\|^\[engine\]\|^\[step\]\|^\[path\]\|rror" "$OUT/step_vllm512.log"; tail -3 "$OUT/step_vllm512.log" ;;
   T2)
     export PYTHONPATH=$PYTHONPATH:/tmp/bnb
     timeout -k 10 580 python3 bench/bench_step.py --cases 256x8 --paths after_all $MB64_ARGS --ranks 2 \

@@ -30,8 +30,8 @@ loss, grad norm, KL, rewards and critic loss beside "before"'s ("after"'s for th
 times exclude its optimizer steps (milliseconds for the LoRA; ~0.1 s for the AR's AdamW).
 
 A random model writes no <explanation> tags, so each rollout's explanation is stood in by
-text of as many tokens as it generated (its ids folded into the toy vocabulary): the AR
-then reads inputs of realistic length. Prompts: random tokens with one marker.
+text the AR reads as at most as many tokens as it generated (its ids folded into the toy
+vocabulary, `Context.stand_in_explanation`): the AR then reads inputs of realistic length. Prompts: random tokens with one marker.
 
 TFLOP/s counts the matrix arithmetic each path executes (`path_flops`), and % of peak is
 against 790 TFLOP/s (bf16 dense, measured on this H200). The rollout's TFLOP/s is shown for
@@ -111,7 +111,7 @@ def parse_args() -> argparse.Namespace:
                         help="vLLM's share of GPU memory: at the 8B shape 0.35 is 49 GiB, ~29 GiB of KV cache "
                              "after the weights (~200k tokens)")
     parser.add_argument("--vllm-max-seqs", type=int, default=None,
-                        help="vLLM's max_num_seqs (default vLLM's own, as the trainer leaves it)")
+                        help="vLLM's max_num_seqs (default TrainConfig.vllm_max_seqs; 0: vLLM's own default)")
     parser.add_argument("--vllm-prefix-caching", default="on", choices=["on", "off"],
                         help="TrainConfig.vllm_prefix_caching: a group's samples share their prompt's prefill")
     parser.add_argument("--vllm-sleep", type=int, default=2, choices=[0, 1, 2],
@@ -182,10 +182,22 @@ class Context:
         self.profile_dir: str | None = None
 
     def stand_in_explanation(self, rollout) -> str:
-        """Text of as many tokens as the rollout generated, in the toy vocabulary (ids 3 ..)."""
-        vocab = len(self.tokenizer)
+        """Text the AR reads as at most as many tokens as the rollout generated (a real explanation is
+        part of the response), from its ids folded into the toy vocabulary (ids 3 ..).
+
+        Random ids decode to text that re-encodes longer (about 263 tokens for 160 ids, which the
+        benchmarks before the fourth session of 2026-11-30 fed the AR): the re-encoding is cut to the
+        generated count and decoded again until it fits.
+        """
+        vocab, n = len(self.tokenizer), rollout.response_len
         gen = rollout.full_ids[rollout.prompt_len :]
-        return self.tokenizer.decode((3 + gen % (vocab - 3)).tolist())
+        text = self.tokenizer.decode((3 + gen % (vocab - 3)).tolist())
+        for _ in range(8):
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
+            if len(ids) <= n:
+                break
+            text = self.tokenizer.decode(ids[:n])
+        return text
 
 
 def make_engine(args, ctx: Context):
@@ -211,7 +223,8 @@ def make_engine(args, ctx: Context):
         right_id=ctx.injector.right_id, injection_layer=1, gpu_memory_utilization=args.vllm_gpu_mem,
         max_model_len=args.prompt_len + args.new_tokens + 16, load_format="dummy",
         enable_prefix_caching=args.vllm_prefix_caching == "on",
-        llm_kwargs={"max_num_seqs": args.vllm_max_seqs} if args.vllm_max_seqs else None, sleep_level=args.vllm_sleep,
+        max_num_seqs=(ctx.defaults["vllm_max_seqs"] if args.vllm_max_seqs is None else args.vllm_max_seqs) or None,
+        sleep_level=args.vllm_sleep,
     )
     config = engine.llm.llm_engine.vllm_config
     cache, max_seqs = config.cache_config, config.scheduler_config.max_num_seqs

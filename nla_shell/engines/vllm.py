@@ -405,6 +405,7 @@ class VLLMRolloutEngine:
         tensor_parallel_size: int = 1,
         enforce_eager: bool = False,
         enable_prefix_caching: bool = False,
+        max_num_seqs: int | None = None,
         dtype: str = "bfloat16",
         seed: int = 0,
         seed_requests: bool = False,
@@ -450,6 +451,8 @@ class VLLMRolloutEngine:
             enable_prefix_caching=enable_prefix_caching,
             load_format=load_format,
         )
+        if max_num_seqs is not None:
+            kwargs["max_num_seqs"] = max_num_seqs
         if sleep_level:
             kwargs["enable_sleep_mode"] = True
         if steering == "nla":

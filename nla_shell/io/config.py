@@ -189,6 +189,10 @@ class TrainConfig:
     """vLLM max_model_len (prompt + generation tokens)."""
     vllm_tp: int = 1
     """vLLM tensor_parallel_size."""
+    vllm_max_seqs: int = 512
+    """vLLM max_num_seqs: sequences decoded together. vLLM captures CUDA graphs for decode batches up to 512
+    (min(2 * max_num_seqs, 512)); larger batches decode without them. At 256 x 8 on an H200 (8B shape, prefix
+    caching on) 512 generated in 15.1 s, vLLM's own default there (1024) in 20.8 s. An nla addition."""
     vllm_prefix_caching: bool = True
     """vLLM's prefix caching, salted per injection (vector, marker position, layer): the G samples of a
     group share their prompt's prefill (computed once, its KV blocks shared), and no two injections share
@@ -253,7 +257,7 @@ RESUME_MUTABLE_KEYS: frozenset[str] = frozenset(
         "save_dir", "resume", "overwrite", "logger", "wandb_project", "wandb_name", "device",
         # Memory/speed knobs: mathematically neutral (not bit-exact: summation order moves).
         "logp_micro_batch", "critic_micro_batch", "gradient_checkpointing", "compile_blocks",
-        "vllm_gpu_mem", "vllm_max_len", "vllm_tp", "vllm_sleep", "vllm_prefix_caching",
+        "vllm_gpu_mem", "vllm_max_len", "vllm_tp", "vllm_sleep", "vllm_prefix_caching", "vllm_max_seqs",
     }
 )
 """TrainConfig keys a resumed run may change. Every other key is part of the run's identity:
@@ -274,7 +278,7 @@ def _check_train_config(cfg: TrainConfig) -> None:
     for key in (
         "num_steps", "batch_prompts", "max_new_tokens", "lora_r", "lora_alpha",
         "logp_micro_batch", "critic_micro_batch", "max_explanation_tokens",
-        "vllm_max_len", "vllm_tp", "save_every",
+        "vllm_max_len", "vllm_tp", "vllm_max_seqs", "save_every",
     ):
         require(getattr(cfg, key) >= 1, key, getattr(cfg, key), "use an integer >= 1")
     for key in ("max_rows", "eval_max_new_tokens", "keep_last"):

@@ -119,6 +119,7 @@ def make_engine(cfg: TrainConfig, actor, injector: Injector, tokenizer, *, layer
         max_model_len=cfg.vllm_max_len,
         tensor_parallel_size=cfg.vllm_tp,
         enable_prefix_caching=cfg.vllm_prefix_caching,
+        max_num_seqs=cfg.vllm_max_seqs,
         sleep_level=cfg.vllm_sleep,
         eos_ids=eos_token_ids(inner_lm(actor).generation_config, tokenizer),
         # Under torchrun each rank's engine samples from a stream of its own.

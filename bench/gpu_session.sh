@@ -36,7 +36,7 @@
 #             bench_vllm's rollout of 2048 sequences without / with prefix caching at the trainer's 0.35
 #   T4        (a fresh x2 machine, after parts 1-3) carry p4 and .bnb: the trainer's defaults now (prefix
 #             caching, max_num_seqs 512, LoRA layers compiled) and AR inputs of the generated length:
-#             GPU0: bench_step 256x8 with vLLM; GPU1: the same step with the native engine
+#             GPU0: bench_step 256x8 with vLLM (GPU1 idle: the native step would not end in the budget left)
 #   T2        carry .bnb: both GPUs: bench_step 256x8 under torchrun, 2 ranks (native engine)
 #   T3        (a fresh x2 machine, after parts 1-3) carry p4 and .bnb: GPU0: bench_vllm's rollout of 2048
 #             sequences without / with prefix caching at max_num_seqs 512 (vLLM captures CUDA graphs up
@@ -170,15 +170,11 @@ case $stage in
     grep "^\[vllm\]\|^\[engine\]\|^\[step\]\|^\[path\]\|rror" "$OUT/step_vllm512.log"; tail -3 "$OUT/step_vllm512.log" ;;
   T4)
     mkdir -p /tmp/parts && cp .device-carry/vllm/p4/* /tmp/parts/ && cp -r .bnb /tmp/bnb
-    ( export PYTHONPATH=$PYTHONPATH:/tmp/bnb CUDA_VISIBLE_DEVICES=1
-      timeout -k 5 ${T4_LIMIT:-400} python3 bench/bench_step.py --cases 256x8 --paths after_all $MB64_ARGS \
-        --out $OUT/step_256x8_native.json > "$OUT/step_native.log" 2>&1 ) & native=$!
     vllm_install > "$OUT/install.log" 2>&1; source /tmp/vllm_env.sh; export PYTHONPATH=$PYTHONPATH:/tmp/bnb
     lane 0 "timeout -k 5 $((${T4_LIMIT:-400} - SECONDS)) python3 bench/bench_step.py --engine vllm --cases 256x8 \
             --paths after_all $MB64_ARGS --out $OUT/step_256x8_vllm.json 2>&1 \
             | grep -v '^INFO\|^WARNING\|^(EngineCore' > $OUT/step_vllm.log"
-    wait $native
-    grep -h "^\[vllm\]\|^\[engine\]\|^\[step\]\|^\[path\]\|rror" "$OUT/step_vllm.log" "$OUT/step_native.log" ;;
+    grep -h "^\[vllm\]\|^\[engine\]\|^\[step\]\|^\[path\]\|rror" "$OUT/step_vllm.log"; tail -3 "$OUT/step_vllm.log" ;;
   T2)
     export PYTHONPATH=$PYTHONPATH:/tmp/bnb
     timeout -k 10 580 python3 bench/bench_step.py --cases 256x8 --paths after_all $MB64_ARGS --ranks 2 \

@@ -30,8 +30,9 @@ loss, grad norm, KL, rewards and critic loss beside "before"'s ("after"'s for th
 times exclude its optimizer steps (milliseconds for the LoRA; ~0.1 s for the AR's AdamW).
 
 A random model writes no <explanation> tags, so each rollout's explanation is stood in by
-text the AR reads as at most as many tokens as it generated (its ids folded into the toy
-vocabulary, `Context.stand_in_explanation`): the AR then reads inputs of realistic length. Prompts: random tokens with one marker.
+text the AR reads as exactly as many tokens as it generated (its ids mapped onto the toy
+vocabulary's words, `stand_in_explanation`): the AR then reads inputs of realistic length. Prompts:
+random tokens with one marker.
 
 TFLOP/s counts the matrix arithmetic each path executes (`path_flops`), and % of peak is
 against 790 TFLOP/s (bf16 dense, measured on this H200). The rollout's TFLOP/s is shown for
@@ -67,9 +68,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import json
 import math
 import os
+import re
 import sys
 import tempfile
 import time
@@ -181,23 +184,28 @@ class Context:
         self.engine = make_engine(args, self)
         self.profile_dir: str | None = None
 
-    def stand_in_explanation(self, rollout) -> str:
-        """Text the AR reads as at most as many tokens as the rollout generated (a real explanation is
-        part of the response), from its ids folded into the toy vocabulary (ids 3 ..).
 
-        Random ids decode to text that re-encodes longer (about 263 tokens for 160 ids, which the
-        benchmarks before the fourth session of 2026-11-30 fed the AR): the re-encoding is cut to the
-        generated count and decoded again until it fits.
-        """
-        vocab, n = len(self.tokenizer), rollout.response_len
-        gen = rollout.full_ids[rollout.prompt_len :]
-        text = self.tokenizer.decode((3 + gen % (vocab - 3)).tolist())
-        for _ in range(8):
-            ids = self.tokenizer.encode(text, add_special_tokens=False)
-            if len(ids) <= n:
-                break
-            text = self.tokenizer.decode(ids[:n])
-        return text
+def stand_in_explanation(tokenizer, rollout) -> str:
+    """Text the AR reads as exactly as many tokens as the rollout generated (a real explanation is
+    part of the response, so at most that long): its ids mapped onto the toy vocabulary's words.
+
+    Decoding the ids themselves gives text that re-encodes about 1.6x longer (263 tokens for 160
+    ids, which the benchmarks before the fourth session of 2026-11-30 fed the AR). A word token
+    (" cat": a space and letters, encoding back to itself) stays one token beside any other, as
+    the pre-tokenizer splits at each space.
+    """
+    words = _word_tokens(tokenizer)
+    generated = rollout.full_ids[rollout.prompt_len :].tolist()
+    return tokenizer.decode([words[g % len(words)] for g in generated])
+
+
+@functools.lru_cache(maxsize=4)
+def _word_tokens(tokenizer) -> tuple[int, ...]:
+    words = tuple(i for i in range(len(tokenizer)) if re.fullmatch(r" [A-Za-z]+", tokenizer.decode([i]))
+                  and tokenizer.encode(tokenizer.decode([i]), add_special_tokens=False) == [i])
+    if not words:
+        raise ValueError("the tokenizer has no word tokens (a space and letters) to stand in explanations with")
+    return words
 
 
 def make_engine(args, ctx: Context):
@@ -303,7 +311,7 @@ def score_inputs(ctx: Context, rollouts):
     import nla_core
 
     extracted = [nla_core.extract_explanation(r.text) for r in rollouts]
-    explanations = [e if e else ctx.stand_in_explanation(r) for e, r in zip(extracted, rollouts)]
+    explanations = [e if e else stand_in_explanation(ctx.tokenizer, r) for e, r in zip(extracted, rollouts)]
     return explanations, torch.tensor([r.prompt_index for r in rollouts])
 
 

@@ -111,8 +111,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--engine", default="native", choices=["native", "hf", "vllm"])
     parser.add_argument("--merge-lora", action="store_true", help="native engine: LoRA merged for the rollout")
     parser.add_argument("--vllm-gpu-mem", type=float, default=0.35,
-                        help="vLLM's share of GPU memory: at the 8B shape 0.35 is 49 GiB, ~29 GiB of KV cache "
-                             "after the weights (~200k tokens)")
+                        help="vLLM's share of GPU memory: at the 8B shape on an H200 0.35 is 49 GiB, a KV cache of "
+                             "233k tokens after the weights (measured 2026-11-30)")
     parser.add_argument("--vllm-max-seqs", type=int, default=None,
                         help="vLLM's max_num_seqs (default TrainConfig.vllm_max_seqs; 0: vLLM's own default)")
     parser.add_argument("--vllm-prefix-caching", default="on", choices=["on", "off"],

@@ -131,6 +131,8 @@ def median_step(step, steps: int, device: torch.device):
 
 def run_ar_mode(mode: str, model_dir: Path, tokens: dict, args, device: torch.device) -> dict:
     """One AR mode: loaded as the trainer loads it, then timed optimizer steps of the critic's MSE."""
+    from transformers import AutoConfig
+
     from nla_core import resolve_target_scale
     from nla_shell.models import ARModel, trainable_parameters
     from nla_shell.training.train import make_optimizer
@@ -139,8 +141,6 @@ def run_ar_mode(mode: str, model_dir: Path, tokens: dict, args, device: torch.de
     synthetic.free_memory(device)
     synthetic.reset_peak(device)
     quant = "none" if mode == "full" else mode
-    from transformers import AutoConfig
-
     config = AutoConfig.from_pretrained(model_dir)
     layer = min(args.extraction_layer, config.num_hidden_layers - 1)
     ar = ARModel.from_pretrained(model_dir, mse_scale=resolve_target_scale("sqrt_d_model", config.hidden_size),

@@ -52,7 +52,8 @@ AR's torch AdamW state ~43, the LoRA's ~1.5; printed as "resident" before each r
 generate + sleep; vLLM's own split of it and its KV capacity are printed.
 
 --ranks 1,2 runs the whole benchmark once per world size, each as a torchrun job (gloo on
-CPU with --tiny): every rank builds the models on its own GPU and takes an equal share of
+CPU with --tiny): every rank builds the models (and, with --engine vllm, a vLLM engine of its
+own: the trainer's per-rank engines) on its own GPU and takes an equal share of
 each case's prompts; the update and the critic step all-reduce their gradients as the
 trainer does (nla_shell.training.distributed). Each phase's time is the maximum over ranks
 (a lockstep job runs at its slowest rank's pace), TF/s and % of peak are per GPU (the
@@ -139,10 +140,6 @@ def parse_args() -> argparse.Namespace:
         for n in args.ranks:
             if prompts % n:
                 parser.error(f"--cases {prompts}x..: {prompts} prompts do not split into {n} equal shares (--ranks)")
-    if args.ranks and args.engine == "vllm":
-        parser.error("--engine vllm with --ranks is not supported: vLLM 0.24's in-process executor puts every "
-                     "rank's engine on cuda:0 (TRL colocates with distributed_executor_backend='external_launcher', "
-                     "not done here); use --engine native")
     args.critic = args.critic == "on"
     args.paths = [p for p in args.paths.split(",") if p]
     if not args.paths or set(args.paths) - set(PATHS):
@@ -219,6 +216,7 @@ def make_engine(args, ctx: Context):
 
         return HFRolloutEngine(ctx.actor, ctx.injector, ctx.tokenizer)
     from nla_shell.engines.vllm import VLLMRolloutEngine, require_vllm
+    from nla_shell.training import distributed
 
     require_vllm()  # says how to install it when it is missing
     model_dir = Path(tempfile.mkdtemp(prefix="bench_step_vllm_"))
@@ -232,7 +230,7 @@ def make_engine(args, ctx: Context):
         max_model_len=args.prompt_len + args.new_tokens + 16, load_format="dummy",
         enable_prefix_caching=args.vllm_prefix_caching == "on",
         max_num_seqs=(ctx.defaults["vllm_max_seqs"] if args.vllm_max_seqs is None else args.vllm_max_seqs) or None,
-        sleep_level=args.vllm_sleep,
+        sleep_level=args.vllm_sleep, per_rank=distributed.active(),
     )
     config = engine.llm.llm_engine.vllm_config
     cache, max_seqs = config.cache_config, config.scheduler_config.max_num_seqs

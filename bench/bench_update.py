@@ -13,10 +13,13 @@ so one variant costs seconds, not minutes, and no engine or AR is built. Per var
   peak GiB     torch.cuda.max_memory_allocated during the timed update
 
 A variant is MICRO_BATCH[:OPTION+OPTION...], options `bf16` (bf16_autocast), `compile`
-(compile_blocks: norms, MLPs and LoRA layers), `mlpcompile` (compile_blocks as it was before the
-LoRA layers joined: norms and MLPs only) and `synced` (the shared-prefix forward as it was before its host
-synchronisations were removed: the prompt mask always passed, so transformers reads it on the
-host, and pageable host-to-device copies), e.g. `16 16:synced 32:bf16+compile`.
+(compile_blocks: norms, MLPs, LoRA layers and the rotary embedding), `mlpcompile` (compile_blocks as
+it was before the LoRA layers joined: norms and MLPs only), `norotary` (with `compile`: the rotary
+embedding left eager, compile_blocks before it joined), `refN` (the reference pass at N samples a
+forward instead of --reference-micro-batch), `noref` (no reference pass: kl_beta 0 and no KL metric;
+its time against the same variant's with the pass is the pass's) and `synced` (the shared-prefix forward as it was before
+its host synchronisations were removed: the prompt mask always passed, so transformers reads it on
+the host, and pageable host-to-device copies), e.g. `16 16:synced 32:bf16+compile 64:bf16+compile+ref256`.
 
     python bench/bench_update.py --cases 32x8 --variants 16,32,32:bf16 --out $OUT/update.json   # H200
     .venv/bin/python bench/bench_update.py --tiny --variants 2,4:compile --out /tmp/update.json  # CPU smoke
@@ -40,7 +43,7 @@ import torch  # noqa: E402
 import synthetic as syn  # noqa: E402
 from bench_step import PEAK_TFLOPS, path_flops, write_profile_table  # noqa: E402
 
-OPTIONS = ("bf16", "compile", "mlpcompile", "synced")
+OPTIONS = ("bf16", "compile", "mlpcompile", "norotary", "noref", "synced")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,12 +55,17 @@ class Variant:
     def name(self) -> str:
         return f"{self.micro_batch}" + (":" + "+".join(sorted(self.options)) if self.options else "")
 
+    def reference_micro_batch(self, default: int) -> int:
+        """N of a `refN` option, else `default`."""
+        return next((int(o[3:]) for o in self.options if o.startswith("ref")), default)
+
 
 def parse_variant(text: str) -> Variant:
     size, _, options = text.partition(":")
     chosen = frozenset(o for o in options.split("+") if o)
-    if not size.isdigit() or chosen - set(OPTIONS):
-        raise argparse.ArgumentTypeError(f"variant {text!r}: MICRO_BATCH[:OPTION+...] with options from {OPTIONS}")
+    unknown = {o for o in chosen - set(OPTIONS) if not (o.startswith("ref") and o[3:].isdigit())}
+    if not size.isdigit() or unknown:
+        raise argparse.ArgumentTypeError(f"variant {text!r}: MICRO_BATCH[:OPTION+...] with options from {OPTIONS} or refN")
     return Variant(int(size), chosen)
 
 
@@ -103,7 +111,8 @@ def synthetic_rollouts(n_prompts: int, group: int, *, prompt_len: int, new_token
 @contextlib.contextmanager
 def options_installed(actor, options: frozenset[str]):
     compiled = (actor,) if options & {"compile", "mlpcompile"} else ()
-    with syn.trainer_options(actor, bf16_autocast="bf16" in options, compiled=compiled, lora_layers="mlpcompile" not in options):
+    with syn.trainer_options(actor, bf16_autocast="bf16" in options, compiled=compiled, lora_layers="mlpcompile" not in options,
+                             rotary=not options & {"mlpcompile", "norotary"}):
         with synchronising_prefix_batches() if "synced" in options else contextlib.nullcontext():
             yield
 
@@ -186,9 +195,10 @@ def main() -> None:
 
     def update(variant: Variant, n: int):
         return lambda: policy_update(
-            actor, injector, optimizer, rollouts[:n], advantages[:n], activations[:n], loss=LossOptions(),
+            actor, injector, optimizer, rollouts[:n], advantages[:n], activations[:n],
+            loss=LossOptions(kl_beta=0.0, kl_metric=False) if "noref" in variant.options else LossOptions(),
             micro_batch=variant.micro_batch, max_grad_norm=defaults["max_grad_norm"], pad_id=tokenizer.pad_token_id,
-            reference_micro_batch=args.reference_micro_batch, step_optimizer=False)
+            reference_micro_batch=variant.reference_micro_batch(args.reference_micro_batch), step_optimizer=False)
 
     print(f"[setup] {args.prompts}x{args.group}, prompt {args.prompt_len} + {args.new_tokens} tokens, "
           f"{flops / 1e15:.2f} PFLOP per update", flush=True)
@@ -211,7 +221,7 @@ def main() -> None:
             record.error(label, err)
             syn.free_memory(device)
             continue
-        tflops = flops / seconds / 1e12
+        tflops = math.nan if "noref" in variant.options else flops / seconds / 1e12  # flops count the reference pass
         case = {"variant": variant.name, "micro_batch": variant.micro_batch, "options": sorted(variant.options),
                 "prompts": args.prompts, "group": args.group, "s": seconds, "tflops": tflops,
                 "pct_peak": 100 * tflops / PEAK_TFLOPS, "peak_gib": peak, "loss": stats.loss,

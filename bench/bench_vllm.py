@@ -129,6 +129,7 @@ def _llm_info(llm) -> dict:
         "max_num_seqs": config.scheduler_config.max_num_seqs,
         "kv_cache_tokens": (config.cache_config.num_gpu_blocks or 0) * config.cache_config.block_size,
         "cudagraph_mode": str(config.compilation_config.cudagraph_mode),
+        "max_cudagraph_capture_size": config.compilation_config.max_cudagraph_capture_size,
         "enforce_eager": config.model_config.enforce_eager,
     }
 
@@ -221,10 +222,12 @@ def worker(args) -> dict:
         return result
 
     cached = args.worker == "nla_cached"
+    # The engine's own max_num_seqs, so it captures decode graphs as large as it decodes (above 512).
+    engine_max_seqs = extra.pop("max_num_seqs", None)
     engine = VLLMRolloutEngine(
         model_dir, _Tokenizer(), marker_id=MARKER, left_id=LEFT, right_id=RIGHT, injection_layer=LAYER,
         steering="vllm_lens" if args.worker == "vllm_lens" else "nla", enforce_eager=False, llm_kwargs=extra,
-        **{**common, "enable_prefix_caching": cached},
+        max_num_seqs=engine_max_seqs, **{**common, "enable_prefix_caching": cached},
     )
     result.update(_llm_info(engine.llm))
 
@@ -293,7 +296,8 @@ def _table(results: list[dict], args) -> str:
                              f"push of CPU buckets: {row['push']['push_cpu_buckets_s']:.2f} s")
     for r in results:
         if r.get("counters"):
-            lines.append(f"{r['shape']}/{r['config']} (max_num_seqs {r['max_num_seqs']}, KV {r['kv_cache_tokens']} tokens): "
+            lines.append(f"{r['shape']}/{r['config']} (max_num_seqs {r['max_num_seqs']}, graphs up to "
+                         f"{r.get('max_cudagraph_capture_size')}, KV {r['kv_cache_tokens']} tokens): "
                          + ", ".join(f"{k} {v:g}" for k, v in sorted(r["counters"].items())))
     for r in results:
         if "error" in r:

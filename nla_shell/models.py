@@ -16,9 +16,11 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import sys
+import types
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -332,29 +334,71 @@ class CompiledBlockParts:
     block's largest sub-modules that see no KV cache: the norms and the MLP (Qwen3: input /
     post-attention RMSNorm, q / k RMSNorm, SwiGLU MLP), where the eager forward launches one
     kernel per element-wise op, and with `lora_layers` PEFT's LoRA layers (base product + LoRA
-    product, scaled and added: the scale and the sum fuse). The attention module itself (the
-    cache's Python bookkeeping) stays eager: compiling whole blocks recompiled on every cache
-    state. Identical layers share one compiled graph. While a CUDA graph is being captured
-    (the native engine's decode) the eager forward runs, so no compilation happens in a capture.
+    product, scaled and added: the scale and the sum fuse), and with `rotary` the rotary
+    embedding the attention applies to queries and keys (eager, `rotate_half`'s cat and neg and
+    four products and two sums over q and k, in the forward and again in the backward). The
+    attention module itself (the cache's Python bookkeeping) stays eager: compiling whole blocks
+    recompiled on every cache state. Identical layers share one compiled graph. While a CUDA graph
+    is being captured (the native engine's decode) the eager forward runs, so no compilation
+    happens in a capture.
+
+    The rotary embedding is a module-level function of the model's HF modeling file
+    (`apply_rotary_pos_emb`, called by name from the attention's forward), so it is swapped in
+    that module, for every model of the family in the process, until the last instance that
+    swapped it is removed.
 
     Args: model: the actor (PEFT or not) or the AR's truncated LM; backend: torch.compile's;
-      lora_layers: compile the LoRA layers too (False: the norms and MLPs only, for A/B benchmarks).
+      lora_layers: compile the LoRA layers too (False: the norms and MLPs only, for A/B benchmarks);
+      rotary: compile the rotary embedding too (False: for A/B benchmarks).
     """
 
-    def __init__(self, model: nn.Module, *, backend: str = "inductor", lora_layers: bool = True) -> None:
-        self.modules = [m for block in families.decoder_blocks(model) for m in _cache_free_parts(block, lora_layers)]
+    def __init__(self, model: nn.Module, *, backend: str = "inductor", lora_layers: bool = True,
+                 rotary: bool = True) -> None:
+        blocks = families.decoder_blocks(model)
+        self.modules = [m for block in blocks for m in _cache_free_parts(block, lora_layers)]
         """The compiled sub-modules."""
+        self.rotary_homes = sorted({home for block in blocks for home in _rotary_homes(block)}, key=lambda m: m.__name__) if rotary else []
+        """The modeling modules whose `apply_rotary_pos_emb` runs compiled."""
         # One forward (the RMSNorm's) serves hidden and per-head inputs, with and without grad and
         # autocast, in the actor and the AR; a LoRA layer's, projections of three shapes with the
         # adapter on and off (the reference pass): more variants than dynamo's default 8 graphs per code.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         for module in self.modules:
             module.forward = _compiled_unless_capturing(module.forward, backend=backend)
+        for home in self.rotary_homes:
+            eager, installs = _compiled_rotaries.get(home, (getattr(home, ROTARY_FUNCTION), 0))
+            if not installs:
+                setattr(home, ROTARY_FUNCTION, _compiled_unless_capturing(eager, backend=backend))
+            _compiled_rotaries[home] = (eager, installs + 1)
 
     def remove(self) -> None:
-        """The eager forwards back (the instance attribute hid the class's forward)."""
+        """The eager forwards back (the instance attribute hid the class's forward), and the eager
+        rotary embedding once no other instance compiles it."""
         for module in self.modules:
             del module.forward
+        for home in self.rotary_homes:
+            eager, installs = _compiled_rotaries.pop(home)
+            if installs > 1:
+                _compiled_rotaries[home] = (eager, installs - 1)
+            else:
+                setattr(home, ROTARY_FUNCTION, eager)
+        self.rotary_homes = []
+
+
+ROTARY_FUNCTION = "apply_rotary_pos_emb"
+"""The rotary embedding's name in HF's modeling files (Llama, Mistral, Qwen2/3, Gemma 2/3)."""
+
+_compiled_rotaries: dict[types.ModuleType, tuple[Callable, int]] = {}
+"""Modeling module -> (its eager rotary function, CompiledBlockParts instances compiling it)."""
+
+
+def _rotary_homes(block: nn.Module) -> Iterator[types.ModuleType]:
+    """The modeling modules of `block`'s attention modules (they carry a `layer_idx`) that define the
+    rotary function (GPT-2's, with learned positions, does not)."""
+    for module in block.modules():
+        home = sys.modules.get(type(module).__module__)
+        if hasattr(module, "layer_idx") and home is not None and callable(getattr(home, ROTARY_FUNCTION, None)):
+            yield home
 
 
 def _cache_free_parts(module: nn.Module, lora_layers: bool) -> Iterator[nn.Module]:

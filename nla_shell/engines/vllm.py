@@ -312,6 +312,10 @@ def logprob_mismatch(
 # --------------------------------------------------------------------------- engine
 
 
+VLLM_CAPTURE_CAP = 512
+"""vLLM's largest decode batch captured as a CUDA graph unless told otherwise."""
+
+
 def llm_kwargs_for(
     model_dir: str | os.PathLike,
     *,
@@ -384,6 +388,13 @@ class VLLMRolloutEngine:
                host copy: costs one push (0.06 s at the 8B shape) per wake.
     Both drop the KV cache (no prefix cache survives a sleep) and keep the CUDA graphs. One
     sleep-mode engine per process (vLLM's allocator is a process singleton).
+
+    Under torchrun (`per_rank`): every rank runs an engine of its own on its own GPU, sampling
+    its own prompts, through vLLM's "external_launcher" executor (in this process, on
+    cuda:LOCAL_RANK, in the job's process group). Building it is collective (vLLM forms its
+    groups and agrees on the KV size over the world), so every rank builds it at the same
+    point; generating is not (tensor_parallel_size 1, no data_parallel_size: no collective per
+    step), so ranks may generate different amounts, and rank 0 alone may run the eval.
     """
 
     shares_actor_weights = False
@@ -413,9 +424,12 @@ class VLLMRolloutEngine:
         llm_kwargs: Mapping[str, Any] | None = None,
         eos_ids: Sequence[int] | None = None,
         sleep_level: int = 0,
+        per_rank: bool = False,
     ) -> None:
         if sleep_level not in SLEEP_LEVELS:
             raise ValueError(f"sleep_level must be one of {SLEEP_LEVELS}, got {sleep_level!r}")
+        if per_rank and (tensor_parallel_size != 1 or not torch.distributed.is_initialized()):
+            raise ValueError("per_rank needs tensor_parallel_size 1 and the torchrun job's process group set up")
         if steering not in STEERING_BACKENDS:
             raise ValueError(f"steering must be one of {STEERING_BACKENDS}, got {steering!r}")
         if injection_style != "residual_add" and steering != "nla":
@@ -439,6 +453,7 @@ class VLLMRolloutEngine:
             int(t) for t in (eos_ids or eos_token_ids(load_generation_config(model_dir), tokenizer))
         )
         self._in_process = tensor_parallel_size == 1
+        self.per_rank = per_rank
         self._prepare_process(steering)
         kwargs = llm_kwargs_for(
             model_dir,
@@ -453,6 +468,14 @@ class VLLMRolloutEngine:
         )
         if max_num_seqs is not None:
             kwargs["max_num_seqs"] = max_num_seqs
+            if max_num_seqs > VLLM_CAPTURE_CAP and not enforce_eager:
+                # vLLM captures decode CUDA graphs up to min(2 * max_num_seqs, 512) sequences
+                # (vllm/config/vllm.py); a larger decode batch would run eagerly.
+                kwargs["compilation_config"] = {"max_cudagraph_capture_size": max_num_seqs}
+        if per_rank:
+            # One vLLM world of tensor_parallel_size 1 per rank of the job (vLLM lays the ranks out as
+            # external DP x TP); data_parallel_size would add a collective per step.
+            kwargs["distributed_executor_backend"] = "external_launcher"
         if sleep_level:
             kwargs["enable_sleep_mode"] = True
         if steering == "nla":
@@ -702,7 +725,11 @@ class VLLMRolloutEngine:
         llm = getattr(self, "llm", None)
         if llm is None:
             return
-        llm.llm_engine.engine_core.shutdown()
+        if not self.per_rank:
+            # Under torchrun, vLLM's shutdown would end in cleanup_dist_env_and_memory(), which
+            # destroys the default process group: the trainer's, still needed. Its engine then
+            # goes with the process.
+            llm.llm_engine.engine_core.shutdown()
         del self.llm
         gc.collect()
         if torch.cuda.is_available():

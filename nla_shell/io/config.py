@@ -188,7 +188,8 @@ class TrainConfig:
     vllm_max_len: int = 1024
     """vLLM max_model_len (prompt + generation tokens)."""
     vllm_tp: int = 1
-    """vLLM tensor_parallel_size."""
+    """vLLM tensor_parallel_size (one trainer process). Under torchrun it must be 1: each rank runs a vLLM
+    engine of its own on its own GPU."""
     vllm_max_seqs: int = 512
     """vLLM max_num_seqs: sequences decoded together. vLLM captures CUDA graphs for decode batches up to 512
     (min(2 * max_num_seqs, 512)); larger batches decode without them. At 256 x 8 on an H200 (8B shape, prefix

@@ -122,8 +122,9 @@ def make_engine(cfg: TrainConfig, actor, injector: Injector, tokenizer, *, layer
         max_num_seqs=cfg.vllm_max_seqs,
         sleep_level=cfg.vllm_sleep,
         eos_ids=eos_token_ids(inner_lm(actor).generation_config, tokenizer),
-        # Under torchrun each rank's engine samples from a stream of its own.
+        # Under torchrun each rank's engine runs on the rank's GPU and samples from a stream of its own.
         seed=distributed.rank_seed(cfg.seed, distributed.rank_info().rank) if distributed.active() else cfg.seed,
+        per_rank=distributed.active(),
     )
 
 
@@ -243,14 +244,11 @@ def train(cfg: TrainConfig) -> Path:
     device, dtype = resolve_device(cfg.device, cfg.dtype, rank)
     families.require_engine(AutoConfig.from_pretrained(base_model_dir(cfg.av_ckpt)), cfg.engine)
     require_quant(cfg.quant, device, engine=cfg.engine, trains_ar_backbone=cfg.train_critic and not is_ar_lora_dir(cfg.ar_ckpt))
-    if rank.world_size > 1 and cfg.engine == "vllm":
-        # vLLM 0.24's in-process engine builds its worker on cuda:0 whatever device the rank
-        # set, so every rank's copy would land on the first GPU (TRL colocates through
-        # distributed_executor_backend="external_launcher" instead; not done or tested here).
+    if rank.world_size > 1 and cfg.engine == "vllm" and cfg.vllm_tp != 1:
+        # Each rank runs a vLLM engine of its own on its own GPU (VLLMRolloutEngine's per_rank).
         raise ConfigError(
-            f"config key 'engine' = 'vllm' is not supported under torchrun ({rank.world_size} ranks): each "
-            "rank's vLLM engine would start on cuda:0; use engine=native with --nproc, or engine=vllm in one "
-            "process (vllm_tp>1 spreads it over several GPUs)"
+            f"config key 'vllm_tp' = {cfg.vllm_tp} is not supported under torchrun ({rank.world_size} ranks): "
+            "each rank runs its own vLLM engine on its own GPU; set vllm_tp=1"
         )
     if cfg.engine == "vllm":
         from nla_shell.engines.vllm import require_vllm

@@ -11,6 +11,11 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -296,3 +301,21 @@ def test_sleep_level_2_frees_the_gpu_and_wakes_with_the_pushed_weights_steered(m
     assert canary > 0.05
     assert gap.mean() <= PARITY_MEAN
     assert base_gap >= 3 * gap.mean(), "the adapter barely matters: the test cannot see a missing push"
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_per_rank_engines_under_torchrun(model_dir, tmp_path):
+    """`nla train` under torchrun with engine=vllm: two ranks, each with its own sleep-mode engine
+    (vLLM's external_launcher) on its own GPU, sampling different numbers of prompts (no per-step
+    collective to hang on), steered with its own pushed actor; the job's process group outlives
+    the engines (`tests/gpu/vllm_rank_worker.py`)."""
+    worker = Path(__file__).with_name("vllm_rank_worker.py")
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(worker), str(model_dir), str(tmp_path)]
+    done = subprocess.run(command, env={**os.environ, "NCCL_NVLS_ENABLE": "0"}, capture_output=True, text=True, timeout=420)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    print(f"per-rank engines: {ranks}")
+    assert [r["vllm_device"] for r in ranks] == ["cuda:0", "cuda:1"]
+    assert [r["rollouts"] for r in ranks] == [8, 16]
+    assert all(r["gap_mean"] <= PARITY_MEAN for r in ranks)
+    assert all(r["allreduce_after_close"] == 3.0 for r in ranks)

@@ -173,15 +173,15 @@ def test_indivisible_batch_is_refused_before_anything_starts(nla_run_inputs, tmp
     assert not save_dir.exists() and not distributed.active()
 
 
-def test_vllm_under_torchrun_is_refused_before_anything_starts(nla_run_inputs, tmp_path, monkeypatch, capsys):
-    """vLLM 0.24's in-process engine starts on cuda:0 on every rank: refused in one line, vLLM or not."""
+def test_vllm_tensor_parallelism_under_torchrun_is_refused_before_anything_starts(nla_run_inputs, tmp_path, monkeypatch, capsys):
+    """Under torchrun each rank runs its own vLLM engine: vllm_tp > 1 is refused in one line, vLLM or not."""
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("LOCAL_RANK", "0")
     save_dir = tmp_path / "run"
-    assert cli.main(["train", *_settings(nla_run_inputs, save_dir, batch_prompts=4), "engine=vllm"]) == 2
+    assert cli.main(["train", *_settings(nla_run_inputs, save_dir, batch_prompts=4), "engine=vllm", "vllm_tp=2"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0 and "'engine' = 'vllm'" in err and "engine=native with --nproc" in err, err
+    assert err.count("\n") == 0 and "'vllm_tp' = 2" in err and "set vllm_tp=1" in err, err
     assert not save_dir.exists() and not distributed.active()
 
 

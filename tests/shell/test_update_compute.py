@@ -4,6 +4,7 @@ with the trainer's arithmetic, and with the option off (or removed) nothing chan
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ from nla_shell.engines.base import RolloutRequest
 from nla_shell.engines.native import NativeRolloutEngine
 from nla_shell.io.data import build_prompt_ids, load_rows
 from nla_shell.io.sidecars import load_sidecar
-from nla_shell.models import BackboneAutocast, CompiledBlockParts, trainable_parameters
+from nla_shell.models import BackboneAutocast, CompiledBlockParts, inner_lm, trainable_parameters
 from nla_shell.training.update import LossOptions, policy_update
 
 # bf16 keeps 8 significant bits (relative rounding 2^-9 = 2e-3 per product); through the tiny
@@ -129,8 +130,11 @@ def test_compiled_block_parts_are_the_norms_mlps_and_lora_layers_and_keep_the_up
 
     actor, injector, tokenizer, rollouts, requests = fp32_actor
     eager, eager_grad = _update(actor, injector, tokenizer, rollouts, requests)
+    home = sys.modules["transformers.models.qwen3.modeling_qwen3"]
+    eager_rotary = home.apply_rotary_pos_emb
     compiled = CompiledBlockParts(actor, backend="aot_eager")
     try:
+        assert compiled.rotary_homes == [home] and home.apply_rotary_pos_emb is not eager_rotary
         assert {type(m).__qualname__ for m in compiled.modules} == {"Qwen3RMSNorm", "Qwen3MLP", "Linear"}
         lora = [m for m in compiled.modules if hasattr(m, "cast_input_dtype_enabled")]
         # Per block: the input, post-attention, q and k norms, the MLP, and the LoRA on q, k, v, o.
@@ -142,10 +146,31 @@ def test_compiled_block_parts_are_the_norms_mlps_and_lora_layers_and_keep_the_up
     finally:
         compiled.remove()
     assert all("forward" not in vars(m) for m in compiled.modules)
+    assert home.apply_rotary_pos_emb is eager_rotary
     for numbers, g in ((stats, grad), (larger, larger_grad)):
         assert numbers.loss == pytest.approx(eager.loss, rel=1e-5, abs=1e-7)
         assert numbers.kl_mean == pytest.approx(eager.kl_mean, rel=1e-5, abs=1e-9)
         torch.testing.assert_close(g, eager_grad, rtol=1e-4, atol=1e-6)
+
+
+def test_the_rotary_embedding_stays_compiled_until_the_last_instance_compiling_it_is_removed(fp32_actor):
+    """The actor and the AR of one family share their modeling module's rotary function: removing
+    one CompiledBlockParts leaves the other's compiled; the eager function is back after both."""
+    actor = fp32_actor[0]
+    lm = inner_lm(actor)
+    other = type(lm)(lm.config)  # another model of the family (an AR, say)
+    home = sys.modules["transformers.models.qwen3.modeling_qwen3"]
+    eager_rotary = home.apply_rotary_pos_emb
+    first = CompiledBlockParts(actor, backend="aot_eager")
+    second = CompiledBlockParts(other, backend="aot_eager")
+    compiled_rotary = home.apply_rotary_pos_emb
+    first.remove()
+    assert home.apply_rotary_pos_emb is compiled_rotary is not eager_rotary
+    second.remove()
+    assert home.apply_rotary_pos_emb is eager_rotary
+    without = CompiledBlockParts(actor, backend="aot_eager", rotary=False)
+    assert without.rotary_homes == [] and home.apply_rotary_pos_emb is eager_rotary
+    without.remove()
 
 
 # --------------------------------------------------------------------------- nla train

@@ -6,8 +6,12 @@ nothing may run or be written while the memory it needs is unmapped."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
 import sys
 import types
+from pathlib import Path
 from types import SimpleNamespace
 
 import fixtures
@@ -329,3 +333,42 @@ def test_train_builds_vllm_with_salted_prefix_caching_as_configured(nla_run_inpu
     ]
     steered = [p for p in prompts if "cache_salt" in p]
     assert steered and all(p["cache_salt"].startswith("nla-steer-") for p in steered)
+
+
+def test_train_under_torchrun_runs_one_vllm_engine_per_rank(nla_run_inputs, tmp_path):
+    """engine=vllm under torchrun (2 gloo ranks, the fake vLLM in each): every rank builds an engine
+    of its own through vLLM's external_launcher executor, with a seed of its own and vLLM's
+    default large-batch graphs; the run trains to the end; and no rank calls vLLM's shutdown
+    (it would destroy the job's process group, which the trainer still uses)."""
+    save_dir = tmp_path / "run"
+    argv = fixtures.train_argv(nla_run_inputs, save_dir, engine="vllm", num_steps=2, eval_every=0, save_every=2,
+                               vllm_max_seqs=600)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__,
+               str(tmp_path), *argv]
+    tests = Path(__file__).resolve().parents[1]
+    path = os.pathsep.join([str(tests.parent), str(tests), os.environ.get("PYTHONPATH", "")])
+    done = subprocess.run(command, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path},
+                          capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    built = [json.loads((tmp_path / f"vllm_rank{r}.json").read_text()) for r in range(2)]
+    assert [b["kwargs"]["distributed_executor_backend"] for b in built] == ["external_launcher"] * 2
+    assert built[0]["kwargs"]["seed"] != built[1]["kwargs"]["seed"]
+    # 600 sequences decode together: vLLM is told to capture graphs that large (its default stops at 512).
+    assert all(b["kwargs"]["compilation_config"] == {"max_cudagraph_capture_size": 600} for b in built)
+    assert all("generate" in b["log"] and "shutdown" not in b["log"] for b in built)
+    assert [line["step"] for line in fixtures.read_metrics(save_dir)] == [0, 1]
+
+
+if __name__ == "__main__":
+    # A torchrun rank of the test above: `nla train` over the fake vLLM; writes what it built.
+    torch.set_num_threads(1)
+    out_dir, calls, built = Path(sys.argv[1]), [], []
+    with pytest.MonkeyPatch.context() as patch:
+        install_fake_vllm(patch, calls, None, fixtures.D_MODEL)
+        make_llm = sys.modules["vllm"].LLM
+        patch.setattr(sys.modules["vllm"], "LLM", lambda **kwargs: (built.append(kwargs), make_llm(**kwargs))[1])
+        code = cli.main(sys.argv[2:])
+    (out_dir / f"vllm_rank{os.environ['RANK']}.json").write_text(json.dumps(
+        {"kwargs": {k: v for k, v in built[0].items() if k != "additional_config"},
+         "log": sorted({c if isinstance(c, str) else c[0] for c in calls})}, default=str))
+    sys.exit(code)

@@ -41,6 +41,14 @@
 #   T3        (a fresh x2 machine, after parts 1-3) carry p4 and .bnb: GPU0: bench_vllm's rollout of 2048
 #             sequences without / with prefix caching at max_num_seqs 512 (vLLM captures CUDA graphs up
 #             to 512); GPU1: bench_step 256x8 with vLLM, prefix caching on, max_num_seqs 512
+# Fifth session (2026-11-30, issue 12), after parts 1-3 on an x2 machine:
+#   U1        carry p4 and .bnb: GPU1: bench_update with the rotary embedding eager / compiled, the reference
+#             pass at 64 / 256, and without it; GPU0: install vLLM, bench_vllm's rollout of 2048 sequences at
+#             max_num_seqs 512 and 1024 (graphs captured up to max_num_seqs); then both GPUs: the per-rank
+#             vLLM engines' GPU test (torchrun, 2 ranks)
+#   U2        GPU0: bench_step 256x8 with vLLM as a 1-rank torchrun job, at the max_num_seqs whose rollout
+#             U1 measured faster (read from U1's JSON kept in /tmp/keep)
+#   U3        both GPUs: the same with 2 ranks, each with its own vLLM engine; speed-up against U2's 1 rank
 set -uo pipefail
 stage=$1
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -175,6 +183,34 @@ case $stage in
             --paths after_all $MB64_ARGS --out $OUT/step_256x8_vllm.json 2>&1 \
             | grep -v '^INFO\|^WARNING\|^(EngineCore' > $OUT/step_vllm.log"
     grep -h "^\[vllm\]\|^\[engine\]\|^\[step\]\|^\[path\]\|rror" "$OUT/step_vllm.log"; tail -3 "$OUT/step_vllm.log" ;;
+  U1)
+    mkdir -p /tmp/parts /tmp/keep && cp .device-carry/vllm/p4/* /tmp/parts/ && cp -r .bnb /tmp/bnb
+    lane 1 "timeout -k 10 400 python3 bench/bench_update.py --cases 32x8 --variants \
+            64:bf16+compile+norotary,64:bf16+compile,64:bf16+compile+ref256,64:bf16+compile+noref \
+            --tables $OUT/update_tables --out $OUT/update.json > $OUT/update.log 2>&1" & update=$!
+    vllm_install > "$OUT/install.log" 2>&1; source /tmp/vllm_env.sh
+    for seqs in 512 1024; do
+      lane 0 "timeout -k 10 200 python3 bench/bench_vllm.py --shapes 8b --configs nla_cached --seqs 2048 --repeats 1 \
+              --gpu-memory-utilization 0.35 --max-num-seqs $seqs --out /tmp/keep/vllm$seqs.json 2>&1 \
+              | grep -v '^INFO\|^WARNING\|^(EngineCore\|Capturing' > $OUT/vllm$seqs.log"
+      cp /tmp/keep/vllm$seqs.json "$OUT/" 2>/dev/null
+    done
+    wait $update
+    timeout -k 10 $((585 - SECONDS)) python3 -m pytest tests/gpu/test_vllm.py -q -s -p no:cacheprovider -k per_rank 2>&1 \
+      | grep -v '^INFO\|^WARNING\|^(EngineCore\|Capturing' > "$OUT/per_rank_test.log"
+    grep -h "^\[update\]\|rror" "$OUT/update.log"; tail -4 "$OUT/vllm512.log" "$OUT/vllm1024.log"; tail -5 "$OUT/per_rank_test.log"
+    pack U1 ;;
+  U2|U3)
+    source /tmp/vllm_env.sh; export PYTHONPATH=$PYTHONPATH:/tmp/bnb VLLM_LOGGING_LEVEL=WARNING
+    seqs=$(python3 -c "import json; r={n: json.load(open(f'/tmp/keep/vllm{n}.json'))['results'][0]['timings']['2048']['rollout_s'] for n in (512, 1024)}; print(min(r, key=r.get))" 2>/dev/null || echo 512)
+    ranks=1; keep=""; [ "$stage" = U3 ] && ranks=2 && keep=--keep-runs
+    echo "max_num_seqs $seqs, $ranks rank(s)"
+    timeout -k 10 585 python3 bench/bench_step.py --engine vllm --cases 256x8 --paths after_all $MB64_ARGS \
+      --vllm-max-seqs "$seqs" --ranks $ranks $keep --case-timeout 570 --out /tmp/keep/step_vllm_ranks.json \
+      > "$OUT/step_ranks$ranks.log" 2>&1
+    cp /tmp/keep/step_vllm_ranks.json "$OUT/"
+    grep -h "^\[vllm\]\|^\[engine\]\|^\[step\]\|^\[path\]\|scaling\|rror" "$OUT/step_ranks$ranks.log" | grep -v "^INFO\|^WARNING"
+    tail -4 "$OUT/step_ranks$ranks.log" ;;
   T2)
     export PYTHONPATH=$PYTHONPATH:/tmp/bnb
     timeout -k 10 580 python3 bench/bench_step.py --cases 256x8 --paths after_all $MB64_ARGS --ranks 2 \

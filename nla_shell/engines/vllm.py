@@ -489,7 +489,8 @@ class VLLMRolloutEngine:
             # vLLM switches graph capture off process-wide once an engine has captured its
             # graphs; a later engine in this process (eval, tests) must switch it back on.
             set_cudagraph_capturing_enabled(True)
-        self.llm = vllm.LLM(**kwargs)
+        with contextlib.nullcontext() if per_rank else _own_store_under_torchrun():
+            self.llm = vllm.LLM(**kwargs)
         self._check_backend_active()
         self.d_model = int(self.llm.llm_engine.model_config.get_hidden_size())
 
@@ -734,6 +735,27 @@ class VLLMRolloutEngine:
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+
+@contextlib.contextmanager
+def _own_store_under_torchrun() -> Iterator[None]:
+    """torchrun's environment hidden from a vLLM that sets up its own process group.
+
+    A process torchrun starts (one rank, say, where nla's trainer forms no group) carries
+    TORCHELASTIC_USE_AGENT_STORE: torch then connects every process group's store to the
+    agent's, as a client, whatever address it is given, and vLLM's own group (world 1 at a free
+    port, or its tensor-parallel workers, spawned with this environment) waits on a store server
+    nobody starts (seen: a 1-rank torchrun step hung 9 minutes in vLLM's start-up).
+    """
+    value = os.environ.pop(AGENT_STORE_VARIABLE, None)
+    try:
+        yield
+    finally:
+        if value is not None:
+            os.environ[AGENT_STORE_VARIABLE] = value
+
+
+AGENT_STORE_VARIABLE = "TORCHELASTIC_USE_AGENT_STORE"
 
 
 def _lens_active(llm_class) -> bool:

@@ -359,6 +359,20 @@ def test_train_under_torchrun_runs_one_vllm_engine_per_rank(nla_run_inputs, tmp_
     assert [line["step"] for line in fixtures.read_metrics(save_dir)] == [0, 1]
 
 
+def test_an_engine_in_a_torchrun_process_without_a_job_group_sets_up_its_own_store(make_engine, monkeypatch):
+    """A 1-rank torchrun process (no job group: vLLM forms its own): vLLM is built with torchrun's
+    agent-store switch hidden, else torch would wait on a store server nobody starts; the switch is
+    back afterwards."""
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    seen = []
+    make_llm = sys.modules["vllm"].LLM
+    monkeypatch.setattr(sys.modules["vllm"], "LLM",
+                        lambda **kwargs: (seen.append(os.environ.get("TORCHELASTIC_USE_AGENT_STORE")), make_llm(**kwargs))[1])
+    build, _, _ = make_engine
+    build(0)
+    assert seen == [None] and os.environ["TORCHELASTIC_USE_AGENT_STORE"] == "True"
+
+
 if __name__ == "__main__":
     # A torchrun rank of the test above: `nla train` over the fake vLLM; writes what it built.
     torch.set_num_threads(1)

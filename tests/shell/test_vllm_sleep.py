@@ -329,7 +329,7 @@ def test_train_builds_vllm_with_salted_prefix_caching_as_configured(nla_run_inpu
     argv = fixtures.train_argv(nla_run_inputs, tmp_path / "run", engine="vllm", num_steps=1, eval_every=0, **overrides)
     assert cli.main(argv) == 0
     assert [(kwargs["enable_prefix_caching"], kwargs["max_num_seqs"]) for kwargs in built] == [
-        (True, 512) if flag == "true" else (False, 96)
+        (True, 1024) if flag == "true" else (False, 96)
     ]
     steered = [p for p in prompts if "cache_salt" in p]
     assert steered and all(p["cache_salt"].startswith("nla-steer-") for p in steered)

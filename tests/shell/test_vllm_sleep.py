@@ -337,8 +337,8 @@ def test_train_builds_vllm_with_salted_prefix_caching_as_configured(nla_run_inpu
 
 def test_train_under_torchrun_runs_one_vllm_engine_per_rank(nla_run_inputs, tmp_path):
     """engine=vllm under torchrun (2 gloo ranks, the fake vLLM in each): every rank builds an engine
-    of its own through vLLM's external_launcher executor, with a seed of its own and vLLM's
-    default large-batch graphs; the run trains to the end; and no rank calls vLLM's shutdown
+    of its own through vLLM's external_launcher executor, with a seed of its own and decode graphs
+    captured up to its max_num_seqs; the run trains to the end; and no rank calls vLLM's shutdown
     (it would destroy the job's process group, which the trainer still uses)."""
     save_dir = tmp_path / "run"
     argv = fixtures.train_argv(nla_run_inputs, save_dir, engine="vllm", num_steps=2, eval_every=0, save_every=2,

@@ -49,6 +49,8 @@
 #   U2        GPU0: bench_step 256x8 with vLLM as a 1-rank torchrun job, at the max_num_seqs whose rollout
 #             U1 measured faster (read from U1's JSON kept in /tmp/keep)
 #   U3        both GPUs: the same with 2 ranks, each with its own vLLM engine; speed-up against U2's 1 rank
+#             (U2 hung in vLLM's start-up: torchrun's agent store, fixed since in the engine; the session ran
+#             the 1-GPU step as a plain process and the 2-rank step with --ranks 2 instead, see RESULTS.md)
 set -uo pipefail
 stage=$1
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}

@@ -357,6 +357,8 @@ class CompiledBlockParts:
         blocks = families.decoder_blocks(model)
         self.modules = [m for block in blocks for m in _cache_free_parts(block, lora_layers)]
         """The compiled sub-modules."""
+        if any("forward" in vars(m) for m in self.modules):
+            raise ValueError("the model's blocks already run compiled parts: remove() the earlier CompiledBlockParts first")
         self.rotary_homes = sorted({home for block in blocks for home in _rotary_homes(block)}, key=lambda m: m.__name__) if rotary else []
         """The modeling modules whose `apply_rotary_pos_emb` runs compiled."""
         # One forward (the RMSNorm's) serves hidden and per-head inputs, with and without grad and

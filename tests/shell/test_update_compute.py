@@ -162,6 +162,8 @@ def test_the_rotary_embedding_stays_compiled_until_the_last_instance_compiling_i
     home = sys.modules["transformers.models.qwen3.modeling_qwen3"]
     eager_rotary = home.apply_rotary_pos_emb
     first = CompiledBlockParts(actor, backend="aot_eager")
+    with pytest.raises(ValueError, match="remove"):  # wrapping compiled forwards again would break remove()
+        CompiledBlockParts(actor, backend="aot_eager")
     second = CompiledBlockParts(other, backend="aot_eager")
     compiled_rotary = home.apply_rotary_pos_emb
     first.remove()

@@ -20,8 +20,8 @@ Two paths per step, on the same rollouts:
           products, float32 master weights). Its rollout phase is its own rollout under the same
           autocast (the engine samples with the trainer's arithmetic), whose mean |behaviour -
           trainer| log-prob is printed as own_logp_gap; its update runs on the shared rollouts.
-  after_compile  "after" with the norms, MLPs and LoRA layers of the actor's and the AR's blocks
-          compiled (`compile_blocks`); compilation happens in the path's warm-up step.
+  after_compile  "after" with the norms, MLPs, LoRA layers and rotary embedding of the actor's and
+          the AR's blocks compiled (`compile_blocks`); compilation happens in the path's warm-up step.
   after_all   after_bf16 and after_compile together.
 Paths run in the order given on the same rollouts; every path but the last leaves the
 weights as they were (its optimizer steps are skipped: the update with step_optimizer=False,

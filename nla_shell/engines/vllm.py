@@ -737,6 +737,10 @@ class VLLMRolloutEngine:
             torch.cuda.empty_cache()
 
 
+AGENT_STORE_VARIABLE = "TORCHELASTIC_USE_AGENT_STORE"
+"""Set by torchrun in its workers: every process group's store is then the agent's."""
+
+
 @contextlib.contextmanager
 def _own_store_under_torchrun() -> Iterator[None]:
     """torchrun's environment hidden from a vLLM that sets up its own process group.
@@ -753,9 +757,6 @@ def _own_store_under_torchrun() -> Iterator[None]:
     finally:
         if value is not None:
             os.environ[AGENT_STORE_VARIABLE] = value
-
-
-AGENT_STORE_VARIABLE = "TORCHELASTIC_USE_AGENT_STORE"
 
 
 def _lens_active(llm_class) -> bool:

@@ -107,9 +107,9 @@ class TrainConfig:
     stays outside. Needs dtype bfloat16 (the base's products are bf16 already). Not in the
     reference (its LoRA products are float32)."""
     compile_blocks: bool = False
-    """torch.compile (dynamic shapes) the norms, MLPs and LoRA layers of the actor's and the AR's
-    decoder blocks, fusing their element-wise kernels; the attention modules stay eager. Costs a compilation
-    (tens of seconds) in the first step; same arithmetic up to float rounding."""
+    """torch.compile (dynamic shapes) the norms, MLPs, LoRA layers and rotary embedding of the actor's and
+    the AR's decoder blocks, fusing their element-wise kernels; the rest of the attention modules stays
+    eager. Costs a compilation (tens of seconds) in the first step; same arithmetic up to float rounding."""
     logp_micro_batch: int = 2
     """Sequences per micro-batch in the training / reference forward."""
     resume_from_lora: str | None = None

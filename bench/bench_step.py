@@ -152,8 +152,7 @@ class Context:
     """The models, optimisers and engine of one benchmark run, built as the trainer builds them."""
 
     def __init__(self, args, device: torch.device, dtype: torch.dtype, defaults: dict) -> None:
-        from nla_core import resolve_target_scale
-        from nla_shell.models import ARModel, trainable_parameters
+        from nla_shell.models import trainable_parameters
         from nla_shell.training.train import make_optimizer
 
         self.device, self.defaults = device, defaults
@@ -166,14 +165,8 @@ class Context:
                                      use_rslora=defaults["use_rslora"])
         self.injector = syn.make_injector(self.actor, tokens)
         self.extraction_layer = 1 if args.tiny else 24
-        critic_lm = syn.random_qwen3(syn.qwen3_config(self.shape, vocab_size=len(self.tokenizer),
-                                                      num_layers=self.extraction_layer + 1),
-                                     device=device, dtype=dtype, seed=1)
-        d = self.config.hidden_size
-        head = torch.nn.Linear(d, d, bias=False, dtype=torch.float32, device=device)
-        torch.nn.init.eye_(head.weight)
-        self.critic = ARModel(critic_lm, head, mse_scale=resolve_target_scale("sqrt_d_model", d))
-        self.critic.eval()  # Qwen3 has no dropout: eval mode serves the gradient steps too (as train.py)
+        self.critic = syn.random_ar(self.shape, extraction_layer=self.extraction_layer,
+                                    vocab_size=len(self.tokenizer), device=device, dtype=dtype)
         self.critic.requires_grad_(args.critic)
         self.optimizer = make_optimizer(trainable_parameters(self.actor), defaults["lr"], device=device, label="actor")
         self.critic_optimizer = (make_optimizer(trainable_parameters(self.critic), defaults["critic_lr"],
@@ -191,9 +184,14 @@ def stand_in_explanation(tokenizer, rollout) -> str:
     (" cat": a space and letters, encoding back to itself) stays one token beside any other, as
     the pre-tokenizer splits at each space.
     """
+    return word_text(tokenizer, rollout.full_ids[rollout.prompt_len :].tolist())
+
+
+def word_text(tokenizer, ids: list[int]) -> str:
+    """Text of len(ids) word tokens (id i mapped onto the vocabulary's i-th word, cyclically) that
+    encodes back to exactly len(ids) tokens."""
     words = _word_tokens(tokenizer)
-    generated = rollout.full_ids[rollout.prompt_len :].tolist()
-    return tokenizer.decode([words[g % len(words)] for g in generated])
+    return tokenizer.decode([words[i % len(words)] for i in ids])
 
 
 @functools.lru_cache(maxsize=4)

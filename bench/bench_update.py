@@ -30,8 +30,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import json
 import math
 import sys
+import tempfile
 import warnings
 from pathlib import Path
 
@@ -42,6 +44,7 @@ import torch  # noqa: E402
 
 import synthetic as syn  # noqa: E402
 from bench_step import PEAK_TFLOPS, path_flops, write_profile_table  # noqa: E402
+from timeline import idle_gaps  # noqa: E402
 
 OPTIONS = ("bf16", "compile", "mlpcompile", "norotary", "noref", "synced")
 
@@ -141,8 +144,8 @@ def synchronising_prefix_batches():
         prefix.prefix_batch, prefix.PrefixBatch.to = build, move
 
 
-def profiled_update(update, device: torch.device, table_path: Path | None) -> dict[str, float]:
-    """gpu busy share and host syncs of one update (see the module docstring)."""
+def profiled_call(fn, device: torch.device, table_path: Path | None) -> dict[str, float]:
+    """gpu busy share, host syncs and idle gaps of one call of `fn` (see the module docstring)."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = device.type == "cuda"
@@ -154,7 +157,7 @@ def profiled_update(update, device: torch.device, table_path: Path | None) -> di
             torch.cuda.set_sync_debug_mode("warn")
         try:
             with profile(activities=activities) as prof:
-                seconds, _ = syn.timed(update, device)
+                seconds, _ = syn.timed(fn, device)
         finally:
             if cuda:
                 torch.cuda.set_sync_debug_mode("default")
@@ -164,7 +167,24 @@ def profiled_update(update, device: torch.device, table_path: Path | None) -> di
     busy_us = kernel_us if cuda else math.nan
     if table_path is not None:
         write_profile_table(prof, table_path, device, rows=40)
-    return {"profiled_s": seconds, "gpu_busy": busy_us / 1e6 / seconds, "syncs": syncs}
+    return {"profiled_s": seconds, "gpu_busy": busy_us / 1e6 / seconds, "syncs": syncs, "kernel_s": busy_us / 1e6,
+            **({"idle": trace_gaps(prof)} if cuda else {})}
+
+
+def trace_gaps(prof) -> dict:
+    """`timeline.idle_gaps` of a finished profile (its chrome trace, through a temporary file)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        return idle_gaps(json.loads(path.read_text()))
+
+
+def print_gaps(label: str, profiled: dict) -> None:
+    """The profiled window's idle time and the host ops it went to (the top five)."""
+    idle = profiled["idle"]
+    ops = "; ".join(f"{name[:60]} {seconds:.3f}s/{count}" for name, seconds, count in idle["by_host_op"][:5])
+    print(f"[idle] {label}: kernels {idle['busy_s']:.2f}s, idle {idle['idle_s']:.2f}s in {idle['gaps']} gaps "
+          f"over {idle['span_s']:.2f}s; waiting on: {ops}", flush=True)
 
 
 def main() -> None:
@@ -216,7 +236,7 @@ def main() -> None:
                 if args.profile_micro_batches:
                     n = min(len(rollouts), args.profile_micro_batches * variant.micro_batch)
                     table = Path(args.tables) / f"update_{variant.name.replace(':', '_').replace('+', '-')}.txt" if args.tables else None
-                    profiled = profiled_update(update(variant, n), device, table)
+                    profiled = profiled_call(update(variant, n), device, table)
         except Exception as err:  # noqa: BLE001 - one variant's failure (out of memory) leaves the others
             record.error(label, err)
             syn.free_memory(device)
@@ -231,6 +251,8 @@ def main() -> None:
               f"peak {peak:.1f} GiB, gpu busy {profiled.get('gpu_busy', math.nan):.0%}, "
               f"syncs {profiled.get('syncs', 'n/a')} in {args.profile_micro_batches} micro-batches; "
               f"loss {stats.loss:+.6e} grad_norm {stats.grad_norm:.6e}", flush=True)
+        if "idle" in profiled:
+            print_gaps(label, profiled)
     print(f"saved {record.path}")
 
 

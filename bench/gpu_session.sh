@@ -51,6 +51,9 @@
 #   U3        both GPUs: the same with 2 ranks, each with its own vLLM engine; speed-up against U2's 1 rank
 #             (U2 hung in vLLM's start-up: torchrun's agent store, fixed since in the engine; the session ran
 #             the 1-GPU step as a plain process and the 2-rank step with --ranks 2 instead, see RESULTS.md)
+# Sixth session (2026-11-30, issue 12), one H200:
+#   W1        carry .bnb: bench_update of 32x8 at micro-batch 64, its whole update profiled (idle gaps and the
+#             host ops behind them), then bench_critic's score + critic step at micro-batches 24, 48, 64
 set -uo pipefail
 stage=$1
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -202,6 +205,14 @@ case $stage in
       | grep -v '^INFO\|^WARNING\|^(EngineCore\|Capturing' > "$OUT/per_rank_test.log"
     grep -h "^\[update\]\|rror" "$OUT/update.log"; tail -4 "$OUT/vllm512.log" "$OUT/vllm1024.log"; tail -5 "$OUT/per_rank_test.log"
     pack U1 ;;
+  W1)
+    cp -r .bnb /tmp/bnb; export PYTHONPATH=$PYTHONPATH:/tmp/bnb
+    timeout -k 10 260 python3 bench/bench_update.py --cases 32x8 --variants 64:bf16+compile --profile-micro-batches 4 \
+      --tables $OUT/tables --out $OUT/update.json > $OUT/update.log 2>&1
+    timeout -k 10 $((570 - SECONDS)) python3 bench/bench_critic.py --inputs 512 --variants 24:compile,48:compile,64:compile \
+      --out $OUT/critic.json > $OUT/critic.log 2>&1
+    grep -h "^\[update\]\|^\[critic\]\|^\[idle\]\|^\[setup\]\|rror" $OUT/update.log $OUT/critic.log
+    pack W1 ;;
   U2|U3)
     source /tmp/vllm_env.sh; export PYTHONPATH=$PYTHONPATH:/tmp/bnb VLLM_LOGGING_LEVEL=WARNING
     seqs=$(python3 -c "import json; r={n: json.load(open(f'/tmp/keep/vllm{n}.json'))['results'][0]['timings']['2048']['rollout_s'] for n in (512, 1024)}; print(min(r, key=r.get))" 2>/dev/null || echo 512)

@@ -82,6 +82,22 @@ def attach_lora(model: torch.nn.Module, *, r: int, alpha: int, use_rslora: bool 
     return actor
 
 
+def random_ar(shape: dict[str, Any], *, extraction_layer: int, vocab_size: int, device: torch.device,
+              dtype: torch.dtype, seed: int = 1):
+    """The AR as the trainer builds it: a random LM truncated after `extraction_layer`
+    (extraction_layer + 1 blocks) and an identity float32 value head, in eval mode (Qwen3 has no
+    dropout, so eval mode serves its gradient steps too, as train.py does)."""
+    from nla_core import resolve_target_scale
+    from nla_shell.models import ARModel
+
+    lm = random_qwen3(qwen3_config(shape, vocab_size=vocab_size, num_layers=extraction_layer + 1),
+                      device=device, dtype=dtype, seed=seed)
+    d = lm.config.hidden_size
+    head = torch.nn.Linear(d, d, bias=False, dtype=torch.float32, device=device)
+    torch.nn.init.eye_(head.weight)
+    return ARModel(lm, head, mse_scale=resolve_target_scale("sqrt_d_model", d)).eval()
+
+
 def toy_tokenizer():
     """The hub-free toy tokenizer (EOS 2, pad 0, single-token marker "§") and its marker ids."""
     from nla_shell.io.sidecars import DEFAULT_AV_TEMPLATE, token_meta

@@ -1,0 +1,100 @@
+"""Where the GPU waits: idle gaps in a torch.profiler trace, and what the host did meanwhile.
+
+A kernel that starts after the previous one ended left the GPU idle for that gap. The host
+thread that launched it was, at the gap's midpoint, inside some op; the innermost such op
+(an aten op, a CUDA runtime call such as `cudaStreamSynchronize` or `cudaMalloc`, an autograd
+node) is what the GPU waited for. Summing gaps by that op says which host work to remove.
+
+The profiler slows the host (a few microseconds an op), so gaps read longer than in an
+unprofiled run: compare the shares between ops, and take the unprofiled busy share as
+(kernel time of the profiled window) / (unprofiled wall time of the same work).
+
+    summary = idle_gaps(json.loads(Path("trace.json").read_text()))
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+"""Chrome-trace categories of work on the device."""
+
+
+def idle_gaps(trace: dict[str, Any], *, min_gap_us: float = 5.0, top: int = 15) -> dict[str, Any]:
+    """The device's busy time, idle time between its first and last kernel, and the idle time by
+    the host op that was running (on the launching thread) at each gap's midpoint.
+
+    Args:
+      trace: a chrome trace as torch.profiler's `export_chrome_trace` writes it (with CUDA activity).
+      min_gap_us: shorter gaps (launch latency) are counted as idle but not attributed.
+    Returns: {"span_s", "busy_s", "idle_s", "gaps", "by_host_op": [[name, seconds, count], ...]}.
+    """
+    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
+    device = sorted((e for e in events if e.get("cat") in DEVICE_CATEGORIES), key=lambda e: e["ts"])
+    if not device:
+        return {"span_s": 0.0, "busy_s": 0.0, "idle_s": 0.0, "gaps": 0, "by_host_op": []}
+    launches = {e["args"]["correlation"]: e for e in events
+                if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
+
+    # --- the gaps, each with the thread that launched the kernel after it -------------------------
+    busy = idle = 0.0
+    gaps: list[tuple[float, float, Any]] = []  # (midpoint, length, launching thread)
+    end = device[0]["ts"]
+    for kernel in device:
+        start, stop = kernel["ts"], kernel["ts"] + kernel.get("dur", 0)
+        if start > end:
+            idle += start - end
+            if start - end >= min_gap_us:
+                launch = launches.get(kernel.get("args", {}).get("correlation"))
+                gaps.append(((start + end) / 2, start - end, launch["tid"] if launch else None))
+        busy += max(0.0, stop - max(start, end))
+        end = max(end, stop)
+
+    # --- what each launching thread was inside at each gap's midpoint --------------------------------
+    by_op: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    threads = {tid for _, _, tid in gaps}
+    for tid in threads:
+        queries = sorted((moment, length) for moment, length, t in gaps if t == tid)
+        names = _innermost_at(_host_events(events, tid), [moment for moment, _ in queries]) if tid is not None \
+            else ["no launch recorded"] * len(queries)
+        for (_, length), name in zip(queries, names):
+            by_op[name][0] += length
+            by_op[name][1] += 1
+    ranked = sorted(by_op.items(), key=lambda item: -item[1][0])[:top]
+    return {
+        "span_s": (end - device[0]["ts"]) / 1e6,
+        "busy_s": busy / 1e6,
+        "idle_s": idle / 1e6,
+        "gaps": len(gaps),
+        "by_host_op": [[name, seconds / 1e6, count] for name, (seconds, count) in ranked],
+    }
+
+
+HOST_CATEGORIES = ("cpu_op", "cuda_runtime", "cuda_driver", "user_annotation", "python_function")
+
+
+def _host_events(events: list[dict[str, Any]], tid: Any) -> list[dict[str, Any]]:
+    """Thread `tid`'s host events, by start (outer before inner at equal starts)."""
+    ops = [e for e in events if e.get("tid") == tid and e.get("cat") in HOST_CATEGORIES]
+    return sorted(ops, key=lambda e: (e["ts"], -e.get("dur", 0)))
+
+
+def _innermost_at(ops: list[dict[str, Any]], moments: list[float]) -> list[str]:
+    """For each of the sorted `moments`, the innermost of the nested `ops` that spans it.
+
+    One sweep: events open in start order onto a stack, and leave it once ended; at a moment the
+    top of the stack (the latest-started event still open) is the innermost.
+    """
+    names, stack, next_op = [], [], 0
+    for moment in moments:
+        while next_op < len(ops) and ops[next_op]["ts"] <= moment:
+            event = ops[next_op]
+            while stack and stack[-1]["ts"] + stack[-1].get("dur", 0) < event["ts"]:
+                stack.pop()
+            stack.append(event)
+            next_op += 1
+        while stack and stack[-1]["ts"] + stack[-1].get("dur", 0) < moment:
+            stack.pop()
+        names.append(stack[-1]["name"] if stack else "host between ops")
+    return names

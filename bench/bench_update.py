@@ -13,9 +13,10 @@ so one variant costs seconds, not minutes, and no engine or AR is built. Per var
   peak GiB     torch.cuda.max_memory_allocated during the timed update
 
 A variant is MICRO_BATCH[:OPTION+OPTION...], options `bf16` (bf16_autocast), `compile`
-(compile_blocks: norms, MLPs, LoRA layers and the rotary embedding), `mlpcompile` (compile_blocks as
+(compile_blocks: norms, MLPs, LoRA layers, the rotary embedding and the log-prob head), `mlpcompile` (compile_blocks as
 it was before the LoRA layers joined: norms and MLPs only), `norotary` (with `compile`: the rotary
-embedding left eager, compile_blocks before it joined), `refN` (the reference pass at N samples a
+embedding and the log-prob head left eager, compile_blocks before the rotary joined), `nohead` (with
+`compile`: the log-prob head's chunk arithmetic left eager, compile_blocks before it joined), `refN` (the reference pass at N samples a
 forward instead of --reference-micro-batch), `noref` (no reference pass: kl_beta 0 and no KL metric;
 its time against the same variant's with the pass is the pass's) and `synced` (the shared-prefix forward as it was before
 its host synchronisations were removed: the prompt mask always passed, so transformers reads it on
@@ -44,9 +45,9 @@ import torch  # noqa: E402
 
 import synthetic as syn  # noqa: E402
 from bench_step import PEAK_TFLOPS, path_flops, write_profile_table  # noqa: E402
-from timeline import idle_gaps  # noqa: E402
+from timeline import HostLead, idle_gaps  # noqa: E402
 
-OPTIONS = ("bf16", "compile", "mlpcompile", "norotary", "noref", "synced")
+OPTIONS = ("bf16", "compile", "mlpcompile", "norotary", "nohead", "noref", "synced")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +85,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--profile-micro-batches", type=int, default=3,
                         help="micro-batches in the profiled update that measures gpu busy and syncs (0: none)")
     parser.add_argument("--tables", default=None, help="directory for each variant's torch.profiler table")
+    parser.add_argument("--lead", action="store_true",
+                        help="one more update per variant with timeline.HostLead marks (the GPU's lag behind the host)")
     args = parser.parse_args()
     prompts, _, group = (args.cases or ("4x2" if args.tiny else "32x8")).partition("x")
     args.prompts, args.group = int(prompts), int(group)
@@ -115,7 +118,8 @@ def synthetic_rollouts(n_prompts: int, group: int, *, prompt_len: int, new_token
 def options_installed(actor, options: frozenset[str]):
     compiled = (actor,) if options & {"compile", "mlpcompile"} else ()
     with syn.trainer_options(actor, bf16_autocast="bf16" in options, compiled=compiled, lora_layers="mlpcompile" not in options,
-                             rotary=not options & {"mlpcompile", "norotary"}):
+                             rotary=not options & {"mlpcompile", "norotary"},
+                             logprob_head=not options & {"mlpcompile", "norotary", "nohead"}):
         with synchronising_prefix_batches() if "synced" in options else contextlib.nullcontext():
             yield
 
@@ -237,6 +241,12 @@ def main() -> None:
                     n = min(len(rollouts), args.profile_micro_batches * variant.micro_batch)
                     table = Path(args.tables) / f"update_{variant.name.replace(':', '_').replace('+', '-')}.txt" if args.tables else None
                     profiled = profiled_call(update(variant, n), device, table)
+                if args.lead:
+                    from nla_shell.families import decoder_blocks
+
+                    with HostLead(decoder_blocks(actor)) as lead:
+                        update(variant, len(rollouts))()
+                    profiled["lead"] = lead.summary()
         except Exception as err:  # noqa: BLE001 - one variant's failure (out of memory) leaves the others
             record.error(label, err)
             syn.free_memory(device)
@@ -253,6 +263,9 @@ def main() -> None:
               f"loss {stats.loss:+.6e} grad_norm {stats.grad_norm:.6e}", flush=True)
         if "idle" in profiled:
             print_gaps(label, profiled)
+        for phase, lead in profiled.get("lead", {}).items():
+            print(f"[lead] {label} {phase}: {lead['marks']} marks, host ahead by {lead['median_ms']:.1f} ms "
+                  f"(median), {lead['min_ms']:.2f} ms (min); GPU waited at {lead['starved']:.0%} of them", flush=True)
     print(f"saved {record.path}")
 
 

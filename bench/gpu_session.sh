@@ -54,6 +54,8 @@
 # Sixth session (2026-11-30, issue 12), one H200:
 #   W1        carry .bnb: bench_update of 32x8 at micro-batch 64, its whole update profiled (idle gaps and the
 #             host ops behind them), then bench_critic's score + critic step at micro-batches 24, 48, 64
+#   W2        carry .bnb: bench_update with the log-prob head eager / compiled, the GPU's lag behind the host
+#             (HostLead) and the idle gaps with driver launches attributed; bench_critic at 64 and 96
 set -uo pipefail
 stage=$1
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -213,6 +215,14 @@ case $stage in
       --out $OUT/critic.json > $OUT/critic.log 2>&1
     grep -h "^\[update\]\|^\[critic\]\|^\[idle\]\|^\[setup\]\|rror" $OUT/update.log $OUT/critic.log
     pack W1 ;;
+  W2)
+    cp -r .bnb /tmp/bnb; export PYTHONPATH=$PYTHONPATH:/tmp/bnb
+    timeout -k 10 300 python3 bench/bench_update.py --cases 32x8 --variants 64:bf16+compile+nohead,64:bf16+compile \
+      --lead --profile-micro-batches 2 --out $OUT/update.json > $OUT/update.log 2>&1
+    timeout -k 10 $((570 - SECONDS)) python3 bench/bench_critic.py --inputs 512 --variants 64:compile,96:compile \
+      --profile-micro-batches 0 --out $OUT/critic.json > $OUT/critic.log 2>&1
+    grep -h "^\[update\]\|^\[critic\]\|^\[idle\]\|^\[lead\]\|^\[setup\]\|rror" $OUT/update.log $OUT/critic.log
+    pack W2 ;;
   U2|U3)
     source /tmp/vllm_env.sh; export PYTHONPATH=$PYTHONPATH:/tmp/bnb VLLM_LOGGING_LEVEL=WARNING
     seqs=$(python3 -c "import json; r={n: json.load(open(f'/tmp/keep/vllm{n}.json'))['results'][0]['timings']['2048']['rollout_s'] for n in (512, 1024)}; print(min(r, key=r.get))" 2>/dev/null || echo 512)

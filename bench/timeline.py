@@ -14,6 +14,7 @@ unprofiled run: compare the shares between ops, and take the unprofiled busy sha
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from typing import Any
 
@@ -34,8 +35,9 @@ def idle_gaps(trace: dict[str, Any], *, min_gap_us: float = 5.0, top: int = 15) 
     device = sorted((e for e in events if e.get("cat") in DEVICE_CATEGORIES), key=lambda e: e["ts"])
     if not device:
         return {"span_s": 0.0, "busy_s": 0.0, "idle_s": 0.0, "gaps": 0, "by_host_op": []}
+    # cuBLAS and cuDNN launch through the driver API (cuLaunchKernelEx), the rest through the runtime.
     launches = {e["args"]["correlation"]: e for e in events
-                if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
+                if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
 
     # --- the gaps, each with the thread that launched the kernel after it -------------------------
     busy = idle = 0.0
@@ -98,3 +100,70 @@ def _innermost_at(ops: list[dict[str, Any]], moments: list[float]) -> list[str]:
             stack.pop()
         names.append(stack[-1]["name"] if stack else "host between ops")
     return names
+
+
+class HostLead:
+    """How far the host runs ahead of the GPU, at marks taken without a profiler.
+
+    Each mark records the host's clock and a CUDA event on the current stream; after a final
+    synchronisation, lead = (when the GPU reached the mark) - (when the host enqueued it). A lead
+    near zero means the GPU had drained its queue and waited for the host there; a lead that
+    stays large means the host is never the bottleneck. Marks: every decoder block's forward
+    (forward pre-hook) and backward (full backward pre-hook), labelled by phase.
+
+        with HostLead(blocks) as lead:
+            update()
+        summary = lead.summary()
+    """
+
+    def __init__(self, blocks, *, starved_ms: float = 1.0) -> None:
+        import torch
+
+        self.torch, self.blocks, self.starved_ms = torch, list(blocks), starved_ms
+        self.cuda = torch.cuda.is_available()
+        """Without CUDA (CPU tests) the marks carry no events and every lead reads 0."""
+        self.marks: list[tuple[str, float, Any]] = []
+        self.handles: list[Any] = []
+
+    def mark(self, label: str) -> None:
+        event = self.torch.cuda.Event(enable_timing=True) if self.cuda else None
+        if event is not None:
+            event.record()
+        self.marks.append((label, time.perf_counter(), event))
+
+    def _sync(self) -> None:
+        if self.cuda:
+            self.torch.cuda.synchronize()
+
+    def __enter__(self) -> "HostLead":
+        def forward(module, args):
+            self.mark("forward" if self.torch.is_grad_enabled() else "no-grad forward")
+
+        def backward(module, grad_output):
+            self.mark("backward")
+
+        for block in self.blocks:
+            self.handles.append(block.register_forward_pre_hook(forward))
+            self.handles.append(block.register_full_backward_pre_hook(backward))
+        self._sync()
+        self.mark("start")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._sync()
+        for handle in self.handles:
+            handle.remove()
+
+    def summary(self) -> dict[str, Any]:
+        """Per label: marks, median and minimum lead (ms), and the share of marks where the GPU
+        waited (lead below starved_ms)."""
+        _, host0, event0 = self.marks[0]
+        by_label: dict[str, list[float]] = defaultdict(list)
+        for label, host, event in self.marks[1:]:
+            by_label[label].append(event0.elapsed_time(event) - 1e3 * (host - host0) if event else 0.0)
+        out = {}
+        for label, leads in by_label.items():
+            leads.sort()
+            out[label] = {"marks": len(leads), "median_ms": leads[len(leads) // 2], "min_ms": leads[0],
+                          "starved": sum(lead < self.starved_ms for lead in leads) / len(leads)}
+        return out

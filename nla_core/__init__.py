@@ -16,7 +16,15 @@ from nla_core.injection import (
     replace_at_sites,
 )
 from nla_core.kl import kl_categorical, kl_k1, kl_k2, kl_k3
-from nla_core.logprobs import SampledTokens, sample_tokens, token_logprobs, token_logprobs_from_hidden
+from nla_core.logprobs import (
+    ChunkKernels,
+    SampledTokens,
+    chunk_logit_grads,
+    chunk_logprobs,
+    sample_tokens,
+    token_logprobs,
+    token_logprobs_from_hidden,
+)
 from nla_core.losses import AGGREGATIONS, TIS_MODES, GRPOLossOutput, aggregate_loss, grpo_loss
 from nla_core.reconstruction import (
     FAILED_EXTRACTION_REWARD,
@@ -47,6 +55,7 @@ __all__ = [
     "ADVANTAGE_SCALES",
     "AGGREGATIONS",
     "Baselines",
+    "ChunkKernels",
     "FAILED_EXTRACTION_REWARD",
     "GRPOLossOutput",
     "INJECTION_STYLES",
@@ -58,6 +67,8 @@ __all__ = [
     "actor_content",
     "aggregate_loss",
     "canonical_neighbors",
+    "chunk_logit_grads",
+    "chunk_logprobs",
     "denormalize_activation",
     "doc_disjoint_rows",
     "extract_explanation",

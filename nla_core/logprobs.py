@@ -7,7 +7,7 @@ per row ([rows] float32), and a hand-written backward recomputes each chunk's so
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -87,25 +87,58 @@ def token_logprobs(
     return out.reshape(targets.shape)
 
 
-def _capped_logits(hidden: torch.Tensor, weight: torch.Tensor, softcap: float | None) -> torch.Tensor:
-    """float32(hidden @ weight.T), soft-capped to c * tanh(z / c) when softcap = c is given."""
-    logits = float32_or_wider(torch.nn.functional.linear(hidden, weight))
-    return logits if softcap is None else softcap * torch.tanh(logits / softcap)
+def _capped(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    z = float32_or_wider(logits)
+    return z if softcap is None else softcap * torch.tanh(z / softcap)
+
+
+def chunk_logprobs(logits: torch.Tensor, targets: torch.Tensor, softcap: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logp, lse) of one chunk: z = cap(float32(logits)), lse = logsumexp(z), logp = z[target] - lse.
+
+    Args: logits: [R, V] in the matmul's dtype; targets: [R] int64. Returns two [R] float32 (or wider).
+    Element-wise over the chunk, so a compiler fuses it into one pass over the logits.
+    """
+    z = _capped(logits, softcap)
+    lse = torch.logsumexp(z, dim=-1)
+    return z.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse, lse
+
+
+def chunk_logit_grads(
+    logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, grad: torch.Tensor, softcap: float | None
+) -> torch.Tensor:
+    """d(sum_r grad_r logp_r) / d logits of one chunk, in logits' dtype.
+
+    d logp_r / d z_rv = 1[v = t_r] - softmax(z_r)_v, times d z / d logits = 1 - (z / c)^2 under a cap c.
+    Args: logits: [R, V]; targets, lse, grad: [R]. Returns [R, V].
+    """
+    z = _capped(logits, softcap)
+    g = grad.to(lse.dtype).unsqueeze(-1)
+    d_z = -g * torch.exp(z - lse.unsqueeze(-1))
+    d_z = d_z.scatter_add(-1, targets.unsqueeze(-1), g)
+    if softcap is not None:
+        d_z = d_z * (1 - (z / softcap) ** 2)
+    return d_z.to(logits.dtype)
+
+
+class ChunkKernels(NamedTuple):
+    """The per-chunk arithmetic of `token_logprobs_from_hidden`, replaceable by compiled versions
+    of the same functions (the shell's `compile_blocks`): same arithmetic, fewer passes over memory."""
+
+    logprobs: Callable[..., tuple[torch.Tensor, torch.Tensor]] = chunk_logprobs
+    logit_grads: Callable[..., torch.Tensor] = chunk_logit_grads
 
 
 class _HiddenTokenLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, rows_per_chunk, softcap):  # hidden [R, D], weight [V, D]
+    def forward(ctx, hidden, weight, targets, rows_per_chunk, softcap, kernels):  # hidden [R, D], weight [V, D]
         acc = torch.promote_types(hidden.dtype, torch.float32)
         out = torch.empty(hidden.shape[0], dtype=acc, device=hidden.device)
         lse = torch.empty_like(out)
         for start in range(0, hidden.shape[0], rows_per_chunk):
             sl = slice(start, start + rows_per_chunk)
-            logits = _capped_logits(hidden[sl], weight, softcap)
-            lse[sl] = torch.logsumexp(logits, dim=-1)
-            out[sl] = logits.gather(-1, targets[sl].unsqueeze(-1)).squeeze(-1) - lse[sl]
+            out[sl], lse[sl] = kernels.logprobs(torch.nn.functional.linear(hidden[sl], weight), targets[sl], softcap)
         ctx.save_for_backward(hidden, weight, targets, lse)
-        ctx.rows_per_chunk, ctx.softcap = rows_per_chunk, softcap
+        ctx.rows_per_chunk, ctx.softcap, ctx.kernels = rows_per_chunk, softcap, kernels
         return out
 
     @staticmethod
@@ -117,18 +150,13 @@ class _HiddenTokenLogprobs(torch.autograd.Function):
         step, softcap = ctx.rows_per_chunk, ctx.softcap
         for start in range(0, hidden.shape[0], step):
             sl = slice(start, start + step)
-            logits = _capped_logits(hidden[sl], weight, softcap)
-            g = grad_out[sl].to(lse.dtype).unsqueeze(-1)
-            d_logits = -g * torch.exp(logits - lse[sl, None])
-            d_logits.scatter_add_(-1, targets[sl].unsqueeze(-1), g)
-            if softcap is not None:  # d(c tanh(z / c))/dz = 1 - tanh^2 = 1 - (capped / c)^2
-                d_logits *= 1 - (logits / softcap) ** 2
-            d_logits = d_logits.to(hidden.dtype)
+            logits = torch.nn.functional.linear(hidden[sl], weight)
+            d_logits = ctx.kernels.logit_grads(logits, targets[sl], lse[sl], grad_out[sl], softcap)
             if need_h:
                 grad_h[sl] = d_logits @ weight
             if need_w:
                 grad_w += d_logits.to(lse.dtype).T @ hidden[sl].to(lse.dtype)
-        return grad_h, (grad_w.to(weight.dtype) if need_w else None), None, None, None
+        return grad_h, (grad_w.to(weight.dtype) if need_w else None), None, None, None, None
 
 
 def token_logprobs_from_hidden(
@@ -138,6 +166,7 @@ def token_logprobs_from_hidden(
     *,
     softcap: float | None = None,
     chunk_size: int | None = None,
+    kernels: ChunkKernels = ChunkKernels(),
 ) -> torch.Tensor:
     """logp[..., t] = log_softmax(z[..., t, :])[targets[..., t]], z = float32(hidden[..., t, :] @ weight.T),
     or z = c * tanh(z / c) with softcap = c (Gemma 2/3's final-logit soft-capping).
@@ -152,6 +181,7 @@ def token_logprobs_from_hidden(
       targets: [..., T] integer token ids.
       softcap: c > 0 of the final-logit soft-capping, or None for plain logits.
       chunk_size: tokens per chunk; default keeps a chunk's logits near 4M elements.
+      kernels: each chunk's arithmetic (`chunk_logprobs`, `chunk_logit_grads`, or compiled copies).
     Returns:
       [..., T] float32 (float64 for float64 inputs), differentiable w.r.t. hidden (and
       weight when it requires grad).
@@ -171,7 +201,7 @@ def token_logprobs_from_hidden(
         raise ValueError(f"softcap must be a positive number or None, got {softcap}")
     flat = hidden.reshape(-1, hidden.shape[-1])
     out = _HiddenTokenLogprobs.apply(
-        flat, weight, targets.reshape(-1).long(), _rows_per_chunk(chunk_size, weight.shape[0]), softcap
+        flat, weight, targets.reshape(-1).long(), _rows_per_chunk(chunk_size, weight.shape[0]), softcap, kernels
     )
     return out.reshape(targets.shape)
 

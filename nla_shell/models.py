@@ -18,6 +18,7 @@ import functools
 import json
 import sys
 import types
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
@@ -347,13 +348,18 @@ class CompiledBlockParts:
     that module, for every model of the family in the process, until the last instance that
     swapped it is removed.
 
+    With `logprob_head` the model's fused lm_head + log-prob (`hidden_logprobs`) runs each chunk's
+    float32 arithmetic compiled (`nla_core.ChunkKernels`), fused into few passes over a chunk's
+    [1024, V] logits where the eager ops (cast, log-sum-exp, exp, product, scatter, cast) each make one.
+
     Args: model: the actor (PEFT or not) or the AR's truncated LM; backend: torch.compile's;
       lora_layers: compile the LoRA layers too (False: the norms and MLPs only, for A/B benchmarks);
-      rotary: compile the rotary embedding too (False: for A/B benchmarks).
+      rotary: compile the rotary embedding too (False: for A/B benchmarks);
+      logprob_head: compile the log-prob head's chunk arithmetic too (False: for A/B benchmarks).
     """
 
     def __init__(self, model: nn.Module, *, backend: str = "inductor", lora_layers: bool = True,
-                 rotary: bool = True) -> None:
+                 rotary: bool = True, logprob_head: bool = True) -> None:
         blocks = families.decoder_blocks(model)
         self.modules = [m for block in blocks for m in _cache_free_parts(block, lora_layers)]
         """The compiled sub-modules."""
@@ -372,6 +378,10 @@ class CompiledBlockParts:
             if not installs:
                 setattr(home, ROTARY_FUNCTION, _compiled_unless_capturing(eager, backend=backend))
             _compiled_rotaries[home] = (eager, installs + 1)
+        self.head_lm = inner_lm(model) if logprob_head else None
+        """The LM whose log-prob head (`hidden_logprobs`) runs compiled chunk kernels."""
+        if self.head_lm is not None:
+            _compiled_heads[self.head_lm] = _compiled_chunk_kernels(backend)
 
     def remove(self) -> None:
         """The eager forwards back (the instance attribute hid the class's forward), and the eager
@@ -385,6 +395,9 @@ class CompiledBlockParts:
             else:
                 setattr(home, ROTARY_FUNCTION, eager)
         self.rotary_homes = []
+        if self.head_lm is not None:
+            del _compiled_heads[self.head_lm]
+            self.head_lm = None
 
 
 ROTARY_FUNCTION = "apply_rotary_pos_emb"
@@ -392,6 +405,19 @@ ROTARY_FUNCTION = "apply_rotary_pos_emb"
 
 _compiled_rotaries: dict[types.ModuleType, tuple[Callable, int]] = {}
 """Modeling module -> (its eager rotary function, CompiledBlockParts instances compiling it)."""
+
+
+_compiled_heads: "weakref.WeakKeyDictionary[nn.Module, nla_core.ChunkKernels]" = weakref.WeakKeyDictionary()
+"""LM -> the compiled chunk kernels its `hidden_logprobs` runs, while a CompiledBlockParts holds it."""
+
+
+@functools.cache
+def _compiled_chunk_kernels(backend: str) -> nla_core.ChunkKernels:
+    """The core's per-chunk log-prob arithmetic, compiled (one instance per backend, shared by all models)."""
+    return nla_core.ChunkKernels(
+        logprobs=_compiled_unless_capturing(nla_core.chunk_logprobs, backend=backend),
+        logit_grads=_compiled_unless_capturing(nla_core.chunk_logit_grads, backend=backend),
+    )
 
 
 def _rotary_homes(block: nn.Module) -> Iterator[types.ModuleType]:
@@ -460,10 +486,10 @@ def response_logprobs(
 
 def hidden_logprobs(lm: nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """log softmax(lm_head(hidden))[targets] through the fused, chunked head, with the family's
-    final-logit soft-capping. Args: hidden: [n, T, D] final hidden states; targets: [n, T]. Returns [n, T] float32."""
+    final-logit soft-capping; each chunk's arithmetic compiled while a CompiledBlockParts holds `lm`. Args: hidden: [n, T, D] final hidden states; targets: [n, T]. Returns [n, T] float32."""
     return nla_core.token_logprobs_from_hidden(
         hidden, lm.get_output_embeddings().weight, targets, softcap=families.final_logit_softcap(lm),
-        chunk_size=LOGPROB_CHUNK_TOKENS,
+        chunk_size=LOGPROB_CHUNK_TOKENS, kernels=_compiled_heads.get(lm, nla_core.ChunkKernels()),
     )
 
 

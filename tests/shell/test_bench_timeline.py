@@ -29,7 +29,7 @@ def test_gaps_are_summed_and_named_by_the_innermost_host_op():
         # launches (thread 1) of the kernels after each gap, and one on thread 2
         _x("cuda_runtime", "cudaLaunchKernel", 5, 2, correlation=1),
         _x("cuda_runtime", "cudaLaunchKernel", 190, 2, correlation=2),
-        _x("cuda_runtime", "cudaLaunchKernel", 385, 2, correlation=3),
+        _x("cuda_driver", "cuLaunchKernelEx", 385, 2, correlation=3),  # cuBLAS launches through the driver
         _x("cuda_runtime", "cudaLaunchKernel", 590, 2, correlation=4),
         _x("cuda_runtime", "cudaLaunchKernel", 600, 2, tid=2, correlation=5),
         # device: busy 10-100, idle 100-200 (sync), busy 200-300 with an overlapping memcpy,
@@ -57,3 +57,19 @@ def test_gaps_are_summed_and_named_by_the_innermost_host_op():
 def test_a_trace_without_device_work_is_all_zero():
     summary = idle_gaps({"traceEvents": [_x("cpu_op", "aten::mm", 0, 10)]})
     assert summary == {"span_s": 0.0, "busy_s": 0.0, "idle_s": 0.0, "gaps": 0, "by_host_op": []}
+
+
+def test_host_lead_marks_every_block_in_every_pass_of_an_update(tmp_path):
+    import json
+    import subprocess
+
+    out = tmp_path / "update.json"
+    subprocess.run([sys.executable, str(ROOT / "bench" / "bench_update.py"), "--tiny", "--cases", "2x2",
+                    "--variants", "2", "--profile-micro-batches", "0", "--lead", "--out", str(out)],
+                   check=True, capture_output=True, text=True, timeout=300)
+    lead = json.loads(out.read_text())["cases"][0]["lead"]
+    # 3 tiny blocks; 2 groups of 2 in micro-batches of 2: 2 micro-batches, each a prompt forward and a
+    # response forward; the reference pass (micro-batch 64) runs both groups in one.
+    assert lead["forward"]["marks"] == 3 * 2 * 2
+    assert lead["no-grad forward"]["marks"] == 3 * 2
+    assert lead["backward"]["marks"] == 3 * 2 * 2

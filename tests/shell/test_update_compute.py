@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import fixtures
-from nla_shell import cli, families
+from nla_shell import cli, families, models
 from nla_shell.engines.base import RolloutRequest
 from nla_shell.engines.native import NativeRolloutEngine
 from nla_shell.io.data import build_prompt_ids, load_rows
@@ -122,7 +122,7 @@ def fp32_actor(nla_cache_dir: Path, tiny_tokenizer):
 
 
 def test_compiled_block_parts_are_the_norms_mlps_and_lora_layers_and_keep_the_update(fp32_actor):
-    """Compiled norms, MLPs and LoRA layers give the eager update's numbers (the reference pass
+    """Compiled norms, MLPs, LoRA layers and log-prob head give the eager update's numbers (the reference pass
     runs the LoRA layers with the adapter off); micro-batches of another size
     reuse the graphs (dynamic shapes); removal restores the eager forwards. The "aot_eager"
     backend traces what inductor would compile, without a C++ build per graph (minutes here)."""
@@ -135,6 +135,7 @@ def test_compiled_block_parts_are_the_norms_mlps_and_lora_layers_and_keep_the_up
     compiled = CompiledBlockParts(actor, backend="aot_eager")
     try:
         assert compiled.rotary_homes == [home] and home.apply_rotary_pos_emb is not eager_rotary
+        assert models._compiled_heads[inner_lm(actor)] == models._compiled_chunk_kernels("aot_eager")
         assert {type(m).__qualname__ for m in compiled.modules} == {"Qwen3RMSNorm", "Qwen3MLP", "Linear"}
         lora = [m for m in compiled.modules if hasattr(m, "cast_input_dtype_enabled")]
         # Per block: the input, post-attention, q and k norms, the MLP, and the LoRA on q, k, v, o.
@@ -147,6 +148,7 @@ def test_compiled_block_parts_are_the_norms_mlps_and_lora_layers_and_keep_the_up
         compiled.remove()
     assert all("forward" not in vars(m) for m in compiled.modules)
     assert home.apply_rotary_pos_emb is eager_rotary
+    assert inner_lm(actor) not in models._compiled_heads
     for numbers, g in ((stats, grad), (larger, larger_grad)):
         assert numbers.loss == pytest.approx(eager.loss, rel=1e-5, abs=1e-7)
         assert numbers.kl_mean == pytest.approx(eager.kl_mean, rel=1e-5, abs=1e-9)

@@ -17,7 +17,9 @@ A variant is MICRO_BATCH[:OPTION+OPTION...], options `bf16` (bf16_autocast), `co
 it was before the LoRA layers joined: norms and MLPs only), `norotary` (with `compile`: the rotary
 embedding and the log-prob head left eager, compile_blocks before the rotary joined), `nohead` (with
 `compile`: the log-prob head's chunk arithmetic left eager, compile_blocks before it joined), `refN` (the reference pass at N samples a
-forward instead of --reference-micro-batch), `noref` (no reference pass: kl_beta 0 and no KL metric;
+forward instead of --reference-micro-batch), `pbN` (the prompts of N micro-batches in one forward
+instead of policy_update's default; pb1: one prompt forward per micro-batch, as before prompt blocks), `noref`
+(no reference pass: kl_beta 0 and no KL metric;
 its time against the same variant's with the pass is the pass's) and `synced` (the shared-prefix forward as it was before
 its host synchronisations were removed: the prompt mask always passed, so transformers reads it on
 the host, and pageable host-to-device copies), e.g. `16 16:synced 32:bf16+compile 64:bf16+compile+ref256`.
@@ -31,6 +33,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import inspect
 import json
 import math
 import sys
@@ -63,13 +66,19 @@ class Variant:
         """N of a `refN` option, else `default`."""
         return next((int(o[3:]) for o in self.options if o.startswith("ref")), default)
 
+    def prompt_block(self, default: int) -> int:
+        """N of a `pbN` option, else `default`."""
+        return next((int(o[2:]) for o in self.options if o.startswith("pb")), default)
+
 
 def parse_variant(text: str) -> Variant:
     size, _, options = text.partition(":")
     chosen = frozenset(o for o in options.split("+") if o)
-    unknown = {o for o in chosen - set(OPTIONS) if not (o.startswith("ref") and o[3:].isdigit())}
+    unknown = {o for o in chosen - set(OPTIONS)
+               if not (o.startswith("ref") and o[3:].isdigit() or o.startswith("pb") and o[2:].isdigit())}
     if not size.isdigit() or unknown:
-        raise argparse.ArgumentTypeError(f"variant {text!r}: MICRO_BATCH[:OPTION+...] with options from {OPTIONS} or refN")
+        raise argparse.ArgumentTypeError(f"variant {text!r}: MICRO_BATCH[:OPTION+...] with options from {OPTIONS}, "
+                                         "refN or pbN")
     return Variant(int(size), chosen)
 
 
@@ -217,12 +226,15 @@ def main() -> None:
     advantages = torch.randn(len(rollouts), generator=torch.Generator().manual_seed(2))
     flops = path_flops(config, rollouts, shared_prefix=True, ar_tokens=[], critic_layers=0)["update"]
 
+    default_prompt_block = inspect.signature(policy_update).parameters["prompt_block"].default
+
     def update(variant: Variant, n: int):
         return lambda: policy_update(
             actor, injector, optimizer, rollouts[:n], advantages[:n], activations[:n],
             loss=LossOptions(kl_beta=0.0, kl_metric=False) if "noref" in variant.options else LossOptions(),
             micro_batch=variant.micro_batch, max_grad_norm=defaults["max_grad_norm"], pad_id=tokenizer.pad_token_id,
-            reference_micro_batch=variant.reference_micro_batch(args.reference_micro_batch), step_optimizer=False)
+            reference_micro_batch=variant.reference_micro_batch(args.reference_micro_batch),
+            prompt_block=variant.prompt_block(default_prompt_block), step_optimizer=False)
 
     print(f"[setup] {args.prompts}x{args.group}, prompt {args.prompt_len} + {args.new_tokens} tokens, "
           f"{flops / 1e15:.2f} PFLOP per update", flush=True)

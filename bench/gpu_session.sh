@@ -56,6 +56,9 @@
 #             host ops behind them), then bench_critic's score + critic step at micro-batches 24, 48, 64
 #   W2        carry .bnb: bench_update with the log-prob head eager / compiled, the GPU's lag behind the host
 #             (HostLead) and the idle gaps with driver launches attributed; bench_critic at 64 and 96
+#   W3        (after parts 1-3) carry p4 and .bnb: install vLLM; bench_step 256x8 with vLLM as a plain process,
+#             critic micro-batch 64, prompt blocks of 4 micro-batches, the device's memory in use sampled;
+#             then bench_update with one prompt forward per micro-batch (pb1) against blocks of 4
 set -uo pipefail
 stage=$1
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -223,6 +226,18 @@ case $stage in
       --profile-micro-batches 0 --out $OUT/critic.json > $OUT/critic.log 2>&1
     grep -h "^\[update\]\|^\[critic\]\|^\[idle\]\|^\[lead\]\|^\[setup\]\|rror" $OUT/update.log $OUT/critic.log
     pack W2 ;;
+  W3)
+    mkdir -p /tmp/parts && cp .device-carry/vllm/p4/* /tmp/parts/ && cp -r .bnb /tmp/bnb
+    vllm_install > "$OUT/install.log" 2>&1; source /tmp/vllm_env.sh
+    export PYTHONPATH=$PYTHONPATH:/tmp/bnb VLLM_LOGGING_LEVEL=WARNING
+    timeout -k 10 430 python3 bench/bench_step.py --engine vllm --cases 256x8 --paths after_all --micro-batch 64 \
+      --critic-micro-batch 64 --reference-micro-batch 64 --prompt-block 4 --vllm-max-seqs 1024 \
+      --out $OUT/step.json > $OUT/step.log 2>&1
+    grep -h "^\[vllm\]\|^\[engine\]\|^\[step\]\|^\[path\]\|rror" $OUT/step.log | grep -v "^INFO\|^WARNING"
+    timeout -k 10 $((585 - SECONDS)) python3 bench/bench_update.py --cases 32x8 --variants 64:bf16+compile+pb1,64:bf16+compile \
+      --lead --profile-micro-batches 0 --out $OUT/update.json > $OUT/update.log 2>&1
+    grep -h "^\[update\]\|^\[lead\]\|rror" $OUT/update.log
+    pack W3 ;;
   U2|U3)
     source /tmp/vllm_env.sh; export PYTHONPATH=$PYTHONPATH:/tmp/bnb VLLM_LOGGING_LEVEL=WARNING
     seqs=$(python3 -c "import json; r={n: json.load(open(f'/tmp/keep/vllm{n}.json'))['results'][0]['timings']['2048']['rollout_s'] for n in (512, 1024)}; print(min(r, key=r.get))" 2>/dev/null || echo 512)

@@ -184,6 +184,43 @@ def peak_gib(device: torch.device) -> float:
     return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else math.nan
 
 
+class DeviceMemoryPeak:
+    """The most memory in use on the device while the block runs, by every process and allocator
+    (cudaMemGetInfo's total - free, what nvidia-smi reports), sampled by a thread every `interval`
+    seconds. torch's own peak counter misses other allocators and counts sleeping vLLM's unmapped
+    memory; this reads what is physically taken. NaN on the CPU."""
+
+    def __init__(self, device: torch.device, *, interval: float = 0.05) -> None:
+        self.device, self.interval, self.peak_gib = device, interval, math.nan
+        self._stop = None
+
+    def _sample(self) -> float:
+        free, total = torch.cuda.mem_get_info(self.device)
+        return (total - free) / 2**30
+
+    def __enter__(self) -> "DeviceMemoryPeak":
+        if self.device.type != "cuda":
+            return self
+        import threading
+
+        self._stop = threading.Event()
+        self.peak_gib = self._sample()
+
+        def poll():
+            while not self._stop.wait(self.interval):
+                self.peak_gib = max(self.peak_gib, self._sample())
+
+        self._thread = threading.Thread(target=poll, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._stop is not None:
+            self._stop.set()
+            self._thread.join()
+            self.peak_gib = max(self.peak_gib, self._sample())
+
+
 def free_memory(device: torch.device) -> None:
     import gc
 

@@ -16,12 +16,17 @@ responses of 160 tokens saves 84 of every 256 token-forwards (a third of the upd
 
 Prompts are right-padded (a left pad would be a query with nothing to attend to); positions
 are explicit, so a response token sits at its true position P_i + t whatever the padding.
+
+Several micro-batches can share one prompt forward (`prompt_forward(defer_gradient=True)`):
+the responses gather from detached leaves, each micro-batch's backward sums into them, and one
+backward of the prompt forward follows the last. A prompt forward is little arithmetic (k x P
+tokens) but a whole pass of host work through every layer, during which the GPU idles.
 """
 
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Sequence
 
 import torch
@@ -59,6 +64,26 @@ class PrefixBatch:
     """[n, R] float32 engine log-probs, 0 at padding."""
     prompts_padded: bool
     """Whether any prompt row is padded (known on the host: the prompt forward then needs its mask)."""
+    response_lengths: tuple[int, ...]
+    """Each sample's response length, on the host (widths of sub-batches without reading the device)."""
+
+    def split(self, sizes: Sequence[int]) -> list["PrefixBatch"]:
+        """Consecutive sub-batches of `sizes` samples, each with all of this batch's prompts (so
+        `owner` keeps indexing them) and its responses trimmed to its own longest. On the host."""
+        if sum(sizes) != len(self.response_lengths):
+            raise ValueError(f"sizes {list(sizes)} do not add up to the batch's {len(self.response_lengths)} samples")
+        parts, start = [], 0
+        for size in sizes:
+            samples = slice(start, start + size)
+            width = max(1, max(self.response_lengths[samples], default=1))
+            parts.append(replace(
+                self, rows=self.rows[samples], owner=self.owner[samples],
+                response_ids=self.response_ids[samples, :width], response_mask=self.response_mask[samples, :width],
+                mask=self.mask[samples, :width], behavior_logp=self.behavior_logp[samples, :width],
+                response_lengths=self.response_lengths[samples],
+            ))
+            start += size
+        return parts
 
     def to(self, device: torch.device) -> "PrefixBatch":
         """On `device`, copied without a host synchronisation.
@@ -130,6 +155,7 @@ def prefix_batch(rollouts: Sequence[Rollout], rows: Sequence[int], injector: Inj
         mask=response_mask.bool(),
         behavior_logp=behavior,
         prompts_padded=bool((prompt_mask == 0).any()),
+        response_lengths=tuple(rollouts[i].response_len for i in rows),
     )
 
 
@@ -147,13 +173,114 @@ def supports_prefix_sharing(actor: torch.nn.Module) -> bool:
     return not checkpointing and all(t == "full_attention" for t in layer_types)
 
 
+@dataclass(frozen=True)
+class PromptStates:
+    """The prompt forward of a PrefixBatch: each prompt's keys and values per layer and its last
+    hidden state (which predicts the first response token).
+
+    With a deferred gradient they are leaves detached from the prompt forward's graph: the
+    response forwards of several micro-batches gather from them and their backwards sum into the
+    leaves' .grad; `backward()` then runs the prompt forward's backward once for all of them.
+    """
+
+    keys: list[torch.Tensor]
+    """Per layer [k, H_kv, P, Dh]."""
+    values: list[torch.Tensor]
+    """Per layer [k, H_kv, P, Dh]."""
+    last_hidden: torch.Tensor
+    """[k, D] the output at each prompt's last real token."""
+    graph_outputs: list[torch.Tensor]
+    """The prompt graph's tensors the leaves were detached from (keys, values, last_hidden); empty
+    when the gradient is not deferred."""
+
+    def backward(self) -> None:
+        """The gradient the leaves collected, through the prompt forward (a no-op without deferral)."""
+        leaves = [*self.keys, *self.values, self.last_hidden]
+        pairs = [(out, leaf.grad) for out, leaf in zip(self.graph_outputs, leaves)
+                 if out.requires_grad and leaf.grad is not None]
+        if pairs:
+            torch.autograd.backward([out for out, _ in pairs], [grad for _, grad in pairs])
+
+
+def prompt_forward(
+    actor: torch.nn.Module,
+    injector: Injector,
+    batch: PrefixBatch,
+    vectors: torch.Tensor,
+    *,
+    defer_gradient: bool = False,
+) -> PromptStates:
+    """The k distinct prompts of `batch`, run once with their injected activations.
+
+    Args:
+      batch: a PrefixBatch on the actor's device (k prompts, P the padded prompt width).
+      vectors: [k, D] the activation injected into each prompt.
+      defer_gradient: return leaves that collect the gradient until `PromptStates.backward()`
+        (so several micro-batches share one prompt forward and one prompt backward).
+    """
+    from transformers import DynamicCache
+
+    lm = inner_lm(actor)
+    decoder = families.backbone(lm)
+    cache = DynamicCache(config=lm.config)
+    k, width = batch.prompt_ids.shape
+    positions = torch.arange(width, device=batch.prompt_ids.device).expand(k, width)
+    # Unpadded prompts need no mask (plain causal attention, the same arithmetic): given one,
+    # transformers reads it on the host to find that out, a device synchronisation per forward.
+    mask = batch.prompt_mask if batch.prompts_padded else None
+    with injector.inject(batch.prompt_ids, vectors, sites=batch.sites):
+        hidden = decoder(
+            input_ids=batch.prompt_ids, attention_mask=mask, position_ids=positions,
+            use_cache=True, **{_cache_keyword(decoder): cache},
+        ).last_hidden_state  # [k, P, D]
+    outputs = [layer.keys for layer in cache.layers] + [layer.values for layer in cache.layers]
+    outputs.append(hidden[torch.arange(k, device=hidden.device), batch.prompt_lengths - 1])
+    graph: list[torch.Tensor] = []
+    if defer_gradient and torch.is_grad_enabled():
+        graph, outputs = outputs, [out.detach().requires_grad_(out.requires_grad) for out in outputs]
+    layers = len(cache.layers)
+    return PromptStates(outputs[:layers], outputs[layers : 2 * layers], outputs[-1], graph)
+
+
+def response_logprobs(actor: torch.nn.Module, states: PromptStates, batch: PrefixBatch) -> torch.Tensor:
+    """log pi(response[i, t] | prompt, response[i, :t]), each sample attending to its prompt's states.
+
+    Args:
+      states: `prompt_forward` of a batch whose prompts `batch.owner` indexes (the batch itself,
+        or the batch that `batch` was split from).
+      batch: a PrefixBatch on the actor's device (n samples, R response width).
+    Returns:
+      [n, R] float32 (any value at padding), differentiable w.r.t. the actor's trainable weights
+      (or, with a deferred gradient, w.r.t. the states' leaves and the response forward's weights).
+    """
+    from transformers import DynamicCache
+
+    lm = inner_lm(actor)
+    decoder = families.backbone(lm)
+    hidden = states.last_hidden[batch.owner][:, None]  # the last prompt token predicts the first response token
+    if batch.response_ids.shape[1] > 1:
+        cache = DynamicCache(config=lm.config)
+        for layer, (keys, values) in enumerate(zip(states.keys, states.values)):
+            cache.update(keys[batch.owner], values[batch.owner], layer)  # a gather: prompt grads sum over the group
+        inputs = batch.response_ids[:, :-1]  # the last token predicts nothing
+        positions = batch.prompt_lengths[batch.owner, None] + torch.arange(inputs.shape[1], device=inputs.device)
+        attention = torch.cat([batch.prompt_mask[batch.owner], batch.response_mask[:, :-1]], dim=1)
+        response_hidden = decoder(
+            input_ids=inputs, attention_mask=attention, position_ids=positions, use_cache=True,
+            **{_cache_keyword(decoder): cache},
+        ).last_hidden_state  # [n, R - 1, D]
+        hidden = torch.cat([hidden, response_hidden], dim=1)
+    return hidden_logprobs(lm, hidden, batch.response_ids)
+
+
 def prefix_logprobs(
     actor: torch.nn.Module,
     injector: Injector,
     batch: PrefixBatch,
     vectors: torch.Tensor,
 ) -> torch.Tensor:
-    """log pi(response[i, t] | prompt, response[i, :t]) with each prompt's forward run once.
+    """log pi(response[i, t] | prompt, response[i, :t]) with each prompt's forward run once:
+    `prompt_forward` then `response_logprobs`, the gradient flowing straight through.
 
     Args:
       batch: a PrefixBatch on the actor's device (k prompts, n samples, R response width).
@@ -161,35 +288,7 @@ def prefix_logprobs(
     Returns:
       [n, R] float32 (any value at padding), differentiable w.r.t. the actor's trainable weights.
     """
-    from transformers import DynamicCache
-
-    lm = inner_lm(actor)
-    decoder = families.backbone(lm)
-    cache = DynamicCache(config=lm.config)
-    cache_kw = _cache_keyword(decoder)
-    k, width = batch.prompt_ids.shape
-    prompt_positions = torch.arange(width, device=batch.prompt_ids.device).expand(k, width)
-    # Unpadded prompts need no mask (plain causal attention, the same arithmetic): given one,
-    # transformers reads it on the host to find that out, a device synchronisation per micro-batch.
-    prompt_mask = batch.prompt_mask if batch.prompts_padded else None
-    with injector.inject(batch.prompt_ids, vectors, sites=batch.sites):
-        prompt_hidden = decoder(
-            input_ids=batch.prompt_ids, attention_mask=prompt_mask, position_ids=prompt_positions,
-            use_cache=True, **{cache_kw: cache},
-        ).last_hidden_state  # [k, P, D]
-    # The last prompt token's output predicts the first response token.
-    last_prompt = prompt_hidden[batch.owner, batch.prompt_lengths[batch.owner] - 1]  # [n, D]
-    hidden = last_prompt[:, None]
-    if batch.response_ids.shape[1] > 1:
-        cache.batch_select_indices(batch.owner)  # differentiable gather: prompt grads sum over the group
-        inputs = batch.response_ids[:, :-1]  # the last token predicts nothing
-        positions = batch.prompt_lengths[batch.owner, None] + torch.arange(inputs.shape[1], device=inputs.device)
-        attention = torch.cat([batch.prompt_mask[batch.owner], batch.response_mask[:, :-1]], dim=1)
-        response_hidden = decoder(
-            input_ids=inputs, attention_mask=attention, position_ids=positions, use_cache=True, **{cache_kw: cache},
-        ).last_hidden_state  # [n, R - 1, D]
-        hidden = torch.cat([hidden, response_hidden], dim=1)
-    return hidden_logprobs(lm, hidden, batch.response_ids)
+    return response_logprobs(actor, prompt_forward(actor, injector, batch, vectors), batch)
 
 
 def _cache_keyword(decoder: torch.nn.Module) -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 
@@ -99,6 +99,7 @@ def policy_update(
     step_optimizer: bool = True,
     share_prefix: bool = True,
     reference_micro_batch: int | None = None,
+    prompt_block: int = 4,
 ) -> UpdateStats:
     """One GRPO step over all rollouts, one micro-batch graph alive at a time.
 
@@ -109,9 +110,9 @@ def policy_update(
     The reference log-probs come first, in their own no-grad pass at `reference_micro_batch`
     (no autograd state is alive, so it can be larger). Micro-batches keep groups whole and
     group sequences of like length (`prefix.plan_micro_batches`); with `share_prefix` each
-    group's prompt is computed once per micro-batch (`prefix.prefix_logprobs`), else every
-    sample runs its full sequence. Statistics stay on the device until the end: the loop
-    never waits for the GPU.
+    group's prompt is computed once per `prompt_block` micro-batches (`prefix.prompt_forward`,
+    `prefix.response_logprobs`), else every sample runs its full sequence. Statistics stay on
+    the device until the end: the loop never waits for the GPU.
 
     Under torchrun every rank passes its own slice of the batch: the denominator counts the
     global batch and the gradients are summed over ranks before clipping, so every rank
@@ -124,7 +125,12 @@ def policy_update(
       share_prefix: compute each group's prompt once (ignored where `supports_prefix_sharing`
         says the model cannot: gradient checkpointing, sliding-window attention).
       reference_micro_batch: samples per reference forward (default 4 * micro_batch).
+      prompt_block: micro-batches whose prompts run in one forward (and one backward). A prompt
+        forward is little arithmetic but a full pass of host work, when the GPU waits; the
+        block's prompt activations stay alive until its last micro-batch's backward.
     """
+    if prompt_block < 1:
+        raise ValueError(f"prompt_block must be >= 1, got {prompt_block}")
     n_local = len(rollouts)
     if advantages.shape != (n_local,) or activations.shape[0] != n_local:
         raise ValueError(
@@ -139,18 +145,33 @@ def policy_update(
     advantages = advantages.to(device, torch.float32, non_blocking=True)
     activations = activations.to(device, torch.float32, non_blocking=True)
 
-    def forward(rows: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(logp [n, T], mask [n, T], behaviour logp [n, T], rows [n] on the device) of these rollouts."""
-        if share_prefix:
-            batch = prefix.prefix_batch(rollouts, rows, injector, pad_id=pad_id).to(device)
-            logp = prefix.prefix_logprobs(actor, injector, batch, activations[batch.prompt_sources])
-            return logp, batch.mask, batch.behavior_logp, batch.rows
-        chunk = [rollouts[i] for i in rows]
-        batch = response_batch(chunk, pad_id=pad_id, device=device)
-        index = torch.tensor(rows, device=device)
-        with injector.inject(batch.input_ids, activations[index]):
-            logp = response_logprobs(actor, batch.input_ids, batch.attention_mask, batch.positions, batch.targets)
-        return logp, batch.mask, batch.behavior_logp, index
+    def micro_batch_logprobs(size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """(logp [n, T], mask [n, T], behaviour logp [n, T], rows [n] on the device) per micro-batch
+        of `size` samples, in `plan_micro_batches` order.
+
+        With `share_prefix` the prompts of `prompt_block` consecutive micro-batches run in one
+        forward, whose backward runs when the caller asks for the micro-batch after the block's
+        last: by then each micro-batch's own backward has summed its gradient into the prompts' states.
+        """
+        plan = prefix.plan_micro_batches(rollouts, size)
+        if not share_prefix:
+            for rows in plan:
+                batch = response_batch([rollouts[i] for i in rows], pad_id=pad_id, device=device)
+                index = torch.tensor(rows, device=device)
+                with injector.inject(batch.input_ids, activations[index]):
+                    logp = response_logprobs(actor, batch.input_ids, batch.attention_mask, batch.positions, batch.targets)
+                yield logp, batch.mask, batch.behavior_logp, index
+            return
+        for first in range(0, len(plan), prompt_block):
+            block = plan[first : first + prompt_block]
+            whole = prefix.prefix_batch(rollouts, [i for rows in block for i in rows], injector, pad_id=pad_id)
+            parts = whole.split([len(rows) for rows in block])
+            whole = whole.to(device)
+            states = prefix.prompt_forward(actor, injector, whole, activations[whole.prompt_sources], defer_gradient=True)
+            for part in parts:
+                part = part.to(device)
+                yield prefix.response_logprobs(actor, states, part), part.mask, part.behavior_logp, part.rows
+            states.backward()
 
     # --- reference log-probs: one no-grad pass, larger micro-batches ------------------------
     width = max((r.response_len for r in rollouts), default=1)
@@ -160,8 +181,7 @@ def policy_update(
     if run_reference:
         reference = torch.zeros(n_local, max(1, width), device=device)
         with torch.no_grad(), reference_policy(actor):
-            for rows in prefix.plan_micro_batches(rollouts, reference_micro_batch or 4 * micro_batch):
-                ref_logp, _, _, index = forward(rows)
+            for ref_logp, _, _, index in micro_batch_logprobs(reference_micro_batch or 4 * micro_batch):
                 reference[index, : ref_logp.shape[1]] = ref_logp
 
     # --- policy forward + loss + backward, micro-batch by micro-batch -------------------------
@@ -170,8 +190,7 @@ def policy_update(
     sums = dict(loss=zero, kl=zero, clip=zero, outside=zero, tis=zero, diff=zero, tokens=zero, masked=zero)
     diff_max = zero
     decoupled = loss.tis not in ("ratio_cap", None)
-    for rows in prefix.plan_micro_batches(rollouts, micro_batch):
-        logp, mask, behavior, index = forward(rows)
+    for logp, mask, behavior, index in micro_batch_logprobs(micro_batch):
         diff = torch.where(mask, (behavior - logp.detach()).abs(), torch.zeros_like(logp))
         if mismatch_threshold is not None:
             off_policy = diff.sum(-1) / mask.sum(-1).clamp_min(1) > mismatch_threshold

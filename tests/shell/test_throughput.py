@@ -86,11 +86,13 @@ def test_shared_prefix_update_equals_todays_full_sequence_update(ragged_batch, o
     assert grad.abs().sum() > 0 and kl > 0 and diff > 0.05
     assert clip > 0 or options.tis != "ratio_cap"  # decoupled TIS takes ratios against the trainer: 1
     optimizer = torch.optim.SGD(trainable_parameters(actor), lr=0.0)
-    # micro-batch 2 splits groups (each piece computes its prompt), 4 mixes prompt lengths.
-    for share_prefix, micro_batch in ((True, 2), (True, 4), (False, 4)):
+    # micro-batch 2 splits groups (each piece computes its prompt, or the block's prompt forward
+    # serves several), 4 mixes prompt lengths; prompt blocks of 1 and 2 micro-batches defer each
+    # prompt backward past 1 and 2 response backwards.
+    for share_prefix, micro_batch, block in ((True, 2, 1), (True, 2, 2), (True, 2, 4), (True, 4, 4), (False, 4, 4)):
         stats = policy_update(actor, injector, optimizer, rollouts, advantages, acts, loss=options,
                               micro_batch=micro_batch, reference_micro_batch=3, max_grad_norm=1e9, pad_id=pad,
-                              share_prefix=share_prefix, step_optimizer=False)
+                              share_prefix=share_prefix, step_optimizer=False, prompt_block=block)
         new_grad = torch.cat([p.grad.flatten() for p in trainable_parameters(actor)])
         torch.testing.assert_close(new_grad, grad, rtol=1e-4, atol=1e-7)
         assert stats.loss == pytest.approx(loss, rel=1e-4, abs=1e-8)
@@ -117,6 +119,30 @@ def test_shared_prefix_logprobs_equal_the_full_forward_and_the_injection_reaches
         other = prefix.prefix_logprobs(actor, injector, batch, acts[batch.prompt_sources].flip(0))
     torch.testing.assert_close(shared[batch.mask], expected[full.mask], rtol=1e-5, atol=1e-5)
     assert float((other - shared)[batch.mask].abs().max()) > 1e-3
+
+
+def test_split_batches_keep_every_prompt_and_trim_their_responses(ragged_batch):
+    _, injector, tokenizer, rollouts, _ = ragged_batch
+    order = prefix.plan_micro_batches(rollouts, 3)
+    rows = [i for part in order for i in part]
+    whole = prefix.prefix_batch(rollouts, rows, injector, pad_id=tokenizer.pad_token_id)
+    parts = whole.split([len(part) for part in order])
+    assert [p.rows.tolist() for p in parts] == order
+    for part in parts:
+        assert part.prompt_ids is whole.prompt_ids  # owner still indexes the block's prompts
+        lengths = [rollouts[i].response_len for i in part.rows.tolist()]
+        assert part.response_ids.shape[1] == max(lengths) and part.mask.sum(-1).tolist() == lengths
+        torch.testing.assert_close(part.owner, whole.owner[[rows.index(i) for i in part.rows.tolist()]])
+    with pytest.raises(ValueError, match="do not add up"):
+        whole.split([1])
+
+
+def test_a_prompt_block_below_one_is_refused(ragged_batch):
+    actor, injector, tokenizer, rollouts, acts = ragged_batch
+    optimizer = torch.optim.SGD(trainable_parameters(actor), lr=0.0)
+    with pytest.raises(ValueError, match="prompt_block"):
+        policy_update(actor, injector, optimizer, rollouts, torch.zeros(len(rollouts)), acts, loss=LossOptions(),
+                      micro_batch=2, max_grad_norm=1.0, pad_id=tokenizer.pad_token_id, prompt_block=0)
 
 
 def test_a_group_with_two_prompts_is_refused(ragged_batch):

@@ -618,9 +618,10 @@ def across_ranks(results: dict) -> None:
     world = distributed.rank_info().world_size
     for phases, _, flops in results.values():
         names, keys = sorted(phases), sorted(flops)
-        maxima = distributed.all_reduce_max([phases[n]["s"] for n in names] + [phases[n]["peak_gib"] for n in names])
+        measures = ("s", "peak_gib", "in_use_gib")
+        maxima = distributed.all_reduce_max([phases[n].get(m, math.nan) for m in measures for n in names])
         for i, name in enumerate(names):
-            phases[name] = {"s": maxima[i], "peak_gib": maxima[len(names) + i]}
+            phases[name] = {m: maxima[j * len(names) + i] for j, m in enumerate(measures)}
         sums = distributed.all_reduce_sum([flops[k] for k in keys])
         flops.update({k: v / world for k, v in zip(keys, sums)})
 

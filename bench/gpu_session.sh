@@ -59,6 +59,8 @@
 #   W3        (after parts 1-3) carry p4 and .bnb: install vLLM; bench_step 256x8 with vLLM as a plain process,
 #             critic micro-batch 64, prompt blocks of 4 micro-batches, the device's memory in use sampled;
 #             then bench_update with one prompt forward per micro-batch (pb1) against blocks of 4
+#   W4        (after parts 1-3) carry p4 and .bnb: W3's step again (a second sample; W3 lost the device's memory
+#             in use to bench_step's rank reduction, fixed since)
 set -uo pipefail
 stage=$1
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -226,7 +228,7 @@ case $stage in
       --profile-micro-batches 0 --out $OUT/critic.json > $OUT/critic.log 2>&1
     grep -h "^\[update\]\|^\[critic\]\|^\[idle\]\|^\[lead\]\|^\[setup\]\|rror" $OUT/update.log $OUT/critic.log
     pack W2 ;;
-  W3)
+  W3|W4)
     mkdir -p /tmp/parts && cp .device-carry/vllm/p4/* /tmp/parts/ && cp -r .bnb /tmp/bnb
     vllm_install > "$OUT/install.log" 2>&1; source /tmp/vllm_env.sh
     export PYTHONPATH=$PYTHONPATH:/tmp/bnb VLLM_LOGGING_LEVEL=WARNING
@@ -234,6 +236,7 @@ case $stage in
       --critic-micro-batch 64 --reference-micro-batch 64 --prompt-block 4 --vllm-max-seqs 1024 \
       --out $OUT/step.json > $OUT/step.log 2>&1
     grep -h "^\[vllm\]\|^\[engine\]\|^\[step\]\|^\[path\]\|rror" $OUT/step.log | grep -v "^INFO\|^WARNING"
+    [ "$stage" = W4 ] && { pack W4; exit 0; }
     timeout -k 10 $((585 - SECONDS)) python3 bench/bench_update.py --cases 32x8 --variants 64:bf16+compile+pb1,64:bf16+compile \
       --lead --profile-micro-batches 0 --out $OUT/update.json > $OUT/update.log 2>&1
     grep -h "^\[update\]\|^\[lead\]\|rror" $OUT/update.log

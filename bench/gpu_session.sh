@@ -61,6 +61,8 @@
 #             then bench_update with one prompt forward per micro-batch (pb1) against blocks of 4
 #   W4        (after parts 1-3) carry p4 and .bnb: W3's step again (a second sample; W3 lost the device's memory
 #             in use to bench_step's rank reduction, fixed since)
+#   W5        (an x2 machine, after parts 1-3, with the session's last ~6 device minutes) carry p4 and .bnb: W3's
+#             step as a 2-rank torchrun job, each rank with its own vLLM engine
 set -uo pipefail
 stage=$1
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -241,6 +243,15 @@ case $stage in
       --lead --profile-micro-batches 0 --out $OUT/update.json > $OUT/update.log 2>&1
     grep -h "^\[update\]\|^\[lead\]\|rror" $OUT/update.log
     pack W3 ;;
+  W5)
+    mkdir -p /tmp/parts && cp .device-carry/vllm/p4/* /tmp/parts/ && cp -r .bnb /tmp/bnb
+    vllm_install > "$OUT/install.log" 2>&1; source /tmp/vllm_env.sh
+    export PYTHONPATH=$PYTHONPATH:/tmp/bnb VLLM_LOGGING_LEVEL=WARNING
+    timeout -k 10 $((330 - SECONDS)) python3 bench/bench_step.py --engine vllm --cases 256x8 --paths after_all --micro-batch 64 \
+      --critic-micro-batch 64 --reference-micro-batch 64 --prompt-block 4 --vllm-max-seqs 1024 --ranks 2 \
+      --case-timeout 300 --out $OUT/step_ranks2.json > $OUT/step_ranks2.log 2>&1
+    grep -h "^\[vllm\]\|^\[engine\]\|^\[step\]\|^\[path\]\|rror" $OUT/step_ranks2.log | grep -v "^INFO\|^WARNING"
+    tail -3 $OUT/step_ranks2.log; pack W5 ;;
   U2|U3)
     source /tmp/vllm_env.sh; export PYTHONPATH=$PYTHONPATH:/tmp/bnb VLLM_LOGGING_LEVEL=WARNING
     seqs=$(python3 -c "import json; r={n: json.load(open(f'/tmp/keep/vllm{n}.json'))['results'][0]['timings']['2048']['rollout_s'] for n in (512, 1024)}; print(min(r, key=r.get))" 2>/dev/null || echo 512)

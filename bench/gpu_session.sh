@@ -247,7 +247,7 @@ case $stage in
     mkdir -p /tmp/parts && cp .device-carry/vllm/p4/* /tmp/parts/ && cp -r .bnb /tmp/bnb
     vllm_install > "$OUT/install.log" 2>&1; source /tmp/vllm_env.sh
     export PYTHONPATH=$PYTHONPATH:/tmp/bnb VLLM_LOGGING_LEVEL=WARNING
-    timeout -k 10 $((330 - SECONDS)) python3 bench/bench_step.py --engine vllm --cases 256x8 --paths after_all --micro-batch 64 \
+    timeout -k 5 $((315 - SECONDS)) python3 bench/bench_step.py --engine vllm --cases 256x8 --paths after_all --micro-batch 64 \
       --critic-micro-batch 64 --reference-micro-batch 64 --prompt-block 4 --vllm-max-seqs 1024 --ranks 2 \
       --case-timeout 300 --out $OUT/step_ranks2.json > $OUT/step_ranks2.log 2>&1
     grep -h "^\[vllm\]\|^\[engine\]\|^\[step\]\|^\[path\]\|rror" $OUT/step_ranks2.log | grep -v "^INFO\|^WARNING"

@@ -108,10 +108,16 @@ class TrainConfig:
     reference (its LoRA products are float32)."""
     compile_blocks: bool = False
     """torch.compile (dynamic shapes) the norms, MLPs, LoRA layers and rotary embedding of the actor's and
-    the AR's decoder blocks, fusing their element-wise kernels; the rest of the attention modules stays
-    eager. Costs a compilation (tens of seconds) in the first step; same arithmetic up to float rounding."""
+    the AR's decoder blocks, and the actor's log-prob head's per-chunk arithmetic, fusing their element-wise
+    kernels; the rest of the attention modules stays eager. Costs a compilation (tens of seconds) in the
+    first step; same arithmetic up to float rounding."""
     logp_micro_batch: int = 2
     """Sequences per micro-batch in the training / reference forward."""
+    logp_prompt_block: int = 4
+    """Micro-batches whose groups' shared prompts run in one forward, and one backward after the
+    block's last micro-batch (an nla addition, like the prompt sharing itself; 1: one prompt forward
+    per micro-batch). A prompt forward is little arithmetic but a whole pass of host work, while the
+    GPU waits; a larger block keeps its prompts' activations alive longer."""
     resume_from_lora: str | None = None
     """PEFT adapter dir to start the actor from (a fresh run only; checkpoints resume themselves)."""
     start_step: int = 0
@@ -258,7 +264,7 @@ RESUME_MUTABLE_KEYS: frozenset[str] = frozenset(
         # Where it runs and where it reports, not what it computes.
         "save_dir", "resume", "overwrite", "logger", "wandb_project", "wandb_name", "device",
         # Memory/speed knobs: mathematically neutral (not bit-exact: summation order moves).
-        "logp_micro_batch", "critic_micro_batch", "gradient_checkpointing", "compile_blocks",
+        "logp_micro_batch", "logp_prompt_block", "critic_micro_batch", "gradient_checkpointing", "compile_blocks",
         "vllm_gpu_mem", "vllm_max_len", "vllm_tp", "vllm_sleep", "vllm_prefix_caching", "vllm_max_seqs",
     }
 )
@@ -279,7 +285,7 @@ def _check_train_config(cfg: TrainConfig) -> None:
     )
     for key in (
         "num_steps", "batch_prompts", "max_new_tokens", "lora_r", "lora_alpha",
-        "logp_micro_batch", "critic_micro_batch", "max_explanation_tokens",
+        "logp_micro_batch", "logp_prompt_block", "critic_micro_batch", "max_explanation_tokens",
         "vllm_max_len", "vllm_tp", "vllm_max_seqs", "save_every",
     ):
         require(getattr(cfg, key) >= 1, key, getattr(cfg, key), "use an integer >= 1")

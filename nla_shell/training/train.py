@@ -505,6 +505,7 @@ def run_ranked(cfg: TrainConfig, rank: RankInfo, device: torch.device, dtype: to
             actor, injector, optimizer, rollouts, advantages, golds,
             loss=loss_options, micro_batch=cfg.logp_micro_batch, max_grad_norm=cfg.max_grad_norm,
             pad_id=tokenizer.pad_token_id, mismatch_threshold=cfg.mismatch_threshold,
+            prompt_block=cfg.logp_prompt_block,
         )
         if not update.stepped:  # the grad norm is global: every rank skips together
             skipped_steps += 1

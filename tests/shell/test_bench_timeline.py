@@ -68,8 +68,9 @@ def test_host_lead_marks_every_block_in_every_pass_of_an_update(tmp_path):
                     "--variants", "2", "--profile-micro-batches", "0", "--lead", "--out", str(out)],
                    check=True, capture_output=True, text=True, timeout=300)
     lead = json.loads(out.read_text())["cases"][0]["lead"]
-    # 3 tiny blocks; 2 groups of 2 in micro-batches of 2: 2 micro-batches, each a prompt forward and a
-    # response forward; the reference pass (micro-batch 64) runs both groups in one.
-    assert lead["forward"]["marks"] == 3 * 2 * 2
+    # 3 tiny blocks; 2 groups of 2 in micro-batches of 2: 2 micro-batches sharing one prompt forward
+    # (a prompt block) and its deferred backward, each with a response forward and backward; the
+    # reference pass (micro-batch 64) runs both groups in one prompt and one response forward.
+    assert lead["forward"]["marks"] == 3 * (1 + 2)
     assert lead["no-grad forward"]["marks"] == 3 * 2
-    assert lead["backward"]["marks"] == 3 * 2 * 2
+    assert lead["backward"]["marks"] == 3 * (2 + 1)

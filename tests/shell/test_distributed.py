@@ -128,7 +128,10 @@ def _assert_metrics_close(actual: list[dict], expected: list[dict]) -> None:
         assert a.keys() == e.keys()
         for key in e:
             if isinstance(e[key], float) and isinstance(a[key], float):
-                assert math.isclose(a[key], e[key], rel_tol=1e-4, abs_tol=1e-6), (a["step"], key, a[key], e[key])
+                # The behaviour-trainer gap is float32 noise here (~1e-6): each rank's prompt blocks pad
+                # other prompt sets (masked attention where one process needs none), moving it by as much.
+                noise = 1e-5 if key.startswith("logp_diff") else 1e-6
+                assert math.isclose(a[key], e[key], rel_tol=1e-4, abs_tol=noise), (a["step"], key, a[key], e[key])
             else:
                 assert a[key] == e[key], (a["step"], key, a[key], e[key])
 

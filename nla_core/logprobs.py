@@ -88,15 +88,18 @@ def token_logprobs(
 
 
 def _capped(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """float32_or_wider(logits), soft-capped to c * tanh(z / c) when softcap = c is given."""
     z = float32_or_wider(logits)
     return z if softcap is None else softcap * torch.tanh(z / softcap)
 
 
-def chunk_logprobs(logits: torch.Tensor, targets: torch.Tensor, softcap: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+def chunk_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, softcap: float | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(logp, lse) of one chunk: z = cap(float32(logits)), lse = logsumexp(z), logp = z[target] - lse.
 
     Args: logits: [R, V] in the matmul's dtype; targets: [R] int64. Returns two [R] float32 (or wider).
-    Element-wise over the chunk, so a compiler fuses it into one pass over the logits.
+    Row-wise over the chunk, so a compiler fuses it into a few passes over the logits.
     """
     z = _capped(logits, softcap)
     lse = torch.logsumexp(z, dim=-1)
@@ -114,9 +117,9 @@ def chunk_logit_grads(
     z = _capped(logits, softcap)
     g = grad.to(lse.dtype).unsqueeze(-1)
     d_z = -g * torch.exp(z - lse.unsqueeze(-1))
-    d_z = d_z.scatter_add(-1, targets.unsqueeze(-1), g)
-    if softcap is not None:
-        d_z = d_z * (1 - (z / softcap) ** 2)
+    d_z.scatter_add_(-1, targets.unsqueeze(-1), g)
+    if softcap is not None:  # d(c tanh(x / c))/dx = 1 - tanh^2 = 1 - (z / c)^2
+        d_z *= 1 - (z / softcap) ** 2
     return d_z.to(logits.dtype)
 
 

@@ -486,7 +486,8 @@ def response_logprobs(
 
 def hidden_logprobs(lm: nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """log softmax(lm_head(hidden))[targets] through the fused, chunked head, with the family's
-    final-logit soft-capping; each chunk's arithmetic compiled while a CompiledBlockParts holds `lm`. Args: hidden: [n, T, D] final hidden states; targets: [n, T]. Returns [n, T] float32."""
+    final-logit soft-capping; each chunk's arithmetic compiled while a CompiledBlockParts holds `lm`.
+    Args: hidden: [n, T, D] final hidden states; targets: [n, T]. Returns [n, T] float32."""
     return nla_core.token_logprobs_from_hidden(
         hidden, lm.get_output_embeddings().weight, targets, softcap=families.final_logit_softcap(lm),
         chunk_size=LOGPROB_CHUNK_TOKENS, kernels=_compiled_heads.get(lm, nla_core.ChunkKernels()),

@@ -159,7 +159,8 @@ def policy_update(
                 batch = response_batch([rollouts[i] for i in rows], pad_id=pad_id, device=device)
                 index = torch.tensor(rows, device=device)
                 with injector.inject(batch.input_ids, activations[index]):
-                    logp = response_logprobs(actor, batch.input_ids, batch.attention_mask, batch.positions, batch.targets)
+                    logp = response_logprobs(
+                        actor, batch.input_ids, batch.attention_mask, batch.positions, batch.targets)
                 yield logp, batch.mask, batch.behavior_logp, index
             return
         for first in range(0, len(plan), prompt_block):
@@ -167,7 +168,8 @@ def policy_update(
             whole = prefix.prefix_batch(rollouts, [i for rows in block for i in rows], injector, pad_id=pad_id)
             parts = whole.split([len(rows) for rows in block])
             whole = whole.to(device)
-            states = prefix.prompt_forward(actor, injector, whole, activations[whole.prompt_sources], defer_gradient=True)
+            states = prefix.prompt_forward(
+                actor, injector, whole, activations[whole.prompt_sources], defer_gradient=True)
             for part in parts:
                 part = part.to(device)
                 yield prefix.response_logprobs(actor, states, part), part.mask, part.behavior_logp, part.rows

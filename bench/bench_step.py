@@ -45,10 +45,10 @@ completeness: decoding is bound by memory bandwidth, not arithmetic.
 
 --engine vllm runs vLLM beside the trainer in sleep mode (--vllm-sleep, default 2: weights
 and KV cache freed after each rollout, the actor pushed at each wake-up), so vLLM's share
-(--vllm-gpu-mem) is taken only while it generates: at 256 x 8 the trainer peaks at ~107 GiB
-in the update and holds an estimated ~71 GiB between phases (bf16 actor 15 GiB, AR 11, the
-AR's torch AdamW state ~43, the LoRA's ~1.5; printed as "resident" before each rollout), so
-0.35 of 140 GiB fits beside the latter, not the former. The rollout's time is wake + push +
+(--vllm-gpu-mem) is taken only while it generates. Each phase's "in use" is the device's memory
+taken by everything (sampled, `synthetic.DeviceMemoryPeak`); torch's peak counter also counts
+sleeping vLLM's unmapped memory (at 256 x 8, micro-batch 64, critic 64, AdamW8bit: 103.9 GiB in
+use at most, 145 GiB by torch's counter; sixth session). The rollout's time is wake + push +
 generate + sleep; vLLM's own split of it and its KV capacity are printed.
 
 --ranks 1,2 runs the whole benchmark once per world size, each as a torchrun job (gloo on

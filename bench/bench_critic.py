@@ -112,9 +112,7 @@ def main() -> None:
             with syn.trainer_options(ar.lm, bf16_autocast=False, compiled=(ar.lm,) if variant.compiled else ()):
                 call(variant, min(args.inputs, 2 * variant.micro_batch))()  # compilation, allocator growth
                 syn.free_memory(device)
-                syn.reset_peak(device)
-                seconds, (scores, loss, grad_norm) = syn.timed(call(variant, args.inputs), device)
-                peak = syn.peak_gib(device)
+                seconds, (scores, loss, grad_norm), memory = syn.measured(call(variant, args.inputs), device)
                 profiled = {}
                 if args.profile_micro_batches:
                     n = min(args.inputs, args.profile_micro_batches * variant.micro_batch)
@@ -126,11 +124,11 @@ def main() -> None:
         tflops = flops / seconds / 1e12
         case = {"variant": variant.name, "micro_batch": variant.micro_batch, "compiled": variant.compiled,
                 "inputs": args.inputs, "ar_tokens": ar_tokens, "s": seconds, "tflops": tflops,
-                "pct_peak": 100 * tflops / PEAK_TFLOPS, "peak_gib": peak, "loss": loss, "grad_norm": grad_norm,
+                "pct_peak": 100 * tflops / PEAK_TFLOPS, **memory, "loss": loss, "grad_norm": grad_norm,
                 "scored": int(scores.valid.sum()), **profiled}
         record.add(case)
         print(f"[critic] {label}: {seconds:.2f}s, {tflops:.1f} TF/s ({case['pct_peak']:.0f}% of peak), "
-              f"peak {peak:.1f} GiB, loss {loss:.6f} grad_norm {grad_norm:.4e}", flush=True)
+              f"peak {memory['peak_gib']:.1f} GiB, loss {loss:.6f} grad_norm {grad_norm:.4e}", flush=True)
         if "idle" in profiled:
             print_gaps(label, profiled)
     print(f"saved {record.path}")

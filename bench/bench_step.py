@@ -108,7 +108,7 @@ def parse_args() -> argparse.Namespace:
                         help="after: samples per reference forward (default 4 x --micro-batch)")
     parser.add_argument("--critic-micro-batch", type=int, default=32, help="after: AR inputs per critic forward")
     parser.add_argument("--prompt-block", type=int, default=None,
-                        help="after: micro-batches per prompt forward (default: policy_update's)")
+                        help="after: micro-batches per prompt forward (default TrainConfig.logp_prompt_block)")
     parser.add_argument("--before-critic-micro-batch", type=int, default=None,
                         help="before: AR inputs per forward (default TrainConfig's critic_micro_batch)")
     parser.add_argument("--engine", default="native", choices=["native", "hf", "vllm"])
@@ -333,10 +333,9 @@ def run_path(ctx: Context, path: str, rollouts, golds, args, *, critic_on: bool,
                         else ctx.critic_optimizer)
 
     def phase(name, fn):
-        syn.reset_peak(device)
-        with profiled(profile_dir, f"{path}_{name}", device), syn.DeviceMemoryPeak(device) as in_use:
-            seconds, out = syn.timed(fn, device)
-        phases[name] = {"s": seconds, "peak_gib": syn.peak_gib(device), "in_use_gib": in_use.peak_gib}
+        with profiled(profile_dir, f"{path}_{name}", device):
+            seconds, out, memory = syn.measured(fn, device)
+        phases[name] = {"s": seconds, **memory}
         return out
 
     critic_loss = critic_norm = math.nan
@@ -354,7 +353,7 @@ def run_path(ctx: Context, path: str, rollouts, golds, args, *, critic_on: bool,
         micro_batch=args.before_micro_batch if before else args.micro_batch, max_grad_norm=d["max_grad_norm"],
         pad_id=pad, share_prefix=not before,
         reference_micro_batch=args.before_micro_batch if before else args.reference_micro_batch,
-        step_optimizer=not keep_weights, **({"prompt_block": args.prompt_block} if args.prompt_block and not before else {})))
+        step_optimizer=not keep_weights, prompt_block=args.prompt_block or d["logp_prompt_block"]))
     if critic_on and before:
         kept = [i for i, ids in enumerate(scores.ar_inputs) if ids is not None]
         critic_loss, critic_norm = phase("critic", lambda: critic_step(
@@ -401,15 +400,12 @@ def grpo_step(ctx: Context, requests, group: int, new_tokens: int, args, *, path
 
 
 def timed_rollout(ctx: Context, requests, group: int, new_tokens: int):
-    """({"s", "capture_s", "peak_gib"}, rollouts): seconds without the CUDA-graph captures (a fresh
+    """({"s", "capture_s", "peak_gib", "in_use_gib"}, rollouts): seconds without the CUDA-graph captures (a fresh
     engine captures on first use of a shape, see `recapture`)."""
-    syn.reset_peak(ctx.device)
-    with syn.DeviceMemoryPeak(ctx.device) as in_use:
-        seconds, rollouts = syn.timed(lambda: ctx.engine.generate(requests, group_size=group, max_new_tokens=new_tokens),
-                                      ctx.device)
+    seconds, rollouts, memory = syn.measured(
+        lambda: ctx.engine.generate(requests, group_size=group, max_new_tokens=new_tokens), ctx.device)
     capture = getattr(ctx.engine, "last_stats", {}).get("capture_s", 0.0)
-    return {"s": seconds - capture, "capture_s": capture, "peak_gib": syn.peak_gib(ctx.device),
-            "in_use_gib": in_use.peak_gib}, rollouts
+    return {"s": seconds - capture, "capture_s": capture, **memory}, rollouts
 
 
 def compare_numbers(a: dict, b: dict) -> dict[str, float]:
@@ -577,7 +573,7 @@ def run(args, rank, device: torch.device) -> None:
                     "micro_batch": args.before_micro_batch if path == "before" else args.micro_batch, "phases": phases, "flops": flops,
                     "step_s": sum(p["s"] for p in phases.values()),
                     "peak_gib": max(p["peak_gib"] for p in phases.values()),
-                    "in_use_gib": max(p.get("in_use_gib", math.nan) for p in phases.values()),
+                    "in_use_gib": max(p["in_use_gib"] for p in phases.values()),
                     "numbers": {k: v for k, v in numbers.items() if k != "reward"}, **extra}
             record.add(case)
             print(f"[step] {label} {path}: {case['step_s']:.2f}s, peak {case['peak_gib']:.1f} GiB "
@@ -619,7 +615,7 @@ def across_ranks(results: dict) -> None:
     for phases, _, flops in results.values():
         names, keys = sorted(phases), sorted(flops)
         measures = ("s", "peak_gib", "in_use_gib")
-        maxima = distributed.all_reduce_max([phases[n].get(m, math.nan) for m in measures for n in names])
+        maxima = distributed.all_reduce_max([phases[n][m] for m in measures for n in names])
         for i, name in enumerate(names):
             phases[name] = {m: maxima[j * len(names) + i] for j, m in enumerate(measures)}
         sums = distributed.all_reduce_sum([flops[k] for k in keys])

@@ -10,6 +10,10 @@ so one variant costs seconds, not minutes, and no engine or AR is built. Per var
   gpu busy     kernel time / wall time over a profiled update of a few micro-batches:
                the share of the time the GPU computes (the rest it waits on the host)
   syncs        host synchronisations in that profiled update (torch.cuda sync debug mode)
+  idle         kernels and idle seconds in that profiled update, and the host ops the GPU waited on
+               (`timeline.idle_gaps`)
+  lead         with --lead, per pass how far the host ran ahead of the GPU and where the GPU waited
+               (`timeline.HostLead`, one more update without the profiler)
   peak GiB     torch.cuda.max_memory_allocated during the timed update
 
 A variant is MICRO_BATCH[:OPTION+OPTION...], options `bf16` (bf16_autocast), `compile`
@@ -18,7 +22,7 @@ it was before the LoRA layers joined: norms and MLPs only), `norotary` (with `co
 embedding and the log-prob head left eager, compile_blocks before the rotary joined), `nohead` (with
 `compile`: the log-prob head's chunk arithmetic left eager, compile_blocks before it joined), `refN` (the reference pass at N samples a
 forward instead of --reference-micro-batch), `pbN` (the prompts of N micro-batches in one forward
-instead of policy_update's default; pb1: one prompt forward per micro-batch, as before prompt blocks), `noref`
+instead of TrainConfig.logp_prompt_block; pb1: one prompt forward per micro-batch, as before prompt blocks), `noref`
 (no reference pass: kl_beta 0 and no KL metric;
 its time against the same variant's with the pass is the pass's) and `synced` (the shared-prefix forward as it was before
 its host synchronisations were removed: the prompt mask always passed, so transformers reads it on
@@ -33,7 +37,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import inspect
 import json
 import math
 import sys
@@ -226,15 +229,13 @@ def main() -> None:
     advantages = torch.randn(len(rollouts), generator=torch.Generator().manual_seed(2))
     flops = path_flops(config, rollouts, shared_prefix=True, ar_tokens=[], critic_layers=0)["update"]
 
-    default_prompt_block = inspect.signature(policy_update).parameters["prompt_block"].default
-
     def update(variant: Variant, n: int):
         return lambda: policy_update(
             actor, injector, optimizer, rollouts[:n], advantages[:n], activations[:n],
             loss=LossOptions(kl_beta=0.0, kl_metric=False) if "noref" in variant.options else LossOptions(),
             micro_batch=variant.micro_batch, max_grad_norm=defaults["max_grad_norm"], pad_id=tokenizer.pad_token_id,
             reference_micro_batch=variant.reference_micro_batch(args.reference_micro_batch),
-            prompt_block=variant.prompt_block(default_prompt_block), step_optimizer=False)
+            prompt_block=variant.prompt_block(defaults["logp_prompt_block"]), step_optimizer=False)
 
     print(f"[setup] {args.prompts}x{args.group}, prompt {args.prompt_len} + {args.new_tokens} tokens, "
           f"{flops / 1e15:.2f} PFLOP per update", flush=True)
@@ -245,9 +246,7 @@ def main() -> None:
                 warm = min(len(rollouts), 2 * max(variant.micro_batch, args.group))
                 update(variant, warm)()  # first-use costs (compilation, allocator growth)
                 syn.free_memory(device)
-                syn.reset_peak(device)
-                seconds, stats = syn.timed(update(variant, len(rollouts)), device)
-                peak = syn.peak_gib(device)
+                seconds, stats, memory = syn.measured(update(variant, len(rollouts)), device)
                 profiled = {}
                 if args.profile_micro_batches:
                     n = min(len(rollouts), args.profile_micro_batches * variant.micro_batch)
@@ -266,11 +265,11 @@ def main() -> None:
         tflops = math.nan if "noref" in variant.options else flops / seconds / 1e12  # flops count the reference pass
         case = {"variant": variant.name, "micro_batch": variant.micro_batch, "options": sorted(variant.options),
                 "prompts": args.prompts, "group": args.group, "s": seconds, "tflops": tflops,
-                "pct_peak": 100 * tflops / PEAK_TFLOPS, "peak_gib": peak, "loss": stats.loss,
+                "pct_peak": 100 * tflops / PEAK_TFLOPS, **memory, "loss": stats.loss,
                 "grad_norm": stats.grad_norm, **profiled}
         record.add(case)
         print(f"[update] {label}: {seconds:.2f}s, {tflops:.1f} TF/s ({case['pct_peak']:.0f}% of peak), "
-              f"peak {peak:.1f} GiB, gpu busy {profiled.get('gpu_busy', math.nan):.0%}, "
+              f"peak {memory['peak_gib']:.1f} GiB, gpu busy {profiled.get('gpu_busy', math.nan):.0%}, "
               f"syncs {profiled.get('syncs', 'n/a')} in {args.profile_micro_batches} micro-batches; "
               f"loss {stats.loss:+.6e} grad_norm {stats.grad_norm:.6e}", flush=True)
         if "idle" in profiled:

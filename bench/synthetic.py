@@ -221,6 +221,15 @@ class DeviceMemoryPeak:
             self.peak_gib = max(self.peak_gib, self._sample())
 
 
+def measured(fn: Callable[[], Any], device: torch.device) -> tuple[float, Any, dict[str, float]]:
+    """(seconds, result, memory) of fn() as `timed` runs it; memory: torch's peak counter over the
+    call ("peak_gib") and the device's most memory in use ("in_use_gib", `DeviceMemoryPeak`)."""
+    reset_peak(device)
+    with DeviceMemoryPeak(device) as in_use:
+        seconds, result = timed(fn, device)
+    return seconds, result, {"peak_gib": peak_gib(device), "in_use_gib": in_use.peak_gib}
+
+
 def free_memory(device: torch.device) -> None:
     import gc
 

@@ -18,6 +18,8 @@ import time
 from collections import defaultdict
 from typing import Any
 
+import torch
+
 DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 """Chrome-trace categories of work on the device."""
 
@@ -117,27 +119,25 @@ class HostLead:
     """
 
     def __init__(self, blocks, *, starved_ms: float = 1.0) -> None:
-        import torch
-
-        self.torch, self.blocks, self.starved_ms = torch, list(blocks), starved_ms
+        self.blocks, self.starved_ms = list(blocks), starved_ms
         self.cuda = torch.cuda.is_available()
         """Without CUDA (CPU tests) the marks carry no events and every lead reads 0."""
         self.marks: list[tuple[str, float, Any]] = []
         self.handles: list[Any] = []
 
     def mark(self, label: str) -> None:
-        event = self.torch.cuda.Event(enable_timing=True) if self.cuda else None
+        event = torch.cuda.Event(enable_timing=True) if self.cuda else None
         if event is not None:
             event.record()
         self.marks.append((label, time.perf_counter(), event))
 
     def _sync(self) -> None:
         if self.cuda:
-            self.torch.cuda.synchronize()
+            torch.cuda.synchronize()
 
     def __enter__(self) -> "HostLead":
         def forward(module, args):
-            self.mark("forward" if self.torch.is_grad_enabled() else "no-grad forward")
+            self.mark("forward" if torch.is_grad_enabled() else "no-grad forward")
 
         def backward(module, grad_output):
             self.mark("backward")

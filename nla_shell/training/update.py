@@ -165,13 +165,11 @@ def policy_update(
             return
         for first in range(0, len(plan), prompt_block):
             block = plan[first : first + prompt_block]
-            whole = prefix.prefix_batch(rollouts, [i for rows in block for i in rows], injector, pad_id=pad_id)
-            parts = whole.split([len(rows) for rows in block])
-            whole = whole.to(device)
+            block_rows = [i for rows in block for i in rows]
+            whole = prefix.prefix_batch(rollouts, block_rows, injector, pad_id=pad_id).to(device)
             states = prefix.prompt_forward(
                 actor, injector, whole, activations[whole.prompt_sources], defer_gradient=True)
-            for part in parts:
-                part = part.to(device)
+            for part in whole.split([len(rows) for rows in block]):
                 yield prefix.response_logprobs(actor, states, part), part.mask, part.behavior_logp, part.rows
             states.backward()
 

@@ -61,8 +61,13 @@
 #             then bench_update with one prompt forward per micro-batch (pb1) against blocks of 4
 #   W4        (after parts 1-3) carry p4 and .bnb: W3's step again (a second sample; W3 lost the device's memory
 #             in use to bench_step's rank reduction, fixed since)
-#   W5        (an x2 machine, after parts 1-3, with the session's last ~6 device minutes) carry p4 and .bnb: W3's
-#             step as a 2-rank torchrun job, each rank with its own vLLM engine
+#   W5        (an x2 machine, after parts 1-3) carry p4 and .bnb: W3's step as a 2-rank torchrun job, each rank
+#             with its own vLLM engine (the sixth session gave it ~290 s and it did not end; the seventh ~540 s).
+#             The job's JSON stays in /tmp/keep for W6
+# Seventh session (2026-11-30, issue 12), on W5's machine:
+#   W6        GPU0: the same step as a 1-rank torchrun job (--keep-runs: bench_step prints the speed-up of W5's
+#             2 ranks against it; also the first GPU run of the 1-rank vLLM start-up fix); GPU1: W3's step as a
+#             plain process (a third one-GPU sample)
 set -uo pipefail
 stage=$1
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -243,15 +248,24 @@ case $stage in
       --lead --profile-micro-batches 0 --out $OUT/update.json > $OUT/update.log 2>&1
     grep -h "^\[update\]\|^\[lead\]\|rror" $OUT/update.log
     pack W3 ;;
-  W5)
-    mkdir -p /tmp/parts && cp .device-carry/vllm/p4/* /tmp/parts/ && cp -r .bnb /tmp/bnb
-    vllm_install > "$OUT/install.log" 2>&1; source /tmp/vllm_env.sh
-    export PYTHONPATH=$PYTHONPATH:/tmp/bnb VLLM_LOGGING_LEVEL=WARNING
-    timeout -k 5 $((315 - SECONDS)) python3 bench/bench_step.py --engine vllm --cases 256x8 --paths after_all --micro-batch 64 \
-      --critic-micro-batch 64 --reference-micro-batch 64 --prompt-block 4 --vllm-max-seqs 1024 --ranks 2 \
-      --case-timeout 300 --out $OUT/step_ranks2.json > $OUT/step_ranks2.log 2>&1
-    grep -h "^\[vllm\]\|^\[engine\]\|^\[step\]\|^\[path\]\|rror" $OUT/step_ranks2.log | grep -v "^INFO\|^WARNING"
-    tail -3 $OUT/step_ranks2.log; pack W5 ;;
+  W5|W6)
+    [ "$stage" = W5 ] && { mkdir -p /tmp/parts /tmp/keep && cp .device-carry/vllm/p4/* /tmp/parts/ && cp -r .bnb /tmp/bnb
+                           vllm_install > "$OUT/install.log" 2>&1; }
+    source /tmp/vllm_env.sh; export PYTHONPATH=$PYTHONPATH:/tmp/bnb VLLM_LOGGING_LEVEL=WARNING
+    W_ARGS="--engine vllm --cases 256x8 --paths after_all --micro-batch 64 --critic-micro-batch 64 \
+            --reference-micro-batch 64 --prompt-block 4 --vllm-max-seqs 1024"
+    if [ "$stage" = W5 ]; then
+      timeout -k 5 $((585 - SECONDS)) python3 bench/bench_step.py $W_ARGS --ranks 2 --case-timeout $((570 - SECONDS)) \
+        --out /tmp/keep/ranks.json > $OUT/step_ranks2.log 2>&1
+    else
+      lane 1 "timeout -k 10 560 python3 bench/bench_step.py $W_ARGS --out $OUT/step_plain.json > $OUT/step_plain.log 2>&1" &
+      lane 0 "timeout -k 5 575 python3 bench/bench_step.py $W_ARGS --ranks 1 --keep-runs --case-timeout 560 \
+              --out /tmp/keep/ranks.json > $OUT/step_ranks1.log 2>&1"
+      wait
+    fi
+    cp /tmp/keep/ranks.json "$OUT/" 2>/dev/null
+    grep -h "^\[vllm\]\|^\[engine\]\|^\[step\]\|^\[path\]\|scaling\|rror" $OUT/step_*.log | grep -v "^INFO\|^WARNING"
+    tail -3 $OUT/step_*.log; pack $stage ;;
   U2|U3)
     source /tmp/vllm_env.sh; export PYTHONPATH=$PYTHONPATH:/tmp/bnb VLLM_LOGGING_LEVEL=WARNING
     seqs=$(python3 -c "import json; r={n: json.load(open(f'/tmp/keep/vllm{n}.json'))['results'][0]['timings']['2048']['rollout_s'] for n in (512, 1024)}; print(min(r, key=r.get))" 2>/dev/null || echo 512)

@@ -68,6 +68,10 @@
 #   W6        GPU0: the same step as a 1-rank torchrun job (--keep-runs: bench_step prints the speed-up of W5's
 #             2 ranks against it; also the first GPU run of the 1-rank vLLM start-up fix); GPU1: W3's step as a
 #             plain process (a third one-GPU sample)
+#   (then, on the same machine, R2's parity legs without the quantised test: hf + native 6 seeds on GPU1,
+#   vLLM 6 seeds all on GPU0; vLLM's seed 5 clashed twice in its start-up profiling, see RESULTS.md)
+#   W7        (a fresh x2 machine, after parts 1-3) carry p4 and .bnb: install vLLM; learning parity at the trainer's
+#             vLLM defaults (prefix caching, max_num_seqs): hf 6 seeds on GPU1, vLLM 6 seeds in 3 lanes on GPU0
 set -uo pipefail
 stage=$1
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -265,7 +269,17 @@ case $stage in
     fi
     cp /tmp/keep/ranks.json "$OUT/" 2>/dev/null
     grep -h "^\[vllm\]\|^\[engine\]\|^\[step\]\|^\[path\]\|scaling\|rror" $OUT/step_*.log | grep -v "^INFO\|^WARNING"
-    tail -3 $OUT/step_*.log; pack $stage ;;
+    tail -n 3 $OUT/step_*.log; pack $stage ;;
+  W7)
+    mkdir -p /tmp/parts && cp .device-carry/vllm/p4/* /tmp/parts/ && cp -r .bnb /tmp/bnb
+    vllm_install > "$OUT/install.log" 2>&1; source /tmp/vllm_env.sh
+    export PYTHONPATH=$PYTHONPATH:/tmp/bnb OMP_NUM_THREADS=2 NLA_PARITY_DIR=/tmp/parity
+    CUDA_VISIBLE_DEVICES=1 python3 -c "import sys; from pathlib import Path; sys.path.insert(0, 'tests'); import parity; \
+      parity.demo_inputs(Path('/tmp/parity/demo'))" > "$OUT/parity_demo.log" 2>&1
+    NLA_PARITY_JSON=$OUT/parity.json NLA_PARITY_SEEDS=6 NLA_PARITY_ENGINES=hf,vllm NLA_PARITY_LANES=1,1,1,1,1,1 \
+      NLA_PARITY_VLLM_LANES=0,0,0 timeout -k 10 $((585 - SECONDS)) python3 -m pytest tests/gpu/test_learning_parity.py \
+      -q -s -p no:cacheprovider -k reaches 2>&1 | grep -v '^INFO\|^WARNING\|^(EngineCore\|Capturing' > "$OUT/parity.log"
+    grep "^\[parity\]\|^|\|passed\|failed" "$OUT/parity.log" ;;
   U2|U3)
     source /tmp/vllm_env.sh; export PYTHONPATH=$PYTHONPATH:/tmp/bnb VLLM_LOGGING_LEVEL=WARNING
     seqs=$(python3 -c "import json; r={n: json.load(open(f'/tmp/keep/vllm{n}.json'))['results'][0]['timings']['2048']['rollout_s'] for n in (512, 1024)}; print(min(r, key=r.get))" 2>/dev/null || echo 512)

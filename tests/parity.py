@@ -100,7 +100,10 @@ def demo_inputs(run_dir: Path, *, seed: int = 0) -> ParityInputs:
 VLLM_PROFILING_CLASH = ("Error in memory profiling", "No available memory for the cache blocks")
 """vLLM's start-up memory profiling reads the whole GPU's free memory, so another process that
 allocates or frees memory meanwhile breaks it (vllm-project/vllm#55827, #56830): such a leg is
-rerun once."""
+rerun, up to VLLM_STARTUP_ATTEMPTS starts in all."""
+VLLM_STARTUP_ATTEMPTS = 3
+"""Starts a leg gets when vLLM's profiling clashes. One retry was not enough with six vLLM legs on
+one GPU (seventh session: seed 5 clashed twice, as other legs ended during its profiling)."""
 VLLM_PROFILED = ("Available KV cache memory", "[sync] initial weight push")
 """Log lines after which a vLLM leg's start-up profiling is over: vLLM's own (V1 workers log the
 KV cache size it profiled) or, whatever vLLM prints, the trainer's once the engine is synced."""
@@ -136,7 +139,7 @@ def run_one(inputs: ParityInputs, out_dir: Path, *, engine: str, seed: int, step
             _nla("train", run / ("train.log" if attempts == 1 else f"train{attempts}.log"), env=env, hold_until=(lock, VLLM_PROFILED), save_dir=save_dir, **train)
             break
         except LegFailed as failed:
-            if attempts > 1 or not any(clash in failed.log_tail for clash in VLLM_PROFILING_CLASH):
+            if attempts >= VLLM_STARTUP_ATTEMPTS or not any(clash in failed.log_tail for clash in VLLM_PROFILING_CLASH):
                 raise
     records = [json.loads(line) for line in (save_dir / "metrics.jsonl").read_text().splitlines()]
     _nla("eval", run / "eval.log", env=env, av=save_dir / f"step_{steps:06d}" / "adapter", ar=inputs.ar,

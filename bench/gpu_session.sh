@@ -71,7 +71,8 @@
 #   (then, on the same machine, R2's parity legs without the quantised test: hf + native 6 seeds on GPU1,
 #   vLLM 6 seeds all on GPU0; vLLM's seed 5 clashed twice in its start-up profiling, see RESULTS.md)
 #   W7        (a fresh x2 machine, after parts 1-3) carry p4 and .bnb: install vLLM; learning parity at the trainer's
-#             vLLM defaults (prefix caching, max_num_seqs): hf 6 seeds on GPU1, vLLM 6 seeds in 3 lanes on GPU0
+#             vLLM defaults (prefix caching, max_num_seqs): hf 6 seeds on GPU1, vLLM 6 seeds in 3 lanes on GPU0,
+#             each vLLM leg with a fixed KV cache (vllm_kv_cache_gib: no start-up profiling to clash)
 set -uo pipefail
 stage=$1
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -277,7 +278,7 @@ case $stage in
     CUDA_VISIBLE_DEVICES=1 python3 -c "import sys; from pathlib import Path; sys.path.insert(0, 'tests'); import parity; \
       parity.demo_inputs(Path('/tmp/parity/demo'))" > "$OUT/parity_demo.log" 2>&1
     NLA_PARITY_JSON=$OUT/parity.json NLA_PARITY_SEEDS=6 NLA_PARITY_ENGINES=hf,vllm NLA_PARITY_LANES=1,1,1,1,1,1 \
-      NLA_PARITY_VLLM_LANES=0,0,0 timeout -k 10 $((585 - SECONDS)) python3 -m pytest tests/gpu/test_learning_parity.py \
+      NLA_PARITY_VLLM_LANES=0,0,0 timeout -k 10 $((${W7_LIMIT:-585} - SECONDS)) python3 -m pytest tests/gpu/test_learning_parity.py \
       -q -s -p no:cacheprovider -k reaches 2>&1 | grep -v '^INFO\|^WARNING\|^(EngineCore\|Capturing' > "$OUT/parity.log"
     grep "^\[parity\]\|^|\|passed\|failed" "$OUT/parity.log" ;;
   U2|U3)

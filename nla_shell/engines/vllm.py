@@ -417,6 +417,7 @@ class VLLMRolloutEngine:
         enforce_eager: bool = False,
         enable_prefix_caching: bool = False,
         max_num_seqs: int | None = None,
+        kv_cache_gib: float | None = None,
         dtype: str = "bfloat16",
         seed: int = 0,
         seed_requests: bool = False,
@@ -472,6 +473,9 @@ class VLLMRolloutEngine:
                 # vLLM captures decode CUDA graphs up to min(2 * max_num_seqs, 512) sequences
                 # (vllm/config/vllm.py); a larger decode batch would run eagerly.
                 kwargs["compilation_config"] = {"max_cudagraph_capture_size": max_num_seqs}
+        if kv_cache_gib is not None:
+            # A fixed KV cache: vLLM then skips the start-up profiling that a co-tenant's memory changes break.
+            kwargs["kv_cache_memory_bytes"] = int(kv_cache_gib * 2**30)
         if per_rank:
             # One vLLM world of tensor_parallel_size 1 per rank of the job (vLLM lays the ranks out as
             # external DP x TP); data_parallel_size would add a collective per step.

@@ -201,6 +201,12 @@ class TrainConfig:
     many sequences (vLLM's own cap is 512: larger batches would decode without graphs). Rolling out 2048
     sequences on an H200 (8B shape, prefix caching on, 0.35 of the memory) took 13.6 s at 1024 and 14.4 s at
     512 (one machine, one run each); 1024 without graphs above 512 took 20.8 s in a step. An nla addition."""
+    vllm_kv_cache_gib: float | None = None
+    """vLLM's KV cache per GPU in GiB (its kv_cache_memory_bytes); None sizes it from vllm_gpu_mem. When set,
+    vLLM skips its start-up memory profiling, which fails when another process on the GPU allocates or frees
+    memory meanwhile ("Error in memory profiling"): for GPUs shared with other jobs. vllm_gpu_mem must then
+    still be free at start-up; vLLM does not check that the weights, the cache and the trainer fit. An nla
+    addition."""
     vllm_prefix_caching: bool = True
     """vLLM's prefix caching, salted per injection (vector, marker position, layer): the G samples of a
     group share their prompt's prefill (computed once, its KV blocks shared), and no two injections share
@@ -266,6 +272,7 @@ RESUME_MUTABLE_KEYS: frozenset[str] = frozenset(
         # Memory/speed knobs: mathematically neutral (not bit-exact: summation order moves).
         "logp_micro_batch", "logp_prompt_block", "critic_micro_batch", "gradient_checkpointing", "compile_blocks",
         "vllm_gpu_mem", "vllm_max_len", "vllm_tp", "vllm_sleep", "vllm_prefix_caching", "vllm_max_seqs",
+        "vllm_kv_cache_gib",
     }
 )
 """TrainConfig keys a resumed run may change. Every other key is part of the run's identity:
@@ -319,6 +326,8 @@ def _check_train_config(cfg: TrainConfig) -> None:
         "PPO clip on positive-advantage tokens",
     )
     require(0 < cfg.vllm_gpu_mem <= 1, "vllm_gpu_mem", cfg.vllm_gpu_mem, "use 0 < vllm_gpu_mem <= 1")
+    require(cfg.vllm_kv_cache_gib is None or cfg.vllm_kv_cache_gib > 0, "vllm_kv_cache_gib", cfg.vllm_kv_cache_gib,
+            "use a number of GiB > 0, or null to size the cache from vllm_gpu_mem")
     require(cfg.vllm_sleep in (0, 1, 2), "vllm_sleep", cfg.vllm_sleep, "use 0 (off), 1 or 2")
     require(
         cfg.vllm_sleep != 2 or cfg.vllm_sync_every == 1, "vllm_sleep", cfg.vllm_sleep,

@@ -120,6 +120,7 @@ def make_engine(cfg: TrainConfig, actor, injector: Injector, tokenizer, *, layer
         tensor_parallel_size=cfg.vllm_tp,
         enable_prefix_caching=cfg.vllm_prefix_caching,
         max_num_seqs=cfg.vllm_max_seqs,
+        kv_cache_gib=cfg.vllm_kv_cache_gib,
         sleep_level=cfg.vllm_sleep,
         eos_ids=eos_token_ids(inner_lm(actor).generation_config, tokenizer),
         # Under torchrun each rank's engine runs on the rank's GPU and samples from a stream of its own.

@@ -18,6 +18,8 @@ Environment:
   NLA_PARITY_LANES: GPU per concurrent leg, e.g. "0,0,0,0,0,0" (default: one leg at a time);
   NLA_PARITY_VLLM_LANES: lanes for the vLLM legs only, e.g. "1,1,1" (default: NLA_PARITY_LANES);
   NLA_PARITY_VLLM_MEM: vllm_gpu_mem of each vLLM leg (default 0.05: several share a GPU);
+  NLA_PARITY_VLLM_KV_GIB: vllm_kv_cache_gib of each vLLM leg (default 0.5, ample for the toy: a fixed cache
+    skips vLLM's start-up profiling, which failed when a co-tenant leg ended meanwhile);
   NLA_PARITY_DIR: working directory (default: a pytest temp dir); NLA_PARITY_JSON: write every
   leg, per-step log-prob gaps included, and the verdict there.
 Skipped without CUDA.
@@ -53,7 +55,8 @@ LANES = _lanes("NLA_PARITY_LANES") or [None]
 VLLM_LANES = _lanes("NLA_PARITY_VLLM_LANES")
 DTYPE = {"hf": "float32", "native": "float32", "vllm": "bfloat16"}
 """The trainer's dtype per engine: vLLM samples in bf16, so its trainer runs in bf16 too."""
-ENGINE_SETTINGS = {"vllm": {"vllm_gpu_mem": float(os.environ.get("NLA_PARITY_VLLM_MEM", "0.05"))}}
+ENGINE_SETTINGS = {"vllm": {"vllm_gpu_mem": float(os.environ.get("NLA_PARITY_VLLM_MEM", "0.05")),
+                            "vllm_kv_cache_gib": float(os.environ.get("NLA_PARITY_VLLM_KV_GIB", "0.5"))}}
 LOGP_TOLERANCE = {"hf": 1e-3, "native": 1e-3, "vllm": 0.05}
 """Mean |behaviour - trainer| log-prob allowed at every step: float32 numerics for the engines
 that share the actor; for vLLM (bf16, merged weights, another attention kernel) the bf16 noise

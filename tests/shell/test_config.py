@@ -141,7 +141,7 @@ def test_temperature_other_than_one_is_refused():
 @pytest.mark.parametrize(
     "override",
     ["num_steps=0", "batch_prompts=-1", "group_size=1", "logp_micro_batch=0", "logp_prompt_block=0", "lr=0",
-     "clip_eps=1.5", "vllm_gpu_mem=1.5", "device=tpu", "seed=-1", "eval_every=-1",
+     "clip_eps=1.5", "vllm_gpu_mem=1.5", "vllm_kv_cache_gib=0", "device=tpu", "seed=-1", "eval_every=-1",
      "max_rows=0", "vllm_sync_every=-1", "length_penalty=-0.01", "length_margin=-1", "tis_cap=1.1",
      "tis_cap=1.25,clip_eps_high=0.28"],
 )

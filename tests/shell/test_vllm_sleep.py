@@ -310,8 +310,9 @@ def test_train_wakes_once_per_rollout_and_eval_and_pushes_only_while_awake(nla_r
 
 @pytest.mark.parametrize("flag", ["true", "false"])
 def test_train_builds_vllm_with_salted_prefix_caching_as_configured(nla_run_inputs, tmp_path, monkeypatch, flag):
-    """vllm_prefix_caching (default on) and vllm_max_seqs reach vllm.LLM; every rollout prompt carries
-    its injection's salt, so a group's samples share their prompt's blocks and no two injections share one."""
+    """vllm_prefix_caching (default on), vllm_max_seqs and vllm_kv_cache_gib (vLLM's kv_cache_memory_bytes, unset
+    by default) reach vllm.LLM; every rollout prompt carries its injection's salt, so a group's samples share
+    their prompt's blocks and no two injections share one."""
     log: list = []
     install_fake_vllm(monkeypatch, log, None, fixtures.D_MODEL)
     built, prompts = [], []
@@ -325,12 +326,11 @@ def test_train_builds_vllm_with_salted_prefix_caching_as_configured(nla_run_inpu
         return llm
 
     monkeypatch.setattr(sys.modules["vllm"], "LLM", recording_llm)
-    overrides = {} if flag == "true" else {"vllm_prefix_caching": flag, "vllm_max_seqs": 96}
+    overrides = {} if flag == "true" else {"vllm_prefix_caching": flag, "vllm_max_seqs": 96, "vllm_kv_cache_gib": 1.5}
     argv = fixtures.train_argv(nla_run_inputs, tmp_path / "run", engine="vllm", num_steps=1, eval_every=0, **overrides)
     assert cli.main(argv) == 0
-    assert [(kwargs["enable_prefix_caching"], kwargs["max_num_seqs"]) for kwargs in built] == [
-        (True, 1024) if flag == "true" else (False, 96)
-    ]
+    assert [(kwargs["enable_prefix_caching"], kwargs["max_num_seqs"], kwargs.get("kv_cache_memory_bytes"))
+            for kwargs in built] == [(True, 1024, None) if flag == "true" else (False, 96, 3 * 2**29)]
     steered = [p for p in prompts if "cache_salt" in p]
     assert steered and all(p["cache_salt"].startswith("nla-steer-") for p in steered)
 

@@ -68,8 +68,9 @@
 #   W6        GPU0: the same step as a 1-rank torchrun job (--keep-runs: bench_step prints the speed-up of W5's
 #             2 ranks against it; also the first GPU run of the 1-rank vLLM start-up fix); GPU1: W3's step as a
 #             plain process (a third one-GPU sample)
-#   (then, on the same machine, R2's parity legs without the quantised test: hf + native 6 seeds on GPU1,
-#   vLLM 6 seeds all on GPU0; vLLM's seed 5 clashed twice in its start-up profiling, see RESULTS.md)
+#   (then, on the same machine, by hand: R2's parity legs without the quantised test, hf + native 6 seeds on
+#   GPU1 and vLLM 6 seeds all on GPU0; then W7's legs before vllm_kv_cache_gib existed. A vLLM leg failed
+#   in vLLM's start-up profiling each time, see RESULTS.md)
 #   W7        (a fresh x2 machine, after parts 1-3) carry p4 and .bnb: install vLLM; learning parity at the trainer's
 #             vLLM defaults (prefix caching, max_num_seqs): hf 6 seeds on GPU1, vLLM 6 seeds in 3 lanes on GPU0,
 #             each vLLM leg with a fixed KV cache (vllm_kv_cache_gib: no start-up profiling to clash)

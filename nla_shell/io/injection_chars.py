@@ -94,11 +94,10 @@ def remember_injection_char(tokenizer: Any, char: str) -> None:
     picks another for itself only. The file is replaced atomically; a tokenizer without a
     name (built in memory) is not cached.
     """
-    key = _key(tokenizer)
-    if key is None or cached_injection_char(tokenizer) is not None:
+    key, path = _key(tokenizer), user_cache_path()
+    cache = {} if key is None else _read(path)
+    if key is None or key in cache or key in _read(SHIPPED_CACHE):
         return
-    path = user_cache_path()
-    cache = _read(path)
     (token_id,) = tokenizer.encode(char, add_special_tokens=False)
     cache[key] = {"char": char, "token_id": int(token_id)}
     path.parent.mkdir(parents=True, exist_ok=True)

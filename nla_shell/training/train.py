@@ -94,7 +94,8 @@ def make_optimizer(params: list[torch.nn.Parameter], lr: float, *, device: torch
     return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
 
 
-def make_engine(cfg: TrainConfig, actor, injector: Injector, tokenizer, *, layer_index: int) -> RolloutEngine:
+def make_engine(cfg: TrainConfig, actor, injector: Injector, tokenizer, *, layer_index: int,
+                eos_ids: tuple[int, ...]) -> RolloutEngine:
     if cfg.engine == "hf":
         from nla_shell.engines.hf import HFRolloutEngine
 
@@ -122,7 +123,7 @@ def make_engine(cfg: TrainConfig, actor, injector: Injector, tokenizer, *, layer
         max_num_seqs=cfg.vllm_max_seqs,
         kv_cache_gib=cfg.vllm_kv_cache_gib,
         sleep_level=cfg.vllm_sleep,
-        eos_ids=eos_token_ids(inner_lm(actor).generation_config, tokenizer),
+        eos_ids=eos_ids,
         # Under torchrun each rank's engine runs on the rank's GPU and samples from a stream of its own.
         seed=distributed.rank_seed(cfg.seed, distributed.rank_info().rank) if distributed.active() else cfg.seed,
         per_rank=distributed.active(),
@@ -339,7 +340,8 @@ def run_ranked(cfg: TrainConfig, rank: RankInfo, device: torch.device, dtype: to
     distributed.broadcast_parameters(trainable_parameters(actor))
 
     # --- engine, optimisers, baselines ---------------------------------------------------
-    engine = make_engine(cfg, actor, injector, tokenizer, layer_index=1)
+    eos_ids = eos_token_ids(inner_lm(actor).generation_config, tokenizer)  # every one stops a rollout
+    engine = make_engine(cfg, actor, injector, tokenizer, layer_index=1, eos_ids=eos_ids)
     optimizer = make_optimizer(trainable_parameters(actor), cfg.lr, device=device, label="actor")
     critic_optimizer = (
         make_optimizer(trainable_parameters(critic), cfg.critic_lr, device=device, label="critic")
@@ -425,7 +427,6 @@ def run_ranked(cfg: TrainConfig, rank: RankInfo, device: torch.device, dtype: to
         tis=None if cfg.tis == "none" else cfg.tis, tis_cap=cfg.tis_cap, aggregation=cfg.aggregation,
         kl_metric=cfg.kl_metric,
     )
-    eos_ids = eos_token_ids(inner_lm(actor).generation_config, tokenizer)
     score_kwargs = dict(
         template=nla.critic_prompt_template, mse_scale=mse_scale, reward_kind=cfg.reward,
         max_tokens=cfg.max_explanation_tokens, micro_batch=cfg.critic_micro_batch,

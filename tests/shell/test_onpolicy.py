@@ -136,7 +136,7 @@ def test_eval_scores_the_current_actor_even_when_the_engine_copy_is_stale(nla_ru
                                                                            sync_every):
     made, evaluated = {}, []
 
-    def make_engine(cfg, actor, injector, tokenizer, *, layer_index):
+    def make_engine(cfg, actor, injector, tokenizer, *, layer_index, eos_ids):
         made.update(engine=StaleCopyEngine(actor, injector, tokenizer), actor=actor, injector=injector,
                     tokenizer=tokenizer)
         return made["engine"]

@@ -94,9 +94,12 @@ def remember_injection_char(tokenizer: Any, char: str) -> None:
     picks another for itself only. The file is replaced atomically; a tokenizer without a
     name (built in memory) is not cached.
     """
-    key, path = _key(tokenizer), user_cache_path()
-    cache = {} if key is None else _read(path)
-    if key is None or key in cache or key in _read(SHIPPED_CACHE):
+    key = _key(tokenizer)
+    if key is None:
+        return
+    path = user_cache_path()
+    cache = _read(path)
+    if key in cache or key in _read(SHIPPED_CACHE):
         return
     (token_id,) = tokenizer.encode(char, add_special_tokens=False)
     cache[key] = {"char": char, "token_id": int(token_id)}

@@ -7,7 +7,7 @@ character for a tokenizer, re-checks the entry on every later read (the characte
 encode to that one token id, else it stops: a drifted id would inject at the wrong place), and
 commits the file, so every run on a model injects with the same token.
 
-nla reads that format from two files and tries the cached character first (it must still pass
+nla reads that format from two files and tries the cached character first (nla_shell.pipeline.markers) (it must still pass
 datagen's checks: one token in the chat-templated prompt, absent from the corpus):
 - SHIPPED_CACHE, upstream's entries, in this package (read-only);
 - the user cache (nla's addition, since an installed package is no place to write):
@@ -27,7 +27,7 @@ import yaml
 from nla_shell.io.data import DataError
 from nla_shell.io.files import write_text_atomically
 
-__all__ = ["SHIPPED_CACHE", "cached_first", "cached_injection_char", "remember_injection_char", "user_cache_path"]
+__all__ = ["SHIPPED_CACHE", "cached_injection_char", "remember_injection_char", "user_cache_path"]
 
 SHIPPED_CACHE = Path(__file__).resolve().parent.parent / "assets" / "injection_token_cache.yaml"
 """Upstream's entries (kitft and EasyNLA nla/datagen/injection_token_cache.yaml)."""
@@ -79,12 +79,6 @@ def cached_injection_char(tokenizer: Any) -> str | None:
                             "tokenizer version")
         return char
     return None
-
-
-def cached_first(tokenizer: Any, candidates: str) -> str:
-    """`candidates` with this tokenizer's cached character (if any) moved to the front."""
-    cached = cached_injection_char(tokenizer)
-    return candidates if cached is None else cached + candidates.replace(cached, "")
 
 
 def remember_injection_char(tokenizer: Any, char: str) -> None:

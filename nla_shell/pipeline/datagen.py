@@ -28,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+from itertools import islice
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Literal, Mapping
@@ -37,15 +38,16 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from nla_core import actor_content, canonical_neighbors, parse_sidecar, resolve_target_scale
+from nla_core import actor_content, parse_sidecar, resolve_target_scale
 from nla_shell.explainers import Site, make_explainer
 from nla_shell.explainers.jsonl import jsonl_objects, write_sites
 from nla_shell.io.config import ConfigError, normalize_fields, require
 from nla_shell import families
-from nla_shell.io.data import DataError, av_prompt_messages, chat_prompt_ids, check_tokenizer
-from nla_shell.io.injection_chars import cached_first, remember_injection_char
+from nla_shell.io.data import DataError, av_prompt_messages, check_tokenizer
+from nla_shell.io.injection_chars import remember_injection_char
 from nla_shell.io.paths import require_file, require_model
 from nla_shell.io.progress import progress_bar, say_line
+from nla_shell.pipeline.markers import choose_injection_char, injection_char_candidates
 from nla_shell.io.sidecars import DEFAULT_AR_TEMPLATE, DEFAULT_AV_TEMPLATE, dataset_sidecar, write_sidecar
 from nla_shell.models import pad_right
 from nla_shell.training.train import resolve_device, seed_everything
@@ -62,12 +64,6 @@ EXTRA_COLUMNS: Mapping[str, tuple[str, ...]] = {
 
 TMP_DIR_NAME = ".datagen_tmp"
 """Where a run writes under out_dir before moving its complete outputs into place."""
-
-INJECTION_CHAR_CANDIDATES = "§¶※†‡¤¦¬µ°±×÷©®~^|@㊗㊙㊚㊛㊜"
-"""Tried in order when the injection char is chosen automatically."""
-QWEN_INJECTION_CHAR = "㈎"
-"""Qwen2/3's injection character upstream (token 149705), tried first for the Qwen family."""
-
 
 @dataclass(frozen=True, kw_only=True)
 class DatagenConfig:
@@ -338,72 +334,6 @@ def assign_split(doc_id: str, seed: int, fractions: Mapping[str, float]) -> str:
     return [name for name, share in fractions.items() if share > 0][-1]
 
 
-# --------------------------------------------------------------------------- injection char
-
-
-def injection_char_problem(tokenizer: Any, char: str, av_content: str) -> str | None:
-    """Why `char` cannot mark the injection site with this tokenizer, or None when it can.
-
-    It must be one token on its own (the sidecar's injection_token_id), and that same token
-    exactly once in the chat-templated AV prompt: byte-level BPEs such as Qwen's merge most
-    symbols with the space before them, so the bare check alone is not enough. `av_content`
-    is the AV user message with <INJECT> at the marker (nla_core.actor_content).
-    """
-    if len(char) != 1 or char.isspace():
-        return "is not one non-space character"
-    ids = tokenizer.encode(char, add_special_tokens=False)
-    if len(ids) != 1 or tokenizer.decode(ids) != char:
-        return f"is {len(ids)} tokens on its own"
-    prompt_ids = chat_prompt_ids(av_prompt_messages(av_content), char, tokenizer)
-    if prompt_ids.count(ids[0]) != 1:
-        return f"merges with its neighbours in the chat-templated AV prompt (token {ids[0]} occurs {prompt_ids.count(ids[0])} times)"
-    try:
-        canonical_neighbors(prompt_ids, ids[0])
-    except ValueError as err:
-        return f"does not sit inside the chat-templated AV prompt ({err})"
-    return None
-
-
-def injection_char_candidates(model_config: Any) -> str:
-    """Characters tried in order: `㈎` first for the Qwen family (upstream's choice), then the rest."""
-    if families.family_of(model_config).name.startswith("Qwen"):
-        return QWEN_INJECTION_CHAR + INJECTION_CHAR_CANDIDATES
-    return INJECTION_CHAR_CANDIDATES + QWEN_INJECTION_CHAR
-
-
-def choose_injection_char(
-    tokenizer: Any, forbidden: set[str], *, av_content: str, candidates: str, requested: str | None = None
-) -> str:
-    """`requested` when given (DataError naming why it cannot serve), else the first usable candidate.
-
-    Usable: no injection_char_problem, and not in `forbidden` (the corpus and the templates,
-    where the marker token would also appear). When none fits, the DataError names each
-    candidate's cause.
-    """
-    def problem(char: str) -> str | None:
-        return "occurs in the corpus or the templates" if char in forbidden else injection_char_problem(
-            tokenizer, char, av_content
-        )
-
-    if requested is not None:
-        why = problem(requested)
-        if why is not None:
-            raise DataError(f"injection_char: {requested!r} {why}; choose another character, or leave injection_char "
-                            "unset to let datagen choose")
-        return requested
-    causes = {}
-    for char in candidates:
-        why = problem(char)
-        if why is None:
-            return char
-        causes.setdefault(why.split(" (")[0], []).append(char)
-    summary = "; ".join(f"{''.join(chars)!r} {why}" for why, chars in causes.items())
-    raise DataError(
-        f"injection_char: no candidate marks the injection site with this tokenizer ({summary}); "
-        "pass injection_char= a character that is one token on its own and in the templated AV prompt"
-    )
-
-
 # --------------------------------------------------------------------------- writing
 
 
@@ -502,6 +432,18 @@ def tokenized_documents(cfg: DatagenConfig, tokenizer: Any) -> Iterator[tuple[Do
         yield doc, tokenizer.encode(doc.text, add_special_tokens=False)[: cfg.max_seq_len]
 
 
+def dataset_marker(cfg: DatagenConfig, tokenizer: Any, model_config: Any, corpus_chars: set[str]) -> str:
+    """The injection char of this run: cfg.injection_char when it can serve, else the first usable candidate.
+
+    The sites pass (write_sites) and the labelled run both call it on the same documents, so
+    they agree or fail alike.
+    """
+    return choose_injection_char(tokenizer, corpus_chars | set(cfg.av_template) | set(cfg.ar_template),
+                                 av_content=actor_content(cfg.av_template),
+                                 candidates=injection_char_candidates(model_config, tokenizer),
+                                 requested=cfg.injection_char)
+
+
 def datagen_sites(cfg: DatagenConfig, tokenizer: Any) -> Path:
     """Write the sites of the splits that need explanations to cfg.write_sites (no model, no datasets)."""
     if Path(cfg.write_sites).exists() and not cfg.overwrite:
@@ -509,6 +451,11 @@ def datagen_sites(cfg: DatagenConfig, tokenizer: Any) -> Path:
             f"config key 'write_sites' = {cfg.write_sites!r} already exists (labels added to it would be lost); "
             "choose another file or set overwrite=true"
         )
+    from transformers import AutoConfig
+
+    corpus_chars = set().union(*(doc.text for doc in islice(
+        read_documents(cfg.corpus, text_column=cfg.text_column, id_column=cfg.id_column), cfg.max_docs)))
+    char = dataset_marker(cfg, tokenizer, AutoConfig.from_pretrained(cfg.model), corpus_chars)
     fractions = split_fractions(cfg)
 
     def to_label() -> Iterator[tuple[str, Site]]:
@@ -519,7 +466,7 @@ def datagen_sites(cfg: DatagenConfig, tokenizer: Any) -> Path:
                     yield from ((split, site) for site in sites)
 
     count = write_sites(to_label(), cfg.write_sites)
-    print(f"[datagen] wrote {count} sites to label to {cfg.write_sites}; add an \"explanation\" to each line, then "
+    print(f"[datagen] wrote {count} sites to label to {cfg.write_sites} (injection char {char!r}); add an \"explanation\" to each line, then "
           "run datagen with the same settings and explainer=jsonl explanations=THAT_FILE", flush=True)
     return Path(cfg.write_sites)
 
@@ -563,11 +510,8 @@ def _write_datasets(cfg: DatagenConfig) -> DatagenResult | Path:
         )
     d_model = model.config.hidden_size
     av_content = actor_content(cfg.av_template)
-    template_chars = set(cfg.av_template) | set(cfg.ar_template)
-    candidates = cached_first(tokenizer, injection_char_candidates(model.config))
     if cfg.injection_char is not None:  # a requested char that cannot work fails before the forward passes
-        choose_injection_char(tokenizer, template_chars, av_content=av_content, candidates=candidates,
-                              requested=cfg.injection_char)
+        dataset_marker(cfg, tokenizer, model.config, set())
     explainer = make_explainer(cfg, tokenizer)
     fractions = split_fractions(cfg)
     active = [s for s in SPLITS if fractions[s] > 0]
@@ -666,8 +610,7 @@ def _write_datasets(cfg: DatagenConfig) -> DatagenResult | Path:
             "add documents, or set " + " ".join(f"{s}_fraction=0" for s in empty if s != "rl")
             + (" (rl takes the rest: lower the other fractions)" if "rl" in empty else "")
         )
-    char = choose_injection_char(tokenizer, corpus_chars | template_chars, av_content=av_content,
-                                 candidates=candidates, requested=cfg.injection_char)
+    char = dataset_marker(cfg, tokenizer, model.config, corpus_chars)
     for split in active:
         mapping = dataset_sidecar(
             tokenizer, stage="av_sft" if split == "eval" else split, row_count=writers[split].rows,

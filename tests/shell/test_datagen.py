@@ -22,11 +22,10 @@ from nla_shell.pipeline.datagen import (
     EXTRA_COLUMNS,
     assign_split,
     capture_activations,
-    choose_injection_char,
     datagen,
-    injection_char_problem,
     read_documents,
 )
+from nla_shell.pipeline.markers import choose_injection_char, injection_char_problem
 from nla_shell.explainers import Site
 from nla_shell.explainers.rule import RuleExplainer
 from nla_shell.io.sidecars import DEFAULT_AV_TEMPLATE
@@ -179,7 +178,7 @@ def test_requested_injection_char_is_used_or_refused_with_its_cause(tiny_tokeniz
 def test_no_usable_candidate_names_each_cause(tiny_tokenizer):
     with pytest.raises(DataError) as err:
         choose_injection_char(tiny_tokenizer, {"§"}, av_content=DEFAULT_AV_TEMPLATE, candidates="§é")
-    assert "'§' occurs in the corpus" in str(err.value) and "'é' is 2 tokens on its own" in str(err.value)
+    assert "('§') occurs in the corpus" in str(err.value) and "('é') is 2 tokens on its own" in str(err.value)
 
 
 def test_corpus_holding_the_injection_char_gets_another(tmp_path, tiny_av_dir):

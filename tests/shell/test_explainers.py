@@ -373,3 +373,18 @@ def test_sites_to_label_round_trip_through_the_jsonl_explainer(tmp_path, tiny_av
     # Writing the sites again would lose labels added in place: refused unless overwrite.
     assert cli.main(_datagen_argv(tiny_av_dir, corpus, tmp_path / "o2", f"write_sites={labelled}")) == 2
     assert "'write_sites'" in capsys.readouterr().err and "explanation" in labelled.read_text()
+
+
+def test_the_sites_pass_refuses_the_injection_char_the_labelled_run_would_refuse(tmp_path, tiny_av_dir, capsys):
+    """Both passes choose the marker with one function on the same documents: no sites for a doomed run."""
+    corpus = fixtures.write_toy_corpus(tmp_path / "c.jsonl", n_docs=12, extra=["the cat § sat"])
+    sites_file = tmp_path / "to_label.jsonl"
+    argv = _datagen_argv(tiny_av_dir, corpus, tmp_path / "out", f"write_sites={sites_file}", "injection_char=§")
+    assert cli.main(argv) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and "injection_char: '§' occurs in the corpus" in err[0]
+    assert not sites_file.exists() and not (tmp_path / "out").exists()
+    # Unset, both passes name the same automatic choice.
+    assert cli.main(_datagen_argv(tiny_av_dir, corpus, tmp_path / "out", f"write_sites={sites_file}")) == 0
+    chosen = capsys.readouterr().out.split("(injection char ")[1][1]
+    assert chosen != "§"

@@ -13,7 +13,8 @@ import qwen_vocab
 from nla_shell import cli
 from nla_shell.io.data import DataError
 from nla_shell.io.injection_chars import SHIPPED_CACHE, cached_injection_char
-from nla_shell.pipeline.datagen import INJECTION_CHAR_CANDIDATES, datagen
+from nla_shell.pipeline.datagen import datagen
+from nla_shell.pipeline.markers import INJECTION_CHAR_CANDIDATES
 
 
 class _Named:

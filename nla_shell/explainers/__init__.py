@@ -4,6 +4,7 @@ An `Explainer` turns sampled sites (a document's text up to a token) into the te
 goes inside `<explanation>…</explanation>`:
 
     rule    the toy language's deterministic rule (toy corpora only)
+    context a heuristic for real text: the document's topic, the speaker, the last words (context.py)
     jsonl   hand-written labels keyed by (doc_id, position); `write_sites` lists the sites
     api     an LLM behind an OpenAI-compatible or Anthropic HTTP API (api.py)
     local   a local HF instruct model (local.py)
@@ -36,6 +37,8 @@ class Site:
     """Those tokens decoded: the text the LM has read when its activation at `position` is taken."""
     token: str
     """The token at `position`, decoded alone."""
+    topic: str | None = None
+    """The document's `topic` field in the corpus, when it has one."""
 
 
 class ExplainerError(ValueError):
@@ -72,6 +75,10 @@ def make_explainer(cfg: Any, tokenizer: Any) -> Explainer | None:
         from nla_shell.explainers.rule import RuleExplainer
 
         return RuleExplainer(tokenizer)
+    if cfg.explainer == "context":
+        from nla_shell.explainers.context import ContextExplainer
+
+        return ContextExplainer()
     if cfg.explainer == "jsonl":
         from nla_shell.explainers.jsonl import JsonlExplainer
 

@@ -62,6 +62,9 @@ def require_model(key: str, value: str | None, *, hub_ok: bool = True) -> None:
     if value is None or (hub_ok and looks_like_hub_id(value)):
         return
     path = Path(value).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        raise ConfigError(f"config key '{key}' = {value!r} is a GGUF file; convert it once with `nla convert {value} "
+                          "OUT_DIR` and pass OUT_DIR")
     if path.is_file():
         raise ConfigError(f"config key '{key}' = {value!r} is a file; give the checkpoint directory")
     if not path.is_dir():

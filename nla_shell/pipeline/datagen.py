@@ -81,9 +81,11 @@ class DatagenConfig:
     """JSONL key / parquet column holding a document's text."""
     id_column: str = "id"
     """JSONL key / parquet column holding a document's id; absent -> "doc{index:06d}"."""
-    explainer: Literal["api", "local", "jsonl", "rule", "none"] | None = None
+    explainer: Literal["api", "local", "jsonl", "rule", "context", "none"] | None = None
     """Gold explanations (must be chosen): an LLM API, a local HF model, a JSONL file (`explanations`), the toy
-    language's rule (toy corpora only), or none (rl split only). Not needed with write_sites."""
+    language's rule (toy corpora only), the context heuristic for real text (the document's `topic`, the
+    speaker, the last words: nla_shell/explainers/context.py), or none (rl split only). Not needed with
+    write_sites."""
     explanations: str | None = None
     """JSONL of {"doc_id", "position", "explanation"} objects (explainer=jsonl); write_sites lists the keys."""
     write_sites: str | None = None
@@ -175,8 +177,8 @@ class DatagenConfig:
         except ValueError as err:
             raise ConfigError(f"config key 'mse_scale' = {self.mse_scale!r} is invalid: {err}") from None
         require(self.explainer is not None or self.write_sites is not None, "explainer", None,
-                 "choose api (an LLM API), local (a local HF model), jsonl (your labels), rule (the toy language "
-                 "only) or none (rl split only); or write_sites=FILE to list the sites to label")
+                 "choose api (an LLM API), local (a local HF model), jsonl (your labels), context (a heuristic for "
+                 "real text), rule (the toy language only) or none (rl split only); or write_sites=FILE to list the sites to label")
         if self.explainer == "jsonl":
             require(self.explanations is not None, "explanations", None, "give the JSONL path (explainer=jsonl)")
         if self.explainer in ("api", "local"):
@@ -200,6 +202,8 @@ class DatagenConfig:
 class Document:
     doc_id: str
     text: str
+    topic: str | None = None
+    """The corpus's `topic` field (jsonl key or parquet column) when it has one; the context explainer names it."""
 
 
 def read_documents(path: str | Path, *, text_column: str = "text", id_column: str = "id") -> Iterator[Document]:
@@ -217,7 +221,9 @@ def read_documents(path: str | Path, *, text_column: str = "text", id_column: st
             text = obj.get(text_column) if isinstance(obj, dict) else None
             if not isinstance(text, str):
                 raise DataError(f"corpus: {path} line {line_no} has no string {text_column!r} (text_column)")
-            yield Document(str(obj.get(id_column, f"doc{line_no - 1:06d}")), text)
+            topic = obj.get("topic")
+            yield Document(str(obj.get(id_column, f"doc{line_no - 1:06d}")), text,
+                           topic if isinstance(topic, str) else None)
     elif suffix == ".txt":
         paragraph: list[str] = []
         index = 0
@@ -232,15 +238,17 @@ def read_documents(path: str | Path, *, text_column: str = "text", id_column: st
         pf = pq.ParquetFile(path)
         if text_column not in pf.schema_arrow.names:
             raise DataError(f"corpus: {path} has no column {text_column!r} (columns: {pf.schema_arrow.names}); set text_column")
-        columns = [text_column] + ([id_column] if id_column in pf.schema_arrow.names else [])
+        columns = [c for c in (text_column, id_column, "topic") if c in pf.schema_arrow.names]
         index = 0
         for batch in pf.iter_batches(columns=columns):
             texts = batch.column(text_column).to_pylist()
-            ids = batch.column(id_column).to_pylist() if len(columns) == 2 else [None] * len(texts)
-            for text, doc_id in zip(texts, ids):
+            absent = [None] * len(texts)
+            ids, topics = (batch.column(c).to_pylist() if c in columns else absent for c in (id_column, "topic"))
+            for text, doc_id, topic in zip(texts, ids, topics):
                 if not isinstance(text, str):
                     raise DataError(f"corpus: {path} row {index} has a non-string {text_column!r}")
-                yield Document(f"doc{index:06d}" if doc_id is None else str(doc_id), text)
+                yield Document(f"doc{index:06d}" if doc_id is None else str(doc_id), text,
+                               topic if isinstance(topic, str) else None)
                 index += 1
     else:
         raise DataError(f"corpus: {path} must end in .jsonl, .json, .txt or .parquet")
@@ -420,7 +428,7 @@ def document_sites(doc: Document, tokens: list[int], cfg: DatagenConfig, tokeniz
     rng = np.random.default_rng([cfg.seed, _stable_hash("positions", doc.doc_id)])
     positions = sample_positions(len(tokens), cfg.positions_per_doc, cfg.min_context, rng)
     return split, [Site(doc.doc_id, p, tuple(tokens[: p + 1]), tokenizer.decode(tokens[: p + 1]),
-                        tokenizer.decode([tokens[p]])) for p in positions]
+                        tokenizer.decode([tokens[p]]), doc.topic) for p in positions]
 
 
 def tokenized_documents(cfg: DatagenConfig, tokenizer: Any) -> Iterator[tuple[Document, list[int]]]:

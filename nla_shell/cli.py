@@ -82,7 +82,7 @@ def _load_config(cls: type, args: argparse.Namespace, preset: Mapping[str, Any] 
     """The config from (lowest to highest) a preset, --config, the flags, and key=value overrides."""
     from nla_shell.io.config import load_config
 
-    preset_items = [f"{k}={v}" for k, v in (preset or {}).items()]
+    preset_items = [f"{k}={','.join(map(str, v)) if isinstance(v, tuple) else v}" for k, v in (preset or {}).items()]
     return load_config(getattr(args, "config", None), [*preset_items, *_config_items(cls, args)], cls=cls)
 
 
@@ -141,9 +141,10 @@ def _corpus(args: argparse.Namespace) -> None:
 
 
 def _demo(args: argparse.Namespace) -> None:
-    from nla_shell.pipeline.demo import TINY, DemoConfig, demo
+    from nla_shell.pipeline.demo import DemoConfig, demo, preset
 
-    demo(_load_config(DemoConfig, args, TINY if args.tiny else None))
+    real = _load_config(DemoConfig, args).model is not None
+    demo(_load_config(DemoConfig, args, preset(real=real, tiny=args.tiny)))
 
 
 CONFIG_COMMANDS: dict[str, tuple[Callable[[argparse.Namespace], None], str, str, str]] = {
@@ -161,7 +162,8 @@ CONFIG_COMMANDS: dict[str, tuple[Callable[[argparse.Namespace], None], str, str,
     "export": (_export, "nla_shell.pipeline.export", "ExportConfig",
                "a trained AV (LoRA merged) and AR as HF dirs with upstream-layout nla_meta.yaml"),
     "demo": (_demo, "nla_shell.pipeline.demo", "DemoConfig",
-             "a toy NLA from scratch on CPU in minutes: LM, datagen, SFT, RL, eval, plot"),
+             "a toy NLA from scratch on CPU in minutes, or (--model smollm2) a real LM on real text: LM, datagen, "
+             "SFT, RL, eval, plot"),
 }
 """Subcommands configured by a dataclass: handler, module, config class (its fields become flags), help line."""
 
@@ -201,7 +203,8 @@ def build_parser(argv: Sequence[str] = ()) -> tuple[argparse.ArgumentParser, dic
                 help="data-parallel ranks on this machine: re-launches itself under torchrun (one GPU per rank)",
             )
         if name == "demo":
-            p.add_argument("--tiny", action="store_true", help="a seconds-long smoke run of every stage (learns nothing)")
+            p.add_argument("--tiny", action="store_true", help="a seconds-long smoke run of every stage (learns nothing); "
+                           "with --model, the real-model stages on CPU in minutes")
         commands[name] = handler
 
     p = sub.add_parser("plot", help="PNG of reward, FVE, KL and clip fraction against step for a run dir")

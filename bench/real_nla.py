@@ -1,0 +1,150 @@
+"""The real NLA on SmolLM2-135M-Instruct: helpers of `bench/real_nla.sh` (see it for the GPU calls).
+
+    python bench/real_nla.py random-model META_DIR OUT_DIR
+        SmolLM2's config and tokenizer (META_DIR) with random weights: the timing calibration's model.
+    python bench/real_nla.py table RUN_DIR... --out DIR
+        The per-run table of `nla demo` reports (engine, seed) with mean ± se per engine, the paired
+        RL − SFT differences, the training curves of every run as one PNG, and a dozen held-out
+        explanations before and after RL: DIR/real_nla.json, DIR/real_nla.md, DIR/real_nla_curves.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+from pathlib import Path
+from typing import Any, Sequence
+
+COLUMNS = (
+    ("AR on gold", ("fve", "AR on gold explanations")),
+    ("AV+AR after SFT", ("fve", "AV+AR after SFT")),
+    ("AV+AR after RL", ("fve", "AV+AR after RL")),
+    ("shuffled control (RL)", ("fve", "AV+AR after RL, AV given a shuffled vector (control)")),
+    ("splice-KL after RL", ("splice_kl", "AV+AR after RL")),
+    ("splice-KL gold", ("splice_kl", "AR on gold explanations")),
+    ("extraction after RL", ("extraction_rate", "after RL")),
+    ("tokens after RL", ("explanation_tokens", "after RL")),
+    ("s / RL step", ("seconds_per_rl_step",)),
+    ("wall s", ("seconds", "total")),
+)
+"""Table columns: header, then the path of keys into a demo's report.json."""
+
+
+def random_model(meta_dir: str, out_dir: str) -> None:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    torch.manual_seed(0)
+    config = AutoConfig.from_pretrained(meta_dir)
+    model = AutoModelForCausalLM.from_config(config)
+    model.generation_config = GenerationConfig.from_pretrained(meta_dir)
+    model.save_pretrained(out_dir)
+    AutoTokenizer.from_pretrained(meta_dir).save_pretrained(out_dir)
+
+
+def _get(report: dict[str, Any], path: Sequence[str]) -> float | None:
+    value: Any = report
+    for key in path:
+        value = value.get(key) if isinstance(value, dict) else None
+    return value if isinstance(value, (int, float)) and math.isfinite(value) else None
+
+
+def _mean_se(values: list[float]) -> str:
+    if not values:
+        return "—"
+    if len(values) == 1:
+        return f"{values[0]:.3f}"
+    return f"{statistics.mean(values):.3f} ± {statistics.stdev(values) / math.sqrt(len(values)):.3f}"
+
+
+def table(run_dirs: list[str], out: str) -> None:
+    runs = []
+    for run_dir in map(Path, run_dirs):
+        report_path = run_dir / "report.json"
+        if not report_path.is_file():
+            print(f"[table] {run_dir}: no report.json (the run did not finish)")
+            continue
+        config = json.loads((run_dir / "demo_config.json").read_text())
+        runs.append({"run": run_dir.name, "engine": config["engine"], "seed": config["seed"],
+                     "report": json.loads(report_path.read_text()), "dir": run_dir})
+    runs.sort(key=lambda r: (r["engine"], r["seed"]))
+    header = "| engine | seed | " + " | ".join(c for c, _ in COLUMNS) + " | RL − SFT |"
+    lines = [header, "|" + "---|" * (len(COLUMNS) + 3)]
+    summary: dict[str, Any] = {"runs": [], "by_engine": {}}
+    for run in runs:
+        values = {name: _get(run["report"], path) for name, path in COLUMNS}
+        sft, rl = values["AV+AR after SFT"], values["AV+AR after RL"]
+        values["RL − SFT"] = None if sft is None or rl is None else rl - sft
+        summary["runs"].append({"engine": run["engine"], "seed": run["seed"], **values})
+        cells = ["—" if v is None else (f"{v:.1f}" if name in ("wall s", "tokens after RL") else f"{v:.3f}")
+                 for name, v in values.items()]
+        lines.append(f"| {run['engine']} | {run['seed']} | " + " | ".join(cells) + " |")
+    for engine in sorted({r["engine"] for r in runs}):
+        rows = [r for r in summary["runs"] if r["engine"] == engine]
+        stats = {name: [r[name] for r in rows if r[name] is not None] for name in [*dict(COLUMNS), "RL − SFT"]}
+        summary["by_engine"][engine] = {name: {"mean": statistics.mean(v) if v else None, "n": len(v),
+                                               "se": statistics.stdev(v) / math.sqrt(len(v)) if len(v) > 1 else None}
+                                        for name, v in stats.items()}
+        summary["by_engine"][engine]["rl_beats_sft_every_seed"] = all(v > 0 for v in stats["RL − SFT"]) and bool(
+            stats["RL − SFT"])
+        lines.append(f"| **{engine}** | mean ± se | " + " | ".join(_mean_se(v) for v in stats.values()) + " |")
+    lines += ["", "Held-out explanations (the first eval rows), verbatim, of each engine's first run:", ""]
+    for engine in sorted({r["engine"] for r in runs}):
+        first = next(r for r in runs if r["engine"] == engine)
+        lines += [f"**{engine}, seed {first['seed']}**", ""]
+        for i, sample in enumerate(first["report"].get("samples", [])):
+            lines += [f"{i + 1}. …{sample['context'][-100:]!r}", f"   - gold: {sample['gold']!r}",
+                      f"   - after SFT: {sample['after_sft']!r}", f"   - after RL: {sample['after_rl']!r}"]
+        lines.append("")
+    out_dir = Path(out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "real_nla.json").write_text(json.dumps(summary, indent=1))
+    (out_dir / "real_nla.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    curves(runs, out_dir / "real_nla_curves.png")
+
+
+def curves(runs: list[dict[str, Any]], path: Path) -> None:
+    """Reward, held-out FVE, KL and mean explanation length against step, one line per run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = (("reward_mean", "reward (train)"), ("eval/fve", "held-out FVE (eval during RL)"),
+              ("kl_mean", "KL to the SFT policy"), ("response_len_mean", "mean response tokens"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.6))
+    for run in runs:
+        records = [json.loads(line) for line in (run["dir"] / "rl" / "metrics.jsonl").read_text().splitlines()]
+        for ax, (key, title) in zip(axes, panels):
+            points = [(r["step"], r[key]) for r in records if isinstance(r.get(key), (int, float))]
+            if points:
+                ax.plot(*zip(*points), label=f"{run['engine']} s{run['seed']}",
+                        linestyle="-" if run["engine"] == "hf" else "--")
+            ax.set_title(title)
+            ax.set_xlabel("step")
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("random-model")
+    p.add_argument("meta_dir")
+    p.add_argument("out_dir")
+    p = sub.add_parser("table")
+    p.add_argument("run_dirs", nargs="+")
+    p.add_argument("--out", required=True)
+    args = parser.parse_args()
+    if args.command == "random-model":
+        random_model(args.meta_dir, args.out_dir)
+    else:
+        table(args.run_dirs, args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -2,6 +2,10 @@
 
     python bench/real_nla.py random-model META_DIR OUT_DIR
         SmolLM2's config and tokenizer (META_DIR) with random weights: the timing calibration's model.
+    python bench/real_nla.py assemble --engine E --seed S --sft-run DEMO_DIR --rl-dir TRAIN_DIR --after-rl EVAL_DIR --out DIR
+        A demo-shaped run dir (report.json, demo_config.json, rl/metrics.jsonl) for an RL run made by hand
+        from a demo's SFT checkpoints (`nla train --config DEMO_DIR/rl/config.yaml engine=E`) and scored by
+        `nla eval` with the demo's eval settings: its gold and after-SFT numbers are the demo's evals.
     python bench/real_nla.py table RUN_DIR... --out DIR
         The per-run table of `nla demo` reports (engine, seed) with mean ± se per engine, the paired
         RL − SFT differences, the training curves of every run as one PNG, and a dozen held-out
@@ -42,6 +46,42 @@ def random_model(meta_dir: str, out_dir: str) -> None:
     model.generation_config = GenerationConfig.from_pretrained(meta_dir)
     model.save_pretrained(out_dir)
     AutoTokenizer.from_pretrained(meta_dir).save_pretrained(out_dir)
+
+
+def _summary(eval_dir: Path) -> dict[str, Any]:
+    return json.loads((eval_dir / "eval_summary.json").read_text())
+
+
+def _samples(eval_dir: Path) -> list[dict[str, Any]]:
+    path = eval_dir / "eval_samples.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+
+
+def assemble(*, engine: str, seed: int, sft_run: str, rl_dir: str, after_rl: str, out: str) -> None:
+    import shutil
+
+    from nla_shell.pipeline.demo import held_out_samples, rl_step_seconds
+
+    demo_dir, out_dir = Path(sft_run), Path(out)
+    gold, sft, rl = (_summary(demo_dir / "eval" / "gold"), _summary(demo_dir / "eval" / "after_sft"),
+                     _summary(Path(after_rl)))
+    (out_dir / "rl").mkdir(parents=True, exist_ok=True)
+    shutil.copy(Path(rl_dir) / "metrics.jsonl", out_dir / "rl" / "metrics.jsonl")
+    config = {**json.loads((demo_dir / "demo_config.json").read_text()), "engine": engine, "seed": seed}
+    (out_dir / "demo_config.json").write_text(json.dumps(config, indent=1))
+    report = {
+        "assembled_from": {"sft_run": str(demo_dir), "rl_dir": rl_dir, "after_rl": after_rl},
+        "fve": {"AR on gold explanations": gold["gold/fve"], "AV+AR after SFT": sft["av/fve"],
+                "AV+AR after RL": rl["av/fve"],
+                "AV+AR after RL, AV given a shuffled vector (control)": rl.get("shuffled/fve")},
+        "splice_kl": {"AR on gold explanations": rl.get("splice/kl_gold"), "AV+AR after RL": rl.get("splice/kl_av")},
+        "extraction_rate": {"after SFT": sft["av/extraction_rate"], "after RL": rl["av/extraction_rate"]},
+        "explanation_tokens": {"after SFT": sft.get("length/tokens_mean"), "after RL": rl.get("length/tokens_mean")},
+        "seconds_per_rl_step": rl_step_seconds(Path(rl_dir)),
+        "seconds": {},
+        "samples": held_out_samples(_samples(demo_dir / "eval" / "after_sft"), _samples(Path(after_rl))),
+    }
+    (out_dir / "report.json").write_text(json.dumps(report, indent=1))
 
 
 def _get(report: dict[str, Any], path: Sequence[str]) -> float | None:
@@ -136,12 +176,19 @@ def main() -> None:
     p = sub.add_parser("random-model")
     p.add_argument("meta_dir")
     p.add_argument("out_dir")
+    p = sub.add_parser("assemble")
+    for flag in ("--engine", "--sft-run", "--rl-dir", "--after-rl", "--out"):
+        p.add_argument(flag, required=True)
+    p.add_argument("--seed", type=int, required=True)
     p = sub.add_parser("table")
     p.add_argument("run_dirs", nargs="+")
     p.add_argument("--out", required=True)
     args = parser.parse_args()
     if args.command == "random-model":
         random_model(args.meta_dir, args.out_dir)
+    elif args.command == "assemble":
+        assemble(engine=args.engine, seed=args.seed, sft_run=args.sft_run, rl_dir=args.rl_dir, after_rl=args.after_rl,
+                 out=args.out)
     else:
         table(args.run_dirs, args.out)
 

@@ -14,7 +14,7 @@ from nla_core.logprobs import _rows_per_chunk, chunk_entropy
 
 
 def token_entropy(logits: torch.Tensor, *, chunk_size: int | None = None) -> torch.Tensor:
-    """H[..., t] = -sum_v p_v log p_v = lse(z) - sum_v softmax(z)_v z_v, z = float32(logits[..., t, :]).
+    """H[..., t] = -sum_v p_v log p_v, log p = z - logsumexp(z), z = float32(logits[..., t, :]).
 
     A diagnostic: computed without gradient, chunk by chunk over tokens, so no float32 copy of
     the whole [..., T, V] logits is made (verl's entropy_from_logits, TRL's, in nats).

@@ -124,13 +124,13 @@ def chunk_logit_grads(
 
 
 def chunk_entropy(logits: torch.Tensor, lse: torch.Tensor, softcap: float | None) -> torch.Tensor:
-    """Entropy of one chunk's rows: H_r = lse_r - sum_v softmax(z_r)_v z_rv, z = cap(float32(logits)).
+    """Entropy of one chunk's rows: H_r = -sum_v p_rv log p_rv, log p_rv = z_rv - lse_r, z = cap(float32(logits)).
 
+    Summed as p log p rather than lse - sum p z, which cancels in float32 at large logits.
     Args: logits: [R, V]; lse: [R] (`chunk_logprobs`'s). Returns [R] float32 (or wider), >= 0.
     """
-    z = _capped(logits, softcap)
-    probs = torch.exp(z - lse.unsqueeze(-1))
-    return (lse - (probs * z).sum(-1)).clamp_min(0.0)
+    logp = _capped(logits, softcap) - lse.unsqueeze(-1)
+    return -(torch.exp(logp) * logp).sum(-1).clamp_max(0.0)
 
 
 class ChunkKernels(NamedTuple):
@@ -200,7 +200,7 @@ def token_logprobs_from_hidden(
       softcap: c > 0 of the final-logit soft-capping, or None for plain logits.
       chunk_size: tokens per chunk; default keeps a chunk's logits near 4M elements.
       kernels: each chunk's arithmetic (`chunk_logprobs`, `chunk_logit_grads`, `chunk_entropy`, or compiled copies).
-      with_entropy: also return each position's policy entropy H = lse - sum_v softmax(z)_v z_v,
+      with_entropy: also return each position's policy entropy H = -sum_v p_v log p_v, p = softmax(z),
         computed from the same chunk's logits in the same pass (no extra matmul, no [..., T, V] tensor).
     Returns:
       [..., T] float32 (float64 for float64 inputs), differentiable w.r.t. hidden (and

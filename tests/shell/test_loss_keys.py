@@ -214,3 +214,26 @@ def test_resume_is_exact_with_the_new_keys(nla_run_inputs, tmp_path):
               "peak_mem_gb"}
     strip = lambda lines: [{k: v for k, v in line.items() if k not in timing} for line in lines]  # noqa: E731
     assert strip(fixtures.read_metrics(whole)) == strip(fixtures.read_metrics(split))
+
+
+def test_two_ranks_match_one_process_with_the_new_keys(nla_run_inputs, tmp_path, monkeypatch):
+    # The batch advantage scale's std and prompt_mean's group count span ranks; the EMA and the
+    # best pairs are the global batch's. (Dynamic sampling fills each rank's share on its own: not compared.)
+    import sys
+
+    import test_distributed as dist_tests
+
+    common = dict(num_steps=2, save_every=1, batch_prompts=4, eval_every=0, advantage_scale="batch",
+                  aggregation="prompt_mean", policy_loss="gspo", token_mask="0.5,2", critic_rollouts="best",
+                  critic_ema=0.5)
+    one, two = tmp_path / "one", tmp_path / "two"
+    monkeypatch.setattr(train_module, "make_engine", dist_tests.seeded_make_engine)
+    assert cli.main(["train", *dist_tests._settings(nla_run_inputs, one, **common)]) == 0
+    dist_tests._run_job([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                         dist_tests.__file__, "train", *dist_tests._settings(nla_run_inputs, two, **common)])
+    dist_tests._assert_metrics_close(dist_tests._metrics(two), dist_tests._metrics(one))
+    for step in ("step_000001", "step_000002"):
+        a = load_file(str(two / step / train_module.CRITIC_EMA_FILE))
+        b = load_file(str(one / step / train_module.CRITIC_EMA_FILE))
+        for name in b:
+            torch.testing.assert_close(a[name], b[name], rtol=1e-4, atol=1e-6)

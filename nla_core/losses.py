@@ -4,7 +4,7 @@ k3 KL to a reference, truncated importance sampling, token masks and four aggreg
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -334,18 +334,7 @@ def grpo_loss(
     old_logp: torch.Tensor,
     advantages: torch.Tensor,
     mask: torch.Tensor,
-    *,
-    ref_logp: torch.Tensor | None = None,
-    behavior_logp: torch.Tensor | None = None,
-    clip_eps: float = 0.2,
-    clip_eps_high: float | None = None,
-    kl_beta: float = 0.04,
-    kl_clamp: float | None = None,
-    tis: str | None = "ratio_cap",
-    tis_cap: float = 2.0,
-    aggregation: str = "sequence_mean",
-    denominator: float | torch.Tensor | None = None,
-    max_log_ratio: float = 20.0,
+    **options: Any,
 ) -> PolicyLossOutput:
     """GRPO loss with PPO clipping, k3 KL and truncated importance sampling: `policy_loss(kind="grpo")`.
 
@@ -354,20 +343,18 @@ def grpo_loss(
       l_it  = -(w_it s_it - kl_beta k3(logp_it, ref_logp_it))
       loss  = aggregate_loss(l, mask, mode=aggregation, denominator=denominator)
 
-    TIS modes, shapes and every keyword as in `policy_loss` (aggregation "sequence_mean" or
-    "token_mean" here: the others need policy_loss's max_len / group_ids).
+    TIS modes, shapes and every keyword option (ref_logp, behavior_logp, clip_eps, clip_eps_high,
+    kl_beta, kl_clamp, tis, tis_cap, aggregation, denominator, max_log_ratio, ...) with their
+    defaults as in `policy_loss`.
 
     Args:
-      logp: [N, T] (the only input with gradient); old_logp: [N, T]; advantages: [N]; mask: [N, T] bool;
-      ref_logp, behavior_logp: [N, T] or None.
+      logp: [N, T] (the only input with gradient); old_logp: [N, T]; advantages: [N]; mask: [N, T] bool.
     Returns:
       PolicyLossOutput (GRPOLossOutput); every tensor but `loss` is detached.
     """
-    return policy_loss(
-        logp, old_logp, advantages, mask, kind="grpo", ref_logp=ref_logp, behavior_logp=behavior_logp,
-        clip_eps=clip_eps, clip_eps_high=clip_eps_high, kl_beta=kl_beta, kl_clamp=kl_clamp, tis=tis,
-        tis_cap=tis_cap, aggregation=aggregation, denominator=denominator, max_log_ratio=max_log_ratio,
-    )
+    if "kind" in options:
+        raise ValueError(f"grpo_loss is policy_loss(kind='grpo'); call policy_loss for kind={options['kind']!r}")
+    return policy_loss(logp, old_logp, advantages, mask, kind="grpo", **options)
 
 
 __all__ = [

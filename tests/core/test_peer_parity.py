@@ -1,8 +1,8 @@
 """Peer parity: nla_core's losses, aggregations, advantages and masks against TRL's and verl's own code.
 
-The peers' functions are extracted verbatim into tests/trl_losses.py (huggingface/trl at
+The peers' functions are extracted verbatim into tests/third_party/trl_losses.py (huggingface/trl at
 f2cd57710ae345ea6428ae95363267fcf38a3dc8, trl/trainer/grpo_trainer.py and trl/trainer/utils.py) and
-tests/verl_losses.py (volcengine/verl at b178a3cd56f58b2d502255daba591e92833930a7,
+tests/third_party/verl_losses.py (volcengine/verl at b178a3cd56f58b2d502255daba591e92833930a7,
 verl/trainer/ppo/core_algos.py, verl/utils/torch_functional.py, verl/trainer/ppo/rollout_corr_helper.py);
 each file's header names the functions and lines. Every mode below is meant to match its peer in
 value and gradient; where the peers' conventions differ from nla's (verl's seq-mean-token-sum-norm
@@ -20,8 +20,7 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-import trl_losses
-import verl_losses
+from third_party import trl_losses, verl_losses
 from nla_core import (
     aggregate_loss, group_advantages, policy_loss, ratio_band_mask, token_entropy, top_entropy_mask,
 )

@@ -176,6 +176,13 @@ class _HiddenTokenLogprobs(torch.autograd.Function):
         return grad_h, (grad_w.to(weight.dtype) if need_w else None), None, None, None, None, None
 
 
+class LogprobsAndEntropy(NamedTuple):
+    logp: torch.Tensor
+    """[..., T] log-probs of the targets, differentiable."""
+    entropy: torch.Tensor
+    """[..., T] detached entropy of the policy's next-token distribution at each position, in nats."""
+
+
 def token_logprobs_from_hidden(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -228,13 +235,6 @@ def token_logprobs_from_hidden(
     entropy = torch.empty(flat.shape[0], dtype=torch.promote_types(hidden.dtype, torch.float32), device=hidden.device)
     out = _HiddenTokenLogprobs.apply(flat, weight, targets.reshape(-1).long(), rows, softcap, kernels, entropy)
     return LogprobsAndEntropy(out.reshape(targets.shape), entropy.reshape(targets.shape))
-
-
-class LogprobsAndEntropy(NamedTuple):
-    logp: torch.Tensor
-    """[..., T] log-probs of the targets, differentiable."""
-    entropy: torch.Tensor
-    """[..., T] detached entropy of the policy's next-token distribution at each position, in nats."""
 
 
 class SampledTokens(NamedTuple):

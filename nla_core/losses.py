@@ -17,7 +17,7 @@ from nla_core._checks import (
     require_same_shape,
 )
 from nla_core.kl import kl_k3
-from nla_core.ratios import check_ratio_band, gspo_token_log_ratio, ratio_band_mask
+from nla_core.ratios import _check_ratio_band, gspo_token_log_ratio, ratio_band_mask
 
 TIS_MODES = ("ratio_cap", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask", None)
 AGGREGATIONS = ("sequence_mean", "token_mean", "seq_mean_token_sum_norm", "prompt_mean")
@@ -248,7 +248,7 @@ def policy_loss(
             "cap positive-advantage ratios inside the PPO clip range; use tis_cap >= 1 + clip_eps_high"
         )
     if token_mask is not None:
-        check_ratio_band(*token_mask)
+        _check_ratio_band(*token_mask)
 
     def masked_f32(x: torch.Tensor) -> torch.Tensor:
         # Zero out padding *before* any exp, so NaN/inf there cannot leak into values or grads.

@@ -57,7 +57,7 @@ def gspo_token_log_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch
     return torch.where(mask, lp - lp.detach() + seq[:, None], torch.zeros_like(lp))
 
 
-def check_ratio_band(low: float, high: float) -> None:
+def _check_ratio_band(low: float, high: float) -> None:
     """Refuse a band [low, high] on a ratio unless 0 < low <= 1 <= high < inf."""
     if not (0 < low <= 1 <= high and math.isfinite(high)):
         raise ValueError(f"the ratio band needs 0 < low <= 1 <= high < inf, got low={low!r}, high={high!r}")
@@ -79,9 +79,9 @@ def ratio_band_mask(log_ratio: torch.Tensor, mask: torch.Tensor, *, low: float, 
     Returns:
       [N, T] bool, False wherever mask is False.
     """
-    check_ratio_band(low, high)
+    _check_ratio_band(low, high)
     lr = _masked_log_ratio(log_ratio, mask).detach()
     return mask & (lr >= math.log(low)) & (lr <= math.log(high))
 
 
-__all__ = ["check_ratio_band", "gspo_token_log_ratio", "ratio_band_mask", "sequence_log_ratio"]
+__all__ = ["gspo_token_log_ratio", "ratio_band_mask", "sequence_log_ratio"]

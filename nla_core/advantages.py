@@ -128,8 +128,8 @@ def best_in_group(rewards: torch.Tensor, group_ids: torch.Tensor, valid: torch.T
     if rewards.numel() == 0:
         return torch.zeros(0, dtype=torch.long, device=rewards.device)
     r = torch.where(valid, rewards.to(torch.float64), torch.full((), -torch.inf, dtype=torch.float64))
-    _, group = torch.unique(group_ids, return_inverse=True)
-    n_groups = int(group.max()) + 1
+    ids, group = torch.unique(group_ids, return_inverse=True)
+    n_groups = ids.numel()
     top = torch.full((n_groups,), -torch.inf, dtype=torch.float64, device=r.device)
     top = top.scatter_reduce(0, group, r, reduce="amax", include_self=True)
     index = torch.arange(r.numel(), device=r.device)

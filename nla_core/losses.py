@@ -15,6 +15,7 @@ from nla_core._checks import (
     require_integer,
     require_ndim,
     require_same_shape,
+    require_tensor,
 )
 from nla_core.kl import kl_k3
 from nla_core.ratios import _check_ratio_band, gspo_token_log_ratio, ratio_band_mask
@@ -94,14 +95,7 @@ def aggregate_loss(
     require_bool("mask", mask)
     require_ndim("per_token", per_token, 2, "[N, T]")
     require_same_shape("mask", mask, "per_token", per_token)
-    require_choice("mode", mode, AGGREGATIONS)
-    if (max_len is not None) != (mode == "seq_mean_token_sum_norm"):
-        raise ValueError(f"max_len is needed by mode='seq_mean_token_sum_norm' and only by it; mode={mode!r}, "
-                         f"max_len={max_len!r}")
-    if mode == "seq_mean_token_sum_norm" and not (isinstance(max_len, int) and max_len >= 1):
-        raise ValueError(f"max_len must be an integer >= 1 (the longest allowed response), got {max_len!r}")
-    if (group_ids is not None or group_tokens is not None) and mode != "prompt_mean":
-        raise ValueError(f"group_ids / group_tokens are for mode='prompt_mean' only, not {mode!r}")
+    _check_aggregation(per_token.shape[0], mode, max_len=max_len, group_ids=group_ids, group_tokens=group_tokens)
     kept = torch.where(mask, per_token, torch.zeros_like(per_token))
     if mode == "sequence_mean":
         per_seq = kept.sum(-1) / mask.sum(-1).clamp_min(1)
@@ -111,20 +105,38 @@ def aggregate_loss(
         return total / (mask.sum().clamp_min(1) if denominator is None else denominator)
     if mode == "seq_mean_token_sum_norm":
         return kept.sum() / ((per_token.shape[0] if denominator is None else denominator) * max_len)
-    if group_ids is None:
-        raise ValueError("mode='prompt_mean' needs group_ids ([N] integer, one group per prompt)")
-    require_integer("group_ids", group_ids)
-    if group_ids.shape != per_token.shape[:1]:
-        raise ValueError(f"group_ids must be [N] = [{per_token.shape[0]}], got shape {tuple(group_ids.shape)}")
-    _, group = torch.unique(group_ids, return_inverse=True)
-    n_groups = int(group.max()) + 1 if group.numel() else 0
+    ids, group = torch.unique(group_ids, return_inverse=True)
+    n_groups = ids.numel()
     if group_tokens is None:
         counts = torch.zeros(n_groups, dtype=per_token.dtype, device=per_token.device)
         group_tokens = counts.index_add(0, group, mask.sum(-1).to(per_token.dtype))[group]
-    elif group_tokens.shape != per_token.shape[:1]:
-        raise ValueError(f"group_tokens must be [N] = [{per_token.shape[0]}], got shape {tuple(group_tokens.shape)}")
     per_seq = kept.sum(-1) / group_tokens.to(per_token.dtype).clamp_min(1)
     return per_seq.sum() / (n_groups if denominator is None else denominator)
+
+
+def _check_aggregation(
+    n: int, mode: str, *, max_len: int | None, group_ids: torch.Tensor | None, group_tokens: torch.Tensor | None
+) -> None:
+    """`aggregate_loss`'s mode and its extra arguments, for N samples."""
+    require_choice("mode", mode, AGGREGATIONS)
+    if (max_len is not None) != (mode == "seq_mean_token_sum_norm"):
+        raise ValueError(f"max_len is needed by mode='seq_mean_token_sum_norm' and only by it; mode={mode!r}, "
+                         f"max_len={max_len!r}")
+    if mode == "seq_mean_token_sum_norm" and not (isinstance(max_len, int) and max_len >= 1):
+        raise ValueError(f"max_len must be an integer >= 1 (the longest allowed response), got {max_len!r}")
+    if mode != "prompt_mean":
+        if group_ids is not None or group_tokens is not None:
+            raise ValueError(f"group_ids / group_tokens are for mode='prompt_mean' only, not {mode!r}")
+        return
+    if group_ids is None:
+        raise ValueError("mode='prompt_mean' needs group_ids ([N] integer, one group per prompt)")
+    require_integer("group_ids", group_ids)
+    if group_ids.shape != (n,):
+        raise ValueError(f"group_ids must be [N] = [{n}], got shape {tuple(group_ids.shape)}")
+    if group_tokens is not None:
+        require_tensor("group_tokens", group_tokens)
+        if group_tokens.shape != (n,):
+            raise ValueError(f"group_tokens must be [N] = [{n}], got shape {tuple(group_tokens.shape)}")
 
 
 def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -223,6 +235,7 @@ def policy_loss(
     require_choice("kind", kind, POLICY_LOSSES)
     require_choice("tis", tis, TIS_MODES)
     require_choice("aggregation", aggregation, AGGREGATIONS)
+    _check_aggregation(logp.shape[0], aggregation, max_len=max_len, group_ids=group_ids, group_tokens=group_tokens)
     if kind == "onpolicy" and tis == "ratio_cap":
         raise ValueError("kind='onpolicy' has no ratio for tis='ratio_cap' to cap: use tis=None (EasyNLA) "
                          "or a decoupled mode (token_/sequence_ truncate or mask) with behavior_logp")

@@ -501,6 +501,11 @@ def load_config(
     return load_dataclass(cls, mapping, overrides)
 
 
+def config_defaults(cls: type) -> dict[str, Any]:
+    """Each field's default, for the fields that have one (a run saved before a key existed ran at it)."""
+    return {f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
+
+
 def config_to_dict(cfg: Any) -> dict[str, Any]:
     """The config as plain YAML/JSON types (tuples become lists), in field order."""
     return {

@@ -30,7 +30,7 @@ import nla_core
 from nla_shell import families
 from nla_shell.training import checkpoint as ckpt
 from nla_shell.training import distributed
-from nla_shell.io.config import RESUME_MUTABLE_KEYS, ConfigError, TrainConfig, config_to_dict
+from nla_shell.io.config import RESUME_MUTABLE_KEYS, ConfigError, TrainConfig, config_defaults, config_to_dict
 from nla_shell.io.data import (
     DataError, RLRow, build_prompt_ids, check_tokenizer, load_eval_rows, load_rows, parquet_num_rows, row_windows,
 )
@@ -298,7 +298,8 @@ def run_ranked(cfg: TrainConfig, rank: RankInfo, device: torch.device, dtype: to
     mutable_keys = RESUME_MUTABLE_KEYS | ({"lora_r", "lora_alpha", "use_rslora"} if continues_sft else set())
 
     def claim() -> Path | None:
-        ckpt.claim_save_dir(save_dir, config_dict, overwrite=cfg.overwrite, resume=cfg.resume, mutable_keys=mutable_keys)
+        ckpt.claim_save_dir(save_dir, config_dict, overwrite=cfg.overwrite, resume=cfg.resume, mutable_keys=mutable_keys,
+                            defaults=config_defaults(TrainConfig))
         ckpt.remove_stale_entries(save_dir)  # under the lock: no other run's save is in flight
         if cfg.resume != "auto":
             return None

@@ -324,3 +324,14 @@ def test_bad_policy_arguments_rejected():
         policy_loss(z, z, torch.zeros(2), m, keep=torch.ones(2, 4, dtype=torch.bool))
     with pytest.raises(ValueError, match="keep"):
         policy_loss(z, z, torch.zeros(2), m, keep=torch.ones(2, 3))
+
+
+def test_aggregation_arguments_are_checked_before_any_arithmetic():
+    z, m = torch.zeros(2, 3), torch.ones(2, 3, dtype=torch.bool)
+    with pytest.raises(ValueError, match=r"group_ids must be \[N\] = \[2\].*\(5,\)"):
+        policy_loss(z, z, torch.zeros(2), m, aggregation="prompt_mean", group_ids=torch.zeros(5, dtype=torch.long))
+    with pytest.raises(ValueError, match="group_tokens"):
+        policy_loss(z, z, torch.zeros(2), m, aggregation="prompt_mean", group_ids=torch.zeros(2, dtype=torch.long),
+                    group_tokens=torch.ones(3))
+    with pytest.raises(ValueError, match="max_len"):
+        policy_loss(z, z, torch.zeros(2), m, aggregation="seq_mean_token_sum_norm", max_len=0)

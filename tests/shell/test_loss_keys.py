@@ -237,3 +237,20 @@ def test_two_ranks_match_one_process_with_the_new_keys(nla_run_inputs, tmp_path,
         b = load_file(str(one / step / train_module.CRITIC_EMA_FILE))
         for name in b:
             torch.testing.assert_close(a[name], b[name], rtol=1e-4, atol=1e-6)
+
+
+def test_a_run_saved_before_the_new_keys_resumes_at_their_defaults(tmp_path):
+    import yaml
+
+    from nla_shell.io.config import config_defaults, config_to_dict
+    from nla_shell.training.checkpoint import claim_save_dir
+
+    base = dict(av_ckpt="a", ar_ckpt="b", rl_parquet="c", save_dir=str(tmp_path))
+    now = config_to_dict(load_dataclass(TrainConfig, base))
+    older = {k: v for k, v in now.items() if k not in NEW_KEYS}  # what yesterday's nla wrote
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(older, sort_keys=False))
+    claim_save_dir(tmp_path, now, overwrite=False, resume="auto", defaults=config_defaults(TrainConfig))
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(older, sort_keys=False))
+    changed = config_to_dict(load_dataclass(TrainConfig, base, ["policy_loss=gspo"]))
+    with pytest.raises(ConfigError, match="policy_loss: '<unset>' there, 'gspo' now"):
+        claim_save_dir(tmp_path, changed, overwrite=False, resume="auto", defaults=config_defaults(TrainConfig))

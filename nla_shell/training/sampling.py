@@ -1,6 +1,6 @@
 """Which rollouts a step trains on, and what the critic learns from (issue 30's trainer options).
 
-- `keep_varied_groups`: DAPO's dynamic sampling, the groups whose rewards vary first.
+- `redraw_until_varied`, `keep_varied_groups`: DAPO's dynamic sampling, the groups whose rewards vary first.
 - `step_advantages`: `nla_core.group_advantages` over the global batch (the batch scale's std spans ranks).
 - `critic_pairs`: every valid pair, or each group's best (`critic_rollouts`).
 - `CriticEMA`: an exponential moving average of the critic's trained weights, swapped in for scoring.
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, replace
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 
@@ -87,6 +87,16 @@ def varied_deficit(draws: Sequence[Draw], n_groups: int) -> int:
     missing = max(0, n_groups - sum(len(d.varied_groups()) for d in draws))
     (worst,) = distributed.all_reduce_max([missing])
     return int(worst)
+
+
+def redraw_until_varied(first: Draw, draw: Callable[[], Draw], *, max_draws: int) -> tuple[Draw, int]:
+    """DAPO's dynamic sampling: call `draw()` (a fresh batch, scored) while fewer than len(first.requests)
+    groups vary, at most `max_draws` times; returns the kept groups (`keep_varied_groups`) and the draws made."""
+    n_groups = len(first.requests)
+    draws = [first]
+    while len(draws) - 1 < max_draws and varied_deficit(draws, n_groups):
+        draws.append(draw())
+    return keep_varied_groups(draws, n_groups), len(draws) - 1
 
 
 def step_advantages(reward: torch.Tensor, group_ids: torch.Tensor, *, scale: str) -> torch.Tensor:

@@ -515,8 +515,9 @@ def run_ranked(cfg: TrainConfig, rank: RankInfo, device: torch.device, dtype: to
         )
         extra_draws, time_extra_rollouts = 0, 0.0
         if cfg.dynamic_sampling:  # DAPO: draw again until the step holds batch_prompts groups with varied rewards
-            draws = [sampling.Draw(requests, rollouts, shaped)]
-            while extra_draws < cfg.dynamic_sampling_max_draws and sampling.varied_deficit(draws, len(requests)):
+
+            def another_draw() -> sampling.Draw:
+                nonlocal time_extra_rollouts
                 t1 = time.perf_counter()
                 more = [RolloutRequest(tuple(prompt_ids[i]), rows[i].activation)
                         for i in distributed.shard(order.next_batch(cfg.batch_prompts), rank)]
@@ -528,12 +529,13 @@ def run_ranked(cfg: TrainConfig, rank: RankInfo, device: torch.device, dtype: to
                     more_scores = score_explanations(
                         critic, tokenizer, [nla_core.extract_explanation(r.text) for r in more_rollouts], more_golds,
                         **score_kwargs)
-                draws.append(sampling.Draw(more, more_rollouts, shape_rewards(
+                return sampling.Draw(more, more_rollouts, shape_rewards(
                     more_scores, more_rollouts, max_new_tokens=cfg.max_new_tokens, eos_ids=eos_ids,
                     length_penalty=cfg.length_penalty, length_margin=cfg.length_margin,
-                    truncated_as_failed=cfg.truncated_as_failed)))
-                extra_draws += 1
-            kept = sampling.keep_varied_groups(draws, len(requests))
+                    truncated_as_failed=cfg.truncated_as_failed))
+
+            kept, extra_draws = sampling.redraw_until_varied(
+                sampling.Draw(requests, rollouts, shaped), another_draw, max_draws=cfg.dynamic_sampling_max_draws)
             requests, rollouts, shaped = kept.requests, kept.rollouts, kept.shaped
             golds = torch.stack([requests[r.prompt_index].activation for r in rollouts])
         scores = shaped.scores

@@ -173,6 +173,19 @@ def test_dynamic_sampling_keeps_the_varied_groups():
     # too few varied groups: the earliest constant ones fill the batch
     short = sampling.keep_varied_groups([first], 2)
     assert [r.text for r in short.rollouts] == ["1:0.0", "1:2.0", "0:1.0", "0:1.0"]
+    # the redraws stop once enough groups vary, and never exceed their bound
+    calls = []
+
+    def again():
+        calls.append(1)
+        return second
+
+    kept, n = sampling.redraw_until_varied(first, again, max_draws=5)
+    assert n == 1 and len(calls) == 1 and [r.text for r in kept.rollouts][-2:] == ["0:3.0", "0:4.0"]
+    constant = draw([[1.0, 1.0], [2.0, 2.0]])
+    kept, n = sampling.redraw_until_varied(constant, lambda: constant, max_draws=3)
+    assert n == 3 and [r.prompt_index for r in kept.rollouts] == [0, 0, 1, 1]
+    assert sampling.redraw_until_varied(constant, again, max_draws=0)[1] == 0
 
 
 def test_critic_rollouts_best_trains_on_one_pair_per_group(nla_run_inputs, tmp_path, monkeypatch):

@@ -200,7 +200,7 @@ def policy_loss(
     overflow to inf and turn the backward into NaN. cispo takes any clip_eps > 0 (>= 1: no
     lower clip; TRL's epsilon_high = 5 is clip_eps_high = 4).
 
-    Args:
+    Args (N = B prompts x G samples each, T response tokens):
       logp: [N, T] trainer log-probs of the sampled tokens (the only input with gradient).
       old_logp: [N, T] log-probs the ratio is taken against (see TIS above).
       advantages: [N] one advantage per sample.

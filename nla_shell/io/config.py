@@ -168,7 +168,7 @@ class TrainConfig:
     policy_loss: Literal["grpo", "gspo", "cispo", "onpolicy"] = "grpo"
     """Policy surrogate (nla_core.policy_loss): grpo, PPO's clipped token ratio (reference); gspo, the clipped
     length-normalised sequence ratio (GSPO); cispo, the clipped, detached IS weight times log p (MiniMax-M1;
-    ScaleRL: clip_eps=1 clip_eps_high=4, i.e. weights capped at 5 with no lower clip); onpolicy, A * log p with
+    ScaleRL: clip_eps=1 clip_eps_high=4, i.e. weights capped at 5 with no lower clip, and tis_cap=5 or tis=none); onpolicy, A * log p with
     no ratio (EasyNLA, with tis=none and kl_clamp=12). Not in the reference beyond grpo."""
     token_mask: tuple[float, ...] | None = None
     """Two-sided token mask on the trainer/engine probability ratio, "low,high" with 0 < low <= 1 <= high

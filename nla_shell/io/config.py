@@ -193,8 +193,8 @@ class TrainConfig:
     dynamic_sampling: bool = False
     """DAPO's dynamic sampling: a step draws more prompts (G rollouts each) until it holds batch_prompts groups
     whose rewards are not all equal, at most dynamic_sampling_max_draws extra batches; short of that it trains
-    on the varied groups plus the first constant ones (zero advantage). Logged as dynamic_sampling_draws and
-    varied_groups. Under torchrun every rank draws together while any rank lacks varied groups, and each
+    on the varied groups plus the first constant ones (zero advantage); a co-trained critic learns from those
+    kept groups only. Logged as dynamic_sampling_draws and varied_groups. Under torchrun every rank draws together while any rank lacks varied groups, and each
     keeps its own share. Not in the reference."""
     dynamic_sampling_max_draws: int = 2
     """Bound on the extra batches of batch_prompts prompts that dynamic_sampling draws in one step."""

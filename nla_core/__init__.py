@@ -1,12 +1,14 @@
 """nla_core: pure tensor functions for NLA training (torch + standard library only).
 
-Advantages, KL estimators, token log-probs, the GRPO/TIS loss, marker injection, weight
+Advantages and group selection, KL estimators, token log-probs and entropies, the policy losses
+(GRPO, GSPO, CISPO, on-policy) with TIS and ratio masks, marker injection, weight
 renaming and LoRA merge, reconstruction/reward/FVE math, splice vectors, sidecar parsing and
 splits.
 No I/O, no logging, no device synchronisation: usable from any RL loop.
 """
 
-from nla_core.advantages import ADVANTAGE_SCALES, group_advantages
+from nla_core.advantages import ADVANTAGE_SCALES, best_in_group, group_advantages, group_has_variance
+from nla_core.entropy import token_entropy, top_entropy_mask
 from nla_core.injection import (
     INJECTION_STYLES,
     find_injection_sites,
@@ -18,14 +20,26 @@ from nla_core.injection import (
 from nla_core.kl import kl_categorical, kl_k1, kl_k2, kl_k3
 from nla_core.logprobs import (
     ChunkKernels,
+    LogprobsAndEntropy,
     SampledTokens,
+    chunk_entropy,
     chunk_logit_grads,
     chunk_logprobs,
     sample_tokens,
     token_logprobs,
     token_logprobs_from_hidden,
 )
-from nla_core.losses import AGGREGATIONS, TIS_MODES, GRPOLossOutput, aggregate_loss, grpo_loss
+from nla_core.losses import (
+    AGGREGATIONS,
+    POLICY_LOSSES,
+    TIS_MODES,
+    GRPOLossOutput,
+    PolicyLossOutput,
+    aggregate_loss,
+    grpo_loss,
+    policy_loss,
+)
+from nla_core.ratios import gspo_token_log_ratio, ratio_band_mask, sequence_log_ratio
 from nla_core.reconstruction import (
     FAILED_EXTRACTION_REWARD,
     REWARD_KINDS,
@@ -60,13 +74,18 @@ __all__ = [
     "GRPOLossOutput",
     "INJECTION_STYLES",
     "INJECT_PLACEHOLDER",
+    "LogprobsAndEntropy",
     "NLAConfig",
+    "POLICY_LOSSES",
+    "PolicyLossOutput",
     "REWARD_KINDS",
     "SampledTokens",
     "TIS_MODES",
     "actor_content",
     "aggregate_loss",
+    "best_in_group",
     "canonical_neighbors",
+    "chunk_entropy",
     "chunk_logit_grads",
     "chunk_logprobs",
     "denormalize_activation",
@@ -75,7 +94,9 @@ __all__ = [
     "find_injection_sites",
     "fve",
     "group_advantages",
+    "group_has_variance",
     "grpo_loss",
+    "gspo_token_log_ratio",
     "hf_param_name",
     "hinged_length_penalty",
     "inject_norm_matched",
@@ -89,14 +110,19 @@ __all__ = [
     "merge_lora_weight",
     "normalize_activation",
     "parse_sidecar",
+    "policy_loss",
     "predict_mean_baselines",
     "random_at_same_error",
+    "ratio_band_mask",
     "reconstruction_mse",
     "replace_at_sites",
     "resolve_target_scale",
     "reward_from_mse",
     "sample_tokens",
+    "sequence_log_ratio",
+    "token_entropy",
     "token_logprobs",
     "token_logprobs_from_hidden",
+    "top_entropy_mask",
     "upstream_actor_template",
 ]

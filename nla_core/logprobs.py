@@ -123,23 +123,37 @@ def chunk_logit_grads(
     return d_z.to(logits.dtype)
 
 
+def chunk_entropy(logits: torch.Tensor, lse: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """Entropy of one chunk's rows: H_r = -sum_v p_rv log p_rv, log p_rv = z_rv - lse_r, z = cap(float32(logits)).
+
+    Summed as p log p rather than lse - sum p z, which cancels in float32 at large logits.
+    Args: logits: [R, V]; lse: [R] (`chunk_logprobs`'s). Returns [R] float32 (or wider), >= 0.
+    """
+    logp = _capped(logits, softcap) - lse.unsqueeze(-1)
+    return -(torch.exp(logp) * logp).sum(-1).clamp_max(0.0)
+
+
 class ChunkKernels(NamedTuple):
     """The per-chunk arithmetic of `token_logprobs_from_hidden`, replaceable by compiled versions
     of the same functions (the shell's `compile_blocks`): same arithmetic, fewer passes over memory."""
 
     logprobs: Callable[..., tuple[torch.Tensor, torch.Tensor]] = chunk_logprobs
     logit_grads: Callable[..., torch.Tensor] = chunk_logit_grads
+    entropy: Callable[..., torch.Tensor] = chunk_entropy
 
 
 class _HiddenTokenLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, rows_per_chunk, softcap, kernels):  # hidden [R, D], weight [V, D]
+    def forward(ctx, hidden, weight, targets, rows_per_chunk, softcap, kernels, entropy=None):  # hidden [R, D], weight [V, D]
         acc = torch.promote_types(hidden.dtype, torch.float32)
         out = torch.empty(hidden.shape[0], dtype=acc, device=hidden.device)
         lse = torch.empty_like(out)
         for start in range(0, hidden.shape[0], rows_per_chunk):
             sl = slice(start, start + rows_per_chunk)
-            out[sl], lse[sl] = kernels.logprobs(torch.nn.functional.linear(hidden[sl], weight), targets[sl], softcap)
+            logits = torch.nn.functional.linear(hidden[sl], weight)
+            out[sl], lse[sl] = kernels.logprobs(logits, targets[sl], softcap)
+            if entropy is not None:  # a diagnostic buffer [R], filled from the same chunk's logits
+                entropy[sl] = kernels.entropy(logits, lse[sl], softcap)
         ctx.save_for_backward(hidden, weight, targets, lse)
         ctx.rows_per_chunk, ctx.softcap, ctx.kernels = rows_per_chunk, softcap, kernels
         return out
@@ -159,7 +173,14 @@ class _HiddenTokenLogprobs(torch.autograd.Function):
                 grad_h[sl] = d_logits @ weight
             if need_w:
                 grad_w += d_logits.to(lse.dtype).T @ hidden[sl].to(lse.dtype)
-        return grad_h, (grad_w.to(weight.dtype) if need_w else None), None, None, None, None
+        return grad_h, (grad_w.to(weight.dtype) if need_w else None), None, None, None, None, None
+
+
+class LogprobsAndEntropy(NamedTuple):
+    logp: torch.Tensor
+    """[..., T] log-probs of the targets, differentiable."""
+    entropy: torch.Tensor
+    """[..., T] detached entropy of the policy's next-token distribution at each position, in nats."""
 
 
 def token_logprobs_from_hidden(
@@ -170,7 +191,8 @@ def token_logprobs_from_hidden(
     softcap: float | None = None,
     chunk_size: int | None = None,
     kernels: ChunkKernels = ChunkKernels(),
-) -> torch.Tensor:
+    with_entropy: bool = False,
+) -> torch.Tensor | LogprobsAndEntropy:
     """logp[..., t] = log_softmax(z[..., t, :])[targets[..., t]], z = float32(hidden[..., t, :] @ weight.T),
     or z = c * tanh(z / c) with softcap = c (Gemma 2/3's final-logit soft-capping).
 
@@ -184,10 +206,13 @@ def token_logprobs_from_hidden(
       targets: [..., T] integer token ids.
       softcap: c > 0 of the final-logit soft-capping, or None for plain logits.
       chunk_size: tokens per chunk; default keeps a chunk's logits near 4M elements.
-      kernels: each chunk's arithmetic (`chunk_logprobs`, `chunk_logit_grads`, or compiled copies).
+      kernels: each chunk's arithmetic (`chunk_logprobs`, `chunk_logit_grads`, `chunk_entropy`, or compiled copies).
+      with_entropy: also return each position's policy entropy H = -sum_v p_v log p_v, p = softmax(z),
+        computed from the same chunk's logits in the same pass (no extra matmul, no [..., T, V] tensor).
     Returns:
       [..., T] float32 (float64 for float64 inputs), differentiable w.r.t. hidden (and
-      weight when it requires grad).
+      weight when it requires grad); with_entropy: LogprobsAndEntropy(logp, entropy), the
+      entropy [..., T] detached.
     """
     require_floating("hidden", hidden)
     require_floating("weight", weight)
@@ -203,10 +228,13 @@ def token_logprobs_from_hidden(
     if softcap is not None and not softcap > 0:
         raise ValueError(f"softcap must be a positive number or None, got {softcap}")
     flat = hidden.reshape(-1, hidden.shape[-1])
-    out = _HiddenTokenLogprobs.apply(
-        flat, weight, targets.reshape(-1).long(), _rows_per_chunk(chunk_size, weight.shape[0]), softcap, kernels
-    )
-    return out.reshape(targets.shape)
+    rows = _rows_per_chunk(chunk_size, weight.shape[0])
+    if not with_entropy:
+        out = _HiddenTokenLogprobs.apply(flat, weight, targets.reshape(-1).long(), rows, softcap, kernels)
+        return out.reshape(targets.shape)
+    entropy = torch.empty(flat.shape[0], dtype=torch.promote_types(hidden.dtype, torch.float32), device=hidden.device)
+    out = _HiddenTokenLogprobs.apply(flat, weight, targets.reshape(-1).long(), rows, softcap, kernels, entropy)
+    return LogprobsAndEntropy(out.reshape(targets.shape), entropy.reshape(targets.shape))
 
 
 class SampledTokens(NamedTuple):

@@ -130,6 +130,14 @@ class TrainConfig:
     """Critic learning rate (when train_critic)."""
     critic_micro_batch: int = 4
     """Explanations per critic forward (scoring and training)."""
+    critic_rollouts: Literal["all", "best"] = "all"
+    """Pairs the co-trained critic learns from each step: every scored rollout (reference), or each prompt
+    group's best-rewarded one (the EasyNLA fork's); with best the rollouts are scored first, then the critic
+    steps on the B best. Not in the reference."""
+    critic_ema: float | None = None
+    """With train_critic: score rewards with an exponential moving average of the critic's trained weights,
+    ema = critic_ema * ema + (1 - critic_ema) * weights after each critic step (e.g. 0.99; the EasyNLA fork's);
+    null scores with the critic itself (reference). Held-out evals score with the EMA too."""
 
     # GRPO loss.
     clip_eps: float = 0.2
@@ -149,10 +157,23 @@ class TrainConfig:
     """Truncated-importance-sampling mode of nla_core.grpo_loss ("ratio_cap" is the reference's)."""
     tis_cap: float = 2.0
     """TIS cap C on the trainer/behaviour importance ratio; with tis=ratio_cap at least 1 + clip_eps_high."""
-    aggregation: Literal["sequence_mean", "token_mean"] = "sequence_mean"
-    """Loss aggregation: mean over each sequence then over sequences (reference), or over all tokens."""
-    advantage_scale: Literal["std", "none"] = "std"
-    """Group advantage: (r - mean) / std (reference) or r - mean (Dr. GRPO)."""
+    aggregation: Literal["sequence_mean", "token_mean", "seq_mean_token_sum_norm", "prompt_mean"] = "sequence_mean"
+    """Loss aggregation (nla_core.aggregate_loss): mean over each sequence then over sequences (reference);
+    token_mean over all tokens (TRL's dapo/bnpo); seq_mean_token_sum_norm, each sequence's token sum over
+    max_new_tokens, averaged over sequences (Dr. GRPO, TRL's dr_grpo); prompt_mean, each prompt group's token
+    mean averaged over prompts (ScaleRL)."""
+    advantage_scale: Literal["std", "none", "batch"] = "std"
+    """Group advantage: (r - mean) / std (reference), r - mean (Dr. GRPO), or (r - mean) / the whole batch's std
+    (TRL's scale_rewards=batch, ScaleRL). A constant group gets 0 in each."""
+    policy_loss: Literal["grpo", "gspo", "cispo", "onpolicy"] = "grpo"
+    """Policy surrogate (nla_core.policy_loss): grpo, PPO's clipped token ratio (reference); gspo, the clipped
+    length-normalised sequence ratio (GSPO); cispo, the clipped, detached IS weight times log p (MiniMax-M1;
+    ScaleRL: clip_eps=1 clip_eps_high=4, i.e. weights capped at 5 with no lower clip, and tis_cap=5 or tis=none); onpolicy, A * log p with
+    no ratio (EasyNLA, with tis=none and kl_clamp=12). Not in the reference beyond grpo."""
+    token_mask: tuple[float, ...] | None = None
+    """Two-sided token mask on the trainer/engine probability ratio, "low,high" with 0 < low <= 1 <= high
+    (IcePop: 0.5,2): a token whose ratio leaves the band loses its surrogate (its KL term stays); null: off.
+    Logged as token_mask_frac. Not in the reference."""
     reward: Literal["neg_log", "neg"] = "neg_log"
     """Reward from normalised MSE: -log(mse) (reference) or -mse."""
     max_explanation_tokens: int = 1024
@@ -168,6 +189,15 @@ class TrainConfig:
     truncated_as_failed: bool = False
     """Score rollouts cut by max_new_tokens (no eos) as failed extractions (-2) and keep them in the
     loss: their negative advantage is the gradient against runaway length (EasyNLA: on). Not in the reference."""
+
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling: a step draws more prompts (G rollouts each) until it holds batch_prompts groups
+    whose rewards are not all equal, at most dynamic_sampling_max_draws extra batches; short of that it trains
+    on the varied groups plus the first constant ones (zero advantage); a co-trained critic learns from those
+    kept groups only. Logged as dynamic_sampling_draws and varied_groups. Under torchrun every rank draws together while any rank lacks varied groups, and each
+    keeps its own share. Not in the reference."""
+    dynamic_sampling_max_draws: int = 2
+    """Bound on the extra batches of batch_prompts prompts that dynamic_sampling draws in one step."""
 
     # Held-out evaluation.
     eval_every: int = 10
@@ -316,7 +346,9 @@ def _check_train_config(cfg: TrainConfig) -> None:
     for key in ("clip_eps_high", "kl_clamp", "mismatch_threshold"):
         value = getattr(cfg, key)
         require(value is None or value > 0, key, value, "use a number > 0 or null")
-    require(0 < cfg.clip_eps < 1, "clip_eps", cfg.clip_eps, "use 0 < clip_eps < 1")
+    require(0 < cfg.clip_eps < 1 or (cfg.policy_loss == "cispo" and cfg.clip_eps >= 1), "clip_eps", cfg.clip_eps,
+            "use 0 < clip_eps < 1 (with policy_loss=cispo, clip_eps >= 1 removes the lower clip)")
+    _check_loss_choices(cfg)
     require(cfg.kl_beta >= 0, "kl_beta", cfg.kl_beta, "use a number >= 0 (0 disables the KL term)")
     require(cfg.length_penalty >= 0, "length_penalty", cfg.length_penalty, "use a number >= 0 (0 disables it)")
     upper_clip = 1.0 + (cfg.clip_eps if cfg.clip_eps_high is None else cfg.clip_eps_high)
@@ -346,6 +378,25 @@ def _check_train_config(cfg: TrainConfig) -> None:
             f"training rows would overlap the eval rows starting at eval_skip_rows="
             f"{cfg.eval_skip_rows}; lower max_rows, raise eval_skip_rows, or set eval_every=0",
         )
+
+
+def _check_loss_choices(cfg: TrainConfig) -> None:
+    """The policy-loss, token-mask, sampling and critic keys of issue 30."""
+    require(
+        cfg.policy_loss != "onpolicy" or cfg.tis != "ratio_cap", "tis", cfg.tis,
+        "policy_loss=onpolicy has no ratio for tis=ratio_cap to cap: use tis=none (EasyNLA) or a decoupled mode",
+    )
+    if cfg.token_mask is not None:
+        band = cfg.token_mask
+        require(len(band) == 2 and 0 < band[0] <= 1 <= band[1], "token_mask", list(band),
+                "use low,high with 0 < low <= 1 <= high (IcePop: 0.5,2), or null")
+    require(cfg.dynamic_sampling_max_draws >= 0, "dynamic_sampling_max_draws", cfg.dynamic_sampling_max_draws,
+            "use an integer >= 0")
+    if cfg.critic_ema is not None:
+        require(0 < cfg.critic_ema < 1, "critic_ema", cfg.critic_ema, "use 0 < critic_ema < 1, or null")
+        require(cfg.train_critic, "critic_ema", cfg.critic_ema, "it averages a co-trained critic: set train_critic=true")
+    require(cfg.critic_rollouts == "all" or cfg.train_critic, "critic_rollouts", cfg.critic_rollouts,
+            "it chooses the co-trained critic's pairs: set train_critic=true, or leave it at all")
 
 
 def require(ok: bool, key: str, value: Any, fix: str) -> None:
@@ -448,6 +499,11 @@ def load_config(
                 f"not a {type(mapping).__name__}"
             )
     return load_dataclass(cls, mapping, overrides)
+
+
+def config_defaults(cls: type) -> dict[str, Any]:
+    """Each field's default, for the fields that have one (a run saved before a key existed ran at it)."""
+    return {f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
 
 
 def config_to_dict(cfg: Any) -> dict[str, Any]:

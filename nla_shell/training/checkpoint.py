@@ -476,6 +476,7 @@ def claim_save_dir(
     overwrite: bool,
     resume: str,
     mutable_keys: Collection[str] = RESUME_MUTABLE_KEYS,
+    defaults: Mapping[str, Any] | None = None,
 ) -> None:
     """Make `save_dir` this run's directory and write `config_dict` to its config.yaml.
 
@@ -484,7 +485,9 @@ def claim_save_dir(
     or when `resume` is "never" and it holds a complete checkpoint. A conflict raises
     ConfigError, writing nothing, unless `overwrite`, which empties the directory first.
     A non-empty directory without config.yaml is refused even with `overwrite`: it was
-    not made by nla, and overwrite must never delete someone's files.
+    not made by nla, and overwrite must never delete someone's files. A key that the run's
+    config.yaml lacks is no conflict where `config_dict` holds its value in `defaults`: that run
+    predates the key and ran as its default does.
     """
     if resume not in ("auto", "never"):
         raise ValueError(f"resume must be 'auto' or 'never', got {resume!r}")
@@ -500,7 +503,7 @@ def claim_save_dir(
                 f"{CONFIG_NAME}, so it holds no nla run; choose a new or empty directory "
                 f"(overwrite never deletes a directory nla did not create)"
             )
-        conflict = _run_conflict(save_dir, config_path, config_dict, resume, mutable_keys)
+        conflict = _run_conflict(save_dir, config_path, config_dict, resume, mutable_keys, defaults or {})
         if conflict:
             if not overwrite:
                 raise ConfigError(
@@ -524,6 +527,7 @@ def _run_conflict(
     config_dict: Mapping[str, Any],
     resume: str,
     mutable_keys: Collection[str],
+    defaults: Mapping[str, Any],
 ) -> str | None:
     """Why this run may not continue in `save_dir`, or None when it may."""
     try:
@@ -534,6 +538,8 @@ def _run_conflict(
         return f"holds a {CONFIG_NAME} that is not a mapping"
     # A YAML round trip gives ours the types theirs came back with (tuples -> lists).
     ours = yaml.safe_load(yaml.safe_dump(dict(config_dict), sort_keys=False))
+    defaults = yaml.safe_load(yaml.safe_dump(dict(defaults), sort_keys=False))
+    theirs = {**{k: v for k, v in defaults.items() if k in ours and ours[k] == v}, **theirs}
     foreign = sorted(set(theirs) - set(ours))
     if len(foreign) * 4 > len(theirs):
         # Many keys this command does not know: another command's run (e.g. `nla sft`'s, with mode, model,

@@ -24,12 +24,13 @@ from typing import Any
 
 import numpy as np
 import torch
+from safetensors.torch import load_file, save_file
 
 import nla_core
 from nla_shell import families
 from nla_shell.training import checkpoint as ckpt
 from nla_shell.training import distributed
-from nla_shell.io.config import RESUME_MUTABLE_KEYS, ConfigError, TrainConfig, config_to_dict
+from nla_shell.io.config import RESUME_MUTABLE_KEYS, ConfigError, TrainConfig, config_defaults, config_to_dict
 from nla_shell.io.data import (
     DataError, RLRow, build_prompt_ids, check_tokenizer, load_eval_rows, load_rows, parquet_num_rows, row_windows,
 )
@@ -48,9 +49,13 @@ from nla_shell.models import (
     is_ar_lora_dir, load_actor, trainable_parameters,
 )
 from nla_shell.quant import require_quant
-from nla_shell.training.scoring import score_and_train_critic, score_explanations, shape_rewards
+from nla_shell.training import sampling
+from nla_shell.training.scoring import critic_step, score_and_train_critic, score_explanations, shape_rewards
 from nla_shell.training.update import LossOptions, policy_update
 
+
+CRITIC_EMA_FILE = "critic_ema.safetensors"
+"""A checkpoint's EMA of the critic's trained weights (critic_ema), in trainable_parameters order."""
 
 # --------------------------------------------------------------------------- small pieces
 
@@ -293,11 +298,13 @@ def run_ranked(cfg: TrainConfig, rank: RankInfo, device: torch.device, dtype: to
     mutable_keys = RESUME_MUTABLE_KEYS | ({"lora_r", "lora_alpha", "use_rslora"} if continues_sft else set())
 
     def claim() -> Path | None:
-        ckpt.claim_save_dir(save_dir, config_dict, overwrite=cfg.overwrite, resume=cfg.resume, mutable_keys=mutable_keys)
+        ckpt.claim_save_dir(save_dir, config_dict, overwrite=cfg.overwrite, resume=cfg.resume, mutable_keys=mutable_keys,
+                            defaults=config_defaults(TrainConfig))
         ckpt.remove_stale_entries(save_dir)  # under the lock: no other run's save is in flight
         if cfg.resume != "auto":
             return None
-        needed = ("adapter", ckpt.TRAINING_STATE_NAME, *(("critic",) if cfg.train_critic else ()))
+        needed = ("adapter", ckpt.TRAINING_STATE_NAME, *(("critic",) if cfg.train_critic else ()),
+                  *((CRITIC_EMA_FILE,) if cfg.critic_ema is not None else ()))
         return ckpt.latest_verified_checkpoint(save_dir, required=needed)
 
     # Rank 0 claims the directory and picks the checkpoint; every rank resumes from that one.
@@ -348,6 +355,9 @@ def run_ranked(cfg: TrainConfig, rank: RankInfo, device: torch.device, dtype: to
         if cfg.train_critic
         else None
     )
+    critic_ema = sampling.CriticEMA(critic, cfg.critic_ema) if cfg.critic_ema is not None else None
+    if critic_ema is not None and resume_from is not None:
+        critic_ema.load_state_dict(load_file(str(resume_from / CRITIC_EMA_FILE)))
     baselines = nla_core.predict_mean_baselines(
         torch.stack([r.activation for r in rows[:4000]]), scale=mse_scale
     )
@@ -405,6 +415,8 @@ def run_ranked(cfg: TrainConfig, rank: RankInfo, device: torch.device, dtype: to
             write_sidecar(sidecar_for("av"), tmp / "adapter" / MODEL_SIDECAR)
             if cfg.train_critic:
                 critic.save_pretrained(tmp / "critic")
+                if critic_ema is not None:
+                    save_file(critic_ema.state_dict(), str(tmp / CRITIC_EMA_FILE))
                 write_sidecar(sidecar_for("ar"), tmp / "critic" / MODEL_SIDECAR)
             optimizers = {"actor": optimizer.state_dict()}
             if critic_optimizer is not None:
@@ -423,10 +435,13 @@ def run_ranked(cfg: TrainConfig, rank: RankInfo, device: torch.device, dtype: to
                 say(f"[save] pruned {pruned.name} (keep_last={cfg.keep_last})")
 
     loss_options = LossOptions(
-        clip_eps=cfg.clip_eps, clip_eps_high=cfg.clip_eps_high, kl_beta=cfg.kl_beta, kl_clamp=cfg.kl_clamp,
-        tis=None if cfg.tis == "none" else cfg.tis, tis_cap=cfg.tis_cap, aggregation=cfg.aggregation,
-        kl_metric=cfg.kl_metric,
+        policy_loss=cfg.policy_loss, clip_eps=cfg.clip_eps, clip_eps_high=cfg.clip_eps_high, kl_beta=cfg.kl_beta,
+        kl_clamp=cfg.kl_clamp, tis=None if cfg.tis == "none" else cfg.tis, tis_cap=cfg.tis_cap,
+        aggregation=cfg.aggregation, max_len=cfg.max_new_tokens,
+        token_mask=None if cfg.token_mask is None else (cfg.token_mask[0], cfg.token_mask[1]), kl_metric=cfg.kl_metric,
     )
+    # The critic steps in the scoring forward (reference), unless it learns from chosen pairs or scores with an EMA.
+    critic_steps_after_scoring = cfg.critic_rollouts != "all" or cfg.critic_ema is not None or cfg.dynamic_sampling
     score_kwargs = dict(
         template=nla.critic_prompt_template, mse_scale=mse_scale, reward_kind=cfg.reward,
         max_tokens=cfg.max_explanation_tokens, micro_batch=cfg.critic_micro_batch,
@@ -437,11 +452,12 @@ def run_ranked(cfg: TrainConfig, rank: RankInfo, device: torch.device, dtype: to
 
     def held_out(step: int, step_logger) -> dict[str, float]:
         """The held-out eval at `step` (rank 0 only)."""
-        return evaluate_rows(
-            eval_engine.current(), critic, tokenizer, eval_rows, eval_prompt_ids, logger=step_logger, step=step,
-            max_new_tokens=cfg.eval_max_new_tokens or cfg.max_new_tokens, rawvar=rawvar, meannorm=meannorm,
-            score_kwargs=score_kwargs,
-        )
+        with sampling.scoring_weights(critic_ema):
+            return evaluate_rows(
+                eval_engine.current(), critic, tokenizer, eval_rows, eval_prompt_ids, logger=step_logger, step=step,
+                max_new_tokens=cfg.eval_max_new_tokens or cfg.max_new_tokens, rawvar=rawvar, meannorm=meannorm,
+                score_kwargs=score_kwargs,
+            )
 
     def finish(steps_done: int, final_eval: dict[str, Any] | None = None) -> None:
         """Close the bar, the engine and the logger; rank 0 writes summary.json."""
@@ -481,24 +497,62 @@ def run_ranked(cfg: TrainConfig, rank: RankInfo, device: torch.device, dtype: to
         # --- score: extraction -> AR -> reward -> advantages (groups are whole: exact) -----
         # A co-trained critic takes its regression step here, on the same forward that scores
         # (the reward is the pre-update prediction's); every rank steps, even one with no pairs.
+        # With critic_rollouts=best, an EMA or dynamic sampling, it scores first and steps below.
         t0 = time.perf_counter()
         explanations = [nla_core.extract_explanation(r.text) for r in rollouts]
         critic_loss = critic_grad_norm = math.nan
-        if critic_optimizer is not None:
+        if critic_optimizer is not None and not critic_steps_after_scoring:
             scores, critic_loss, critic_grad_norm = score_and_train_critic(
                 critic, critic_optimizer, tokenizer, explanations, golds, **score_kwargs,
                 max_grad_norm=cfg.max_grad_norm,
             )
         else:
-            scores = score_explanations(critic, tokenizer, explanations, golds, **score_kwargs)
+            with sampling.scoring_weights(critic_ema):
+                scores = score_explanations(critic, tokenizer, explanations, golds, **score_kwargs)
         shaped = shape_rewards(
             scores, rollouts, max_new_tokens=cfg.max_new_tokens, eos_ids=eos_ids, length_penalty=cfg.length_penalty,
             length_margin=cfg.length_margin, truncated_as_failed=cfg.truncated_as_failed,
         )
+        extra_draws, time_extra_rollouts = 0, 0.0
+        if cfg.dynamic_sampling:  # DAPO: draw again until the step holds batch_prompts groups with varied rewards
+
+            def another_draw() -> sampling.Draw:
+                nonlocal time_extra_rollouts
+                t1 = time.perf_counter()
+                more = [RolloutRequest(tuple(prompt_ids[i]), rows[i].activation)
+                        for i in distributed.shard(order.next_batch(cfg.batch_prompts), rank)]
+                with held_awake(engine):
+                    more_rollouts = engine.generate(more, group_size=cfg.group_size, max_new_tokens=cfg.max_new_tokens)
+                time_extra_rollouts += time.perf_counter() - t1
+                more_golds = torch.stack([more[r.prompt_index].activation for r in more_rollouts])
+                with sampling.scoring_weights(critic_ema):
+                    more_scores = score_explanations(
+                        critic, tokenizer, [nla_core.extract_explanation(r.text) for r in more_rollouts], more_golds,
+                        **score_kwargs)
+                return sampling.Draw(more, more_rollouts, shape_rewards(
+                    more_scores, more_rollouts, max_new_tokens=cfg.max_new_tokens, eos_ids=eos_ids,
+                    length_penalty=cfg.length_penalty, length_margin=cfg.length_margin,
+                    truncated_as_failed=cfg.truncated_as_failed))
+
+            kept, extra_draws = sampling.redraw_until_varied(
+                sampling.Draw(requests, rollouts, shaped), another_draw, max_draws=cfg.dynamic_sampling_max_draws)
+            requests, rollouts, shaped = kept.requests, kept.rollouts, kept.shaped
+            golds = torch.stack([requests[r.prompt_index].activation for r in rollouts])
         scores = shaped.scores
         group_ids = torch.tensor([r.prompt_index for r in rollouts])
-        advantages = nla_core.group_advantages(shaped.reward, group_ids, scale=cfg.advantage_scale)
-        time_score = time.perf_counter() - t0
+        advantages = sampling.step_advantages(shaped.reward, group_ids, scale=cfg.advantage_scale)
+        if critic_optimizer is not None and critic_steps_after_scoring:
+            pairs = sampling.critic_pairs(scores, group_ids, rollouts=cfg.critic_rollouts)
+            critic_loss, critic_grad_norm = critic_step(
+                critic, critic_optimizer, [scores.ar_inputs[i] for i in pairs], golds[pairs],
+                pad_id=tokenizer.pad_token_id, micro_batch=cfg.critic_micro_batch, max_grad_norm=cfg.max_grad_norm,
+            )
+            if critic_ema is not None and math.isfinite(critic_loss):
+                critic_ema.update()
+        varied = nla_core.group_has_variance(shaped.reward, group_ids).tolist() if rollouts else []
+        varied_groups = int(distributed.all_reduce_sum([len({g for g, v in zip(group_ids.tolist(), varied) if v})])[0])
+        time_rollout += time_extra_rollouts
+        time_score = time.perf_counter() - t0 - time_extra_rollouts
 
         # --- policy update (global denominator, gradients summed over ranks) ----------------
         t0 = time.perf_counter()
@@ -562,6 +616,9 @@ def run_ranked(cfg: TrainConfig, rank: RankInfo, device: torch.device, dtype: to
             "clip_frac": update.clip_frac,
             "outside_clip_frac": update.outside_clip_frac,
             "tis_frac": update.tis_frac,
+            "token_mask_frac": update.token_mask_frac,
+            "dynamic_sampling_draws": extra_draws,
+            "varied_groups": varied_groups,
             "logp_diff_mean": update.logp_diff_mean,
             "logp_diff_max": update.logp_diff_max,
             "grad_norm": update.grad_norm,

@@ -16,8 +16,10 @@ from nla_shell.models import Injector, pad_right, reference_policy, response_log
 
 @dataclass(frozen=True)
 class LossOptions:
-    """The `nla_core.grpo_loss` keywords, unpacked from the run config, and whether KL is measured."""
+    """The `nla_core.policy_loss` keywords, unpacked from the run config, and whether KL is measured."""
 
+    policy_loss: str = "grpo"
+    """nla_core.policy_loss's kind: grpo, gspo, cispo or onpolicy."""
     clip_eps: float = 0.2
     clip_eps_high: float | None = None
     kl_beta: float = 0.04
@@ -25,6 +27,10 @@ class LossOptions:
     tis: str | None = "ratio_cap"
     tis_cap: float = 2.0
     aggregation: str = "sequence_mean"
+    max_len: int | None = None
+    """Dr. GRPO's constant normaliser (the longest allowed response), for aggregation seq_mean_token_sum_norm."""
+    token_mask: tuple[float, float] | None = None
+    """The band [low, high] on the trainer/engine ratio outside which a token's surrogate is dropped."""
     kl_metric: bool = True
     """Run the reference forward at kl_beta = 0 too, so kl_mean is measured (NaN when it is not run)."""
 
@@ -65,6 +71,26 @@ def response_batch(rollouts: Sequence[Rollout], *, pad_id: int, device: torch.de
     )
 
 
+def _denominator(
+    rollouts: Sequence[Rollout], aggregation: str, *, n_samples: int, n_tokens: int, device: torch.device
+) -> tuple[int, torch.Tensor | None]:
+    """The global batch's D of `nla_core.aggregate_loss`, and for prompt_mean each sample's group token count.
+
+    D counts samples (sequence_mean, seq_mean_token_sum_norm), response tokens (token_mean) or prompt
+    groups (prompt_mean) over every rank; a group never spans ranks, so its token count is local.
+    """
+    if aggregation == "token_mean":
+        return max(1, n_tokens), None
+    if aggregation != "prompt_mean":
+        return n_samples, None
+    tokens: dict[int, int] = {}
+    for r in rollouts:
+        tokens[r.prompt_index] = tokens.get(r.prompt_index, 0) + r.response_len
+    (n_groups,) = distributed.all_reduce_sum([len(tokens)])
+    group_tokens = torch.tensor([tokens[r.prompt_index] for r in rollouts], dtype=torch.float32, device=device)
+    return max(1, int(n_groups)), group_tokens
+
+
 @dataclass(frozen=True)
 class UpdateStats:
     loss: float
@@ -76,6 +102,8 @@ class UpdateStats:
     outside_clip_frac: float
     """Share of response tokens whose ratio lies outside the clip range, any advantage."""
     tis_frac: float
+    token_mask_frac: float
+    """Share of response tokens whose surrogate the two-sided ratio mask dropped."""
     logp_diff_mean: float
     logp_diff_max: float
     mismatch_masked_frac: float
@@ -140,7 +168,8 @@ def policy_update(
     n, n_tokens = (int(c) for c in distributed.all_reduce_sum(
         [n_local, sum(r.response_len for r in rollouts)]
     ))
-    denominator = n if loss.aggregation == "sequence_mean" else max(1, n_tokens)
+    denominator, group_tokens = _denominator(rollouts, loss.aggregation, n_samples=n, n_tokens=n_tokens, device=device)
+    group_ids = torch.tensor([r.prompt_index for r in rollouts], device=device)
     share_prefix = share_prefix and prefix.supports_prefix_sharing(actor)
     advantages = advantages.to(device, torch.float32, non_blocking=True)
     activations = activations.to(device, torch.float32, non_blocking=True)
@@ -187,7 +216,7 @@ def policy_update(
     # --- policy forward + loss + backward, micro-batch by micro-batch -------------------------
     optimizer.zero_grad(set_to_none=True)
     zero = torch.zeros((), dtype=torch.float64, device=device)
-    sums = dict(loss=zero, kl=zero, clip=zero, outside=zero, tis=zero, diff=zero, tokens=zero, masked=zero)
+    sums = dict(loss=zero, kl=zero, clip=zero, outside=zero, tis=zero, band=zero, diff=zero, tokens=zero, masked=zero)
     diff_max = zero
     decoupled = loss.tis not in ("ratio_cap", None)
     for logp, mask, behavior, index in micro_batch_logprobs(micro_batch):
@@ -196,21 +225,27 @@ def policy_update(
             off_policy = diff.sum(-1) / mask.sum(-1).clamp_min(1) > mismatch_threshold
             sums["masked"] = sums["masked"] + off_policy.sum()
             mask = mask & ~off_policy[:, None]
-        out = nla_core.grpo_loss(
+        prompt_mean = loss.aggregation == "prompt_mean"
+        out = nla_core.policy_loss(
             logp,
             logp.detach() if decoupled else behavior,
             advantages[index],
             mask,
             ref_logp=None if reference is None else reference[index, : logp.shape[1]],
             behavior_logp=behavior if decoupled else None,
+            kind=loss.policy_loss,
             clip_eps=loss.clip_eps,
             clip_eps_high=loss.clip_eps_high,
             kl_beta=loss.kl_beta,
             kl_clamp=loss.kl_clamp,
             tis=loss.tis,
             tis_cap=loss.tis_cap,
+            token_mask=loss.token_mask,
             aggregation=loss.aggregation,
             denominator=denominator,
+            max_len=loss.max_len if loss.aggregation == "seq_mean_token_sum_norm" else None,
+            group_ids=group_ids[index] if prompt_mean else None,
+            group_tokens=group_tokens[index] if prompt_mean else None,
         )
         out.loss.backward()
         tokens = mask.sum()
@@ -219,6 +254,7 @@ def policy_update(
         sums["clip"] = sums["clip"] + out.clip_frac * tokens
         sums["outside"] = sums["outside"] + out.outside_clip_frac * tokens
         sums["tis"] = sums["tis"] + out.tis_frac * tokens
+        sums["band"] = sums["band"] + out.token_mask_frac * tokens
         sums["diff"] = sums["diff"] + diff.sum()
         sums["tokens"] = sums["tokens"] + tokens
         diff_max = torch.maximum(diff_max, diff.max())
@@ -244,6 +280,7 @@ def policy_update(
         clip_frac=sums["clip"] / tokens,
         outside_clip_frac=sums["outside"] / tokens,
         tis_frac=sums["tis"] / tokens,
+        token_mask_frac=sums["band"] / tokens,
         logp_diff_mean=sums["diff"] / max(n_tokens, 1),
         logp_diff_max=diff_max,
         mismatch_masked_frac=sums["masked"] / max(n, 1),

@@ -1,4 +1,4 @@
-"""group_advantages: per-group centring and (Bessel) std scaling, as the reference trainer."""
+"""group_advantages (per-group centring; group std, batch std or no scaling), group_has_variance, best_in_group."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from nla_core import group_advantages
+from nla_core import best_in_group, group_advantages, group_has_variance
 
 FAST = settings(max_examples=40, deadline=None)
 
@@ -29,6 +29,9 @@ def grouped_rewards(draw, min_n=1, max_n=12):
 def reference_advantages(rewards, gids, *, scale="std", eps=1e-6):
     """float64 loop re-implementation of the reference's advantage block (groups by value)."""
     out = [0.0] * len(rewards)
+    n = len(rewards)
+    batch_mu = math.fsum(rewards) / n if n else 0.0
+    batch_sd = math.sqrt(math.fsum((v - batch_mu) ** 2 for v in rewards) / (n - 1)) if n > 1 else 0.0
     for g in set(gids):
         idx = [i for i, x in enumerate(gids) if x == g]
         vals = [rewards[i] for i in idx]
@@ -38,8 +41,12 @@ def reference_advantages(rewards, gids, *, scale="std", eps=1e-6):
         else:
             sd = 1.0  # the reference's fallback; the numerator is 0 anyway
         for i, v in zip(idx, vals):
-            if scale == "none":
+            if len(set(vals)) == 1:
+                out[i] = 0.0  # a constant group: exactly 0
+            elif scale == "none":
                 out[i] = v - mu
+            elif scale == "batch":
+                out[i] = (v - mu) / (batch_sd + eps)
             else:
                 out[i] = (v - mu) / (sd + eps)
     return torch.tensor(out, dtype=torch.float64)
@@ -84,7 +91,7 @@ def test_two_member_group_std():
 
 
 @FAST
-@given(grouped_rewards(), st.sampled_from(["std", "none"]))
+@given(grouped_rewards(), st.sampled_from(["std", "none", "batch"]))
 @example(([3.0], [0]), "std")  # singleton
 @example(([1.5, 1.5, 1.5], [2, 2, 2]), "std")  # constant group
 def test_matches_float64_reference(data, scale):
@@ -98,7 +105,7 @@ def test_matches_float64_reference(data, scale):
 
 
 @FAST
-@given(grouped_rewards(), st.sampled_from(["std", "none"]))
+@given(grouped_rewards(), st.sampled_from(["std", "none", "batch"]))
 def test_zero_mean_per_group(data, scale):
     rewards, gids = data
     adv = run(rewards, gids, scale=scale).double()
@@ -143,7 +150,7 @@ def test_shift_and_positive_scale_invariance_per_group(data, shifts, scales):
 
 
 @FAST
-@given(grouped_rewards(), st.randoms(use_true_random=False), st.sampled_from(["std", "none"]))
+@given(grouped_rewards(), st.randoms(use_true_random=False), st.sampled_from(["std", "none", "batch"]))
 def test_permutation_equivariant(data, rnd, scale):
     rewards, gids = data
     perm = list(range(len(rewards)))
@@ -154,7 +161,7 @@ def test_permutation_equivariant(data, rnd, scale):
 
 
 @FAST
-@given(grouped_rewards(), st.sampled_from(["std", "none"]))
+@given(grouped_rewards(), st.sampled_from(["std", "none", "batch"]))
 def test_groups_identified_by_value_not_label(data, scale):
     rewards, gids = data
     relabel = {g: 1000 - 17 * g for g in set(gids)}  # any distinct labels
@@ -167,7 +174,7 @@ def test_groups_identified_by_value_not_label(data, scale):
 @given(
     st.floats(-1e4, 1e4, allow_nan=False, width=32),
     st.integers(1, 9),
-    st.sampled_from(["std", "none"]),
+    st.sampled_from(["std", "none", "batch"]),
     grouped_rewards(),
 )
 @example(0.1, 3, "std", ([1.0], [0]))
@@ -227,3 +234,69 @@ def test_two_dimensional_rewards_rejected():
 def test_unknown_scale_rejected():
     with pytest.raises(ValueError):
         group_advantages(torch.zeros(3), torch.zeros(3, dtype=torch.long), scale="mad")
+
+
+# ---------------------------------------------------------------- batch scale, group selection
+
+
+def test_hand_worked_batch():
+    # groups {1, 3} and {2, 2, 8}: group means 2 and 4; batch std of [1, 3, 2, 2, 8] = sqrt(30.8 / 4)
+    adv = run([1.0, 3.0, 2.0, 2.0, 8.0], [0, 0, 1, 1, 1], scale="batch", eps=0.0)
+    sd = math.sqrt(30.8 / 4)
+    torch.testing.assert_close(adv, torch.tensor([-1 / sd, 1 / sd, -2 / sd, -2 / sd, 4 / sd]))
+
+
+@FAST
+@given(grouped_rewards(), st.floats(0.1, 10.0), st.floats(-5.0, 5.0))
+def test_batch_scale_is_none_scale_over_one_std(data, scale, shift):
+    # batch = none / (one batch-wide std): every group's advantages share one factor
+    rewards, gids = data
+    none = run(rewards, gids, scale="none").double()
+    batch = run(rewards, gids, scale="batch", eps=0.0).double()
+    r = torch.tensor(rewards, dtype=torch.float64)
+    sd = float(r.std()) if len(rewards) > 1 else 0.0
+    if sd > 0:
+        torch.testing.assert_close(batch, none / sd, rtol=1e-5, atol=1e-6)
+    moved = run([shift + scale * x for x in rewards], gids, scale="batch", eps=0.0).double()
+    torch.testing.assert_close(moved, batch, rtol=1e-4, atol=1e-4)
+
+
+def reference_has_variance(rewards, gids):
+    groups = groups_of(gids)
+    return [len({rewards[j] for j in groups[g]}) > 1 for g in gids]
+
+
+@FAST
+@given(grouped_rewards(min_n=0))
+def test_group_has_variance(data):
+    rewards, gids = data
+    out = group_has_variance(torch.tensor(rewards, dtype=torch.float32), torch.tensor(gids, dtype=torch.long))
+    assert out.dtype == torch.bool and out.tolist() == reference_has_variance(rewards, gids)
+    if rewards:
+        adv = run(rewards, gids)
+        assert (adv[~out] == 0).all()  # what it filters out carries no advantage
+
+
+@FAST
+@given(grouped_rewards(min_n=0), st.lists(st.booleans(), min_size=12, max_size=12))
+def test_best_in_group(data, valid_bits):
+    rewards, gids = data
+    valid = valid_bits[: len(rewards)]
+    out = best_in_group(torch.tensor(rewards, dtype=torch.float32), torch.tensor(gids, dtype=torch.long),
+                        torch.tensor(valid, dtype=torch.bool))
+    expect = []
+    for g, idx in groups_of(gids).items():
+        ok = [i for i in idx if valid[i]]
+        if ok:
+            top = max(rewards[i] for i in ok)
+            expect.append(min(i for i in ok if rewards[i] == top))
+    assert out.dtype == torch.long and out.tolist() == sorted(expect)
+
+
+def test_group_selection_bad_input():
+    with pytest.raises(ValueError, match="valid"):
+        best_in_group(torch.zeros(3), torch.zeros(3, dtype=torch.long), torch.ones(2, dtype=torch.bool))
+    with pytest.raises(ValueError):
+        group_has_variance(torch.zeros(3), torch.zeros(2, dtype=torch.long))
+    with pytest.raises(ValueError):
+        group_advantages(torch.zeros(3), torch.zeros(3, dtype=torch.long), scale="global")

@@ -21,6 +21,18 @@ PUBLIC_API = [
     "grpo_loss",
     "GRPOLossOutput",
     "aggregate_loss",
+    "policy_loss",
+    "PolicyLossOutput",
+    "POLICY_LOSSES",
+    "AGGREGATIONS",
+    "sequence_log_ratio",
+    "gspo_token_log_ratio",
+    "ratio_band_mask",
+    "group_has_variance",
+    "best_in_group",
+    "token_entropy",
+    "top_entropy_mask",
+    "LogprobsAndEntropy",
     "find_injection_sites",
     "inject_norm_matched",
     "karvonen_inject",
@@ -93,6 +105,15 @@ def test_public_api_exported():
     missing = [name for name in PUBLIC_API if not hasattr(nla_core, name)]
     assert not missing, missing
     assert nla_core.FAILED_EXTRACTION_REWARD == -2.0
+
+
+def test_every_module_lists_its_public_names():
+    # Each new topic file names its public API in __all__, and the package re-exports all of it.
+    for module in ("advantages", "entropy", "losses", "ratios"):
+        mod = __import__(f"nla_core.{module}", fromlist=["__all__"])
+        for name in mod.__all__:
+            assert hasattr(mod, name), (module, name)
+            assert name in nla_core.__all__ and getattr(nla_core, name) is getattr(mod, name), (module, name)
 
 
 def test_import_pulls_in_only_torch_and_stdlib():

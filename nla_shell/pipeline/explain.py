@@ -23,17 +23,13 @@ import torch
 
 from nla_shell.io.config import ConfigError, normalize_fields, require
 from nla_shell.io.paths import require_file
-from nla_shell.serving.reader import EngineName, NLAReader, load_reader
+from nla_shell.serving.reader import NLAReader, ReaderSettings, load_reader
 
 
 @dataclass(frozen=True, kw_only=True)
-class ExplainConfig:
+class ExplainConfig(ReaderSettings):
     """Settings of `nla explain`."""
 
-    av: str
-    """AV: an adapter dir (SFT or an RL checkpoint's adapter/) or a full checkpoint."""
-    ar: str
-    """AR dir."""
     model: str | None = None
     """Target LM whose activations are explained (HF checkpoint dir with tokenizer); not needed with parquet."""
     text: str | None = None
@@ -68,12 +64,8 @@ class ExplainConfig:
     """text: explain every position."""
     samples: int = 1
     """Explanations sampled per site; the one the AR reconstructs best is kept (best-of-k), all k are written."""
-    engine: EngineName = "hf"
-    """Rollout engine: HF generate, the native engine (CUDA graphs on GPU), or vLLM (pip install 'nla[vllm]')."""
     batch_size: int = 64
     """corpus/parquet: sites per engine call (and per part file)."""
-    sidecar: str | None = None
-    """Sidecar; None reads nla_meta.yaml from the AV dir, else from the AR dir."""
     max_new_tokens: int = 64
     """Longest explanation, in tokens."""
     greedy: bool = False
@@ -84,14 +76,6 @@ class ExplainConfig:
     """corpus/parquet: start over, deleting a finished out or a killed run's OUT.parts/."""
     progress_every_s: float = 10.0
     """corpus/parquet: seconds between progress lines (sites, rate, ETA)."""
-    vllm_gpu_mem: float = 0.85
-    """engine=vllm: share of the GPU's memory vLLM may take."""
-    vllm_max_len: int = 1024
-    """engine=vllm: longest sequence (prompt + explanation)."""
-    device: str = "auto"
-    """"auto", "cpu", "cuda" or "cuda:N"."""
-    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    """Model dtype ("auto": bf16 on cuda, fp32 on cpu)."""
 
     def __post_init__(self) -> None:
         normalize_fields(self)
@@ -119,9 +103,7 @@ def explain(cfg: ExplainConfig) -> list[dict[str, Any]] | Path:
     (written to cfg.out, whose path is returned)."""
     for key in ("corpus", "parquet"):
         require_file(key, getattr(cfg, key))
-    reader = load_reader(av=cfg.av, ar=cfg.ar, model=cfg.model, sidecar=cfg.sidecar, engine=cfg.engine,
-                         device=cfg.device, dtype=cfg.dtype, max_batch=max(cfg.batch_size * cfg.samples, 1),
-                         vllm_gpu_mem=cfg.vllm_gpu_mem, vllm_max_len=cfg.vllm_max_len)
+    reader = load_reader(cfg, model=cfg.model, max_batch=cfg.batch_size * cfg.samples)
     if cfg.text is None:
         from nla_shell.serving.corpus import explain_corpus
 

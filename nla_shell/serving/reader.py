@@ -37,6 +37,28 @@ AR_MAX_TOKENS = 1024
 """Longest AR input scored; a longer explanation counts as failed (as in `nla eval`)."""
 
 
+@dataclass(frozen=True, kw_only=True)
+class ReaderSettings:
+    """What loads an NLA for reading: the keys `nla explain` and `nla serve` share."""
+
+    av: str
+    """AV: an adapter dir (SFT or an RL checkpoint's adapter/) or a full checkpoint."""
+    ar: str
+    """AR dir."""
+    sidecar: str | None = None
+    """Sidecar; None reads nla_meta.yaml from the AV dir, else from the AR dir."""
+    engine: EngineName = "hf"
+    """Rollout engine: HF generate, the native engine (CUDA graphs on GPU), or vLLM (pip install 'nla[vllm]')."""
+    vllm_gpu_mem: float = 0.85
+    """engine=vllm: share of the GPU's memory vLLM may take."""
+    vllm_max_len: int = 1024
+    """engine=vllm: longest sequence (prompt + explanation)."""
+    device: str = "auto"
+    """"auto", "cpu", "cuda" or "cuda:N"."""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Model dtype ("auto": bf16 on cuda, fp32 on cpu)."""
+
+
 @dataclass(frozen=True)
 class SiteExplanation:
     """What the NLA says about one activation vector."""
@@ -204,14 +226,16 @@ def make_engine(name: EngineName, actor, injector: Injector, tokenizer, *, av: s
     return engine
 
 
-def load_reader(*, av: str, ar: str, model: str | None, sidecar: str | None = None, engine: EngineName = "hf",
-                device: str = "auto", dtype: str = "auto", max_batch: int = 256, vllm_gpu_mem: float = 0.85,
-                vllm_max_len: int = 1024) -> NLAReader:
-    """Check the paths, then load the NLA (and the target LM when `model` is given) for reading."""
+def load_reader(settings: ReaderSettings, *, model: str | None, max_batch: int = 256) -> NLAReader:
+    """Check the paths, then load the NLA (and the target LM when `model` is given) for reading.
+
+    max_batch: most sequences (sites x samples) the engine decodes at once.
+    """
+    av, ar, sidecar, engine = settings.av, settings.ar, settings.sidecar, settings.engine
     for key, value, hub_ok in (("av", av, True), ("ar", ar, False), ("model", model, True)):
         require_model(key, value, hub_ok=hub_ok)
     require_file("sidecar", sidecar)
-    device_, dtype_ = resolve_device(device, dtype)
+    device_, dtype_ = resolve_device(settings.device, settings.dtype)
     sidecar_path = model_sidecar_path(av, ar, sidecar)
     nla = load_sidecar(sidecar_path)
     if nla.extraction_layer_index is None:
@@ -233,7 +257,8 @@ def load_reader(*, av: str, ar: str, model: str | None, sidecar: str | None = No
                         right_id=nla.injection_right_neighbor_id, style=style, injection_norm=injection_norm)
     prompt = tuple(build_prompt_ids(av_prompt_messages(nla.actor_prompt_template), nla, tokenizer))
     rollout_engine = make_engine(engine, actor, injector, tokenizer, av=av, layer_index=INJECTION_LAYER,
-                                 max_batch=max_batch, vllm_gpu_mem=vllm_gpu_mem, vllm_max_len=vllm_max_len)
+                                 max_batch=max_batch, vllm_gpu_mem=settings.vllm_gpu_mem,
+                                 vllm_max_len=settings.vllm_max_len)
     critic = ARModel.from_pretrained(ar, mse_scale=nla_core.resolve_target_scale(nla.mse_scale, nla.d_model),
                                      dtype=dtype_, device=device_).eval()
     return NLAReader(nla=nla, sidecar_path=sidecar_path, meta=read_sidecar(sidecar_path)[1], rawvar=rawvar,

@@ -12,10 +12,9 @@ from __future__ import annotations
 import os
 import socket
 from dataclasses import dataclass
-from typing import Literal
 
 from nla_shell.io.config import normalize_fields, require
-from nla_shell.serving.reader import EngineName
+from nla_shell.serving.reader import ReaderSettings
 
 INSTALL_HINT = "nla serve needs FastAPI and uvicorn, which are not installed: pip install 'nla[serve]'"
 API_KEY_ENV = "NLA_API_KEY"
@@ -23,19 +22,11 @@ API_KEY_ENV = "NLA_API_KEY"
 
 
 @dataclass(frozen=True, kw_only=True)
-class ServeConfig:
+class ServeConfig(ReaderSettings):
     """Settings of `nla serve`."""
 
-    av: str
-    """AV: an adapter dir (SFT or an RL checkpoint's adapter/) or a full checkpoint."""
-    ar: str
-    """AR dir."""
     model: str
     """Target LM whose activations /v1/explain reads (HF checkpoint dir with tokenizer)."""
-    sidecar: str | None = None
-    """Sidecar; None reads nla_meta.yaml from the AV dir, else from the AR dir."""
-    engine: EngineName = "hf"
-    """Rollout engine: HF generate, the native engine (CUDA graphs on GPU), or vLLM (pip install 'nla[vllm]')."""
     host: str = "127.0.0.1"
     """Address to bind: 127.0.0.1 serves this machine only; anything wider exposes the models (set api_key)."""
     port: int = 8000
@@ -59,14 +50,6 @@ class ServeConfig:
     """Largest max_new_tokens a request may ask for."""
     max_samples: int = 8
     """Largest samples (explanations per site, best-of-k) a request may ask for."""
-    vllm_gpu_mem: float = 0.85
-    """engine=vllm: share of the GPU's memory vLLM may take."""
-    vllm_max_len: int = 1024
-    """engine=vllm: longest sequence (prompt + explanation)."""
-    device: str = "auto"
-    """"auto", "cpu", "cuda" or "cuda:N"."""
-    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    """Model dtype ("auto": bf16 on cuda, fp32 on cpu)."""
 
     def __post_init__(self) -> None:
         normalize_fields(self)
@@ -122,9 +105,7 @@ def serve(cfg: ServeConfig) -> None:
     from nla_shell.serving.app import build_app
     from nla_shell.serving.reader import load_reader
 
-    reader = load_reader(av=cfg.av, ar=cfg.ar, model=cfg.model, sidecar=cfg.sidecar, engine=cfg.engine,
-                         device=cfg.device, dtype=cfg.dtype, max_batch=cfg.max_batch * cfg.max_samples,
-                         vllm_gpu_mem=cfg.vllm_gpu_mem, vllm_max_len=cfg.vllm_max_len)
+    reader = load_reader(cfg, model=cfg.model, max_batch=cfg.max_batch * cfg.max_samples)
     app = build_app(reader, cfg)
     sock = bind(cfg.host, cfg.port)
     host, port = sock.getsockname()[:2]

@@ -64,7 +64,7 @@ def running(app):
 @pytest.fixture(scope="module")
 def reader(two_concept_nla, nla_run_inputs):
     cfg = serve_config(two_concept_nla, nla_run_inputs)
-    return load_reader(av=cfg.av, ar=cfg.ar, model=cfg.model, device="cpu", max_batch=256)
+    return load_reader(cfg, model=cfg.model)
 
 
 @pytest.fixture(scope="module")

@@ -148,7 +148,10 @@ def vectors_job(request: VectorsRequest, reader: NLAReader, cfg: ServeConfig) ->
     for i, vector in enumerate(request.vectors):
         if len(vector) != reader.d_model:
             raise RequestError(422, f"vectors[{i}]", f"has {len(vector)} numbers; d_model is {reader.d_model}")
-    return Job(decoding(request, cfg), vectors=torch.tensor(request.vectors, dtype=torch.float32), reconstruct=True)
+    vectors = torch.tensor(request.vectors, dtype=torch.float32)
+    for i in torch.nonzero(~torch.isfinite(vectors).all(dim=1)).flatten().tolist():
+        raise RequestError(422, f"vectors[{i}]", "overflows float32 (a number beyond ±3.4e38)")
+    return Job(decoding(request, cfg), vectors=vectors, reconstruct=True)
 
 
 def site_fields(site: SiteExplanation) -> dict[str, Any]:

@@ -129,6 +129,7 @@ BAD_INPUTS = [
     ("/v1/explain_vectors", NAN_BODY, 422, "vectors[0][0]", "finite number"),
     ("/v1/explain_vectors", INF_BODY, 422, "vectors[0][1]", "finite number"),
     ("/v1/explain_vectors", '{"vectors": [[0.0,', 400, "body", "malformed JSON"),
+    ("/v1/explain_vectors", {"vectors": [[0.0] * 64, [1e39] + [0.0] * 63]}, 422, "vectors[1]", "overflows float32"),
     ("/v1/explain_vectors", {"vectors": [["0.5"] + [0.0] * 63]}, 422, "vectors[0][0]", "valid number"),
     ("/v1/explain_vectors", {"vectors": []}, 422, "vectors", "no vectors"),
     ("/v1/explain_vectors", {"vectors": [[0.0] * 64] * 17}, 422, "vectors", "the limit is 16"),
@@ -158,6 +159,28 @@ def test_bad_input_is_a_4xx_naming_the_field_and_the_server_keeps_serving(server
     error = answer.json()["error"]
     assert error["field"] == field and message in error["message"], error
     assert httpx.post(f"{url}/v1/explain", json={"text": TEXT, "greedy": True}, timeout=60).status_code == 200
+
+
+def test_the_docs_commands_parse_and_their_client_example_runs(reader, two_concept_nla, nla_run_inputs, tmp_path,
+                                                              capsys):
+    import re
+    import runpy
+    import shlex
+
+    docs = (REPO / "docs" / "serving.md").read_text()
+    commands = [shlex.split(line)[1:] for block in re.findall(r"```bash\n(.*?)```", docs, re.DOTALL)
+                for line in block.splitlines() if line.startswith("nla ")]
+    assert [c[0] for c in commands] == ["explain", "explain", "explain", "serve"]
+    for argv in commands:
+        parser, _ = cli.build_parser(argv)
+        parser.parse_args(argv)  # exits (SystemExit) on an unknown flag
+    (client,) = re.findall(r"```python\n(.*?)```", docs, re.DOTALL)
+    script = tmp_path / "client.py"
+    with running(build_app(reader, serve_config(two_concept_nla, nla_run_inputs, max_sites=256))) as url:
+        script.write_text(client.replace('URL = "http://127.0.0.1:8000"', f'URL = "{url}"'))
+        runpy.run_path(str(script))
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) >= 2 and lines[0].startswith("0 ")
 
 
 def test_a_bearer_token_refuses_other_callers(reader, two_concept_nla, nla_run_inputs, monkeypatch):

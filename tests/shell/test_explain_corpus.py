@@ -169,6 +169,17 @@ def test_a_parquet_of_vectors_is_explained_row_by_row_with_its_fve(tmp_path, two
         assert row["fve"] is None or row["fve"] == pytest.approx(1 - row["mse"] / rawvar)
 
 
+def test_the_native_engine_explains_a_parquet_as_hf_generate_does_under_greedy_decoding(tmp_path, two_concept_nla):
+    av, ar, parquet = two_concept_nla
+    rows = {}
+    for engine in ("hf", "native"):
+        explain(ExplainConfig(av=str(av), ar=str(ar), parquet=str(parquet), out=str(tmp_path / f"{engine}.parquet"),
+                              engine=engine, greedy=True, max_new_tokens=8, batch_size=16, device="cpu"))
+        rows[engine] = pq.read_table(tmp_path / f"{engine}.parquet").to_pylist()
+    assert [r["explanations"] for r in rows["native"]] == [r["explanations"] for r in rows["hf"]]
+    assert [r["mse"] for r in rows["native"]] == pytest.approx([r["mse"] for r in rows["hf"]], rel=1e-5)
+
+
 def test_explain_reports_fve_against_the_ars_baseline_when_the_av_sidecar_has_none(tmp_path, two_concept_nla,
                                                                                   nla_run_inputs, capsys):
     """Issue 28 item 5: an RL adapter's sidecar records no baselines; the AR's does, and is the one FVE uses."""

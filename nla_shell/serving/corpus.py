@@ -105,9 +105,12 @@ def parquet_sites(path: str, d_model: int, *, chunk: int) -> Iterator[Site]:
         data = batch.to_pydict()
         for row in range(batch.num_rows):
             vector = torch.tensor(data["activation_vector"][row], dtype=torch.float32)
-            if vector.shape != (d_model,) or not bool(torch.isfinite(vector).all()):
-                raise DataError(f"parquet: {path} row {index}: activation_vector must be {d_model} finite numbers "
-                                f"(the sidecar's d_model), got {vector.numel()}")
+            if vector.shape != (d_model,):
+                raise DataError(f"parquet: {path} row {index}: activation_vector has {vector.numel()} numbers, the "
+                                f"sidecar's d_model is {d_model}; give activations of this NLA's model and layer")
+            if not bool(torch.isfinite(vector).all()):
+                raise DataError(f"parquet: {path} row {index}: activation_vector is not finite (NaN or inf); "
+                                "drop or recapture that row")
             doc_id = data["doc_id"][row] if "doc_id" in data else f"row{index:08d}"
             yield Site(index, index + 1, str(doc_id), data.get("position", [None] * batch.num_rows)[row], None,
                        data.get("context", [None] * batch.num_rows)[row], vector=vector)

@@ -166,7 +166,7 @@ class NLAReader:
 
     def explain(self, vectors: torch.Tensor, *, samples: int, greedy: bool, max_new_tokens: int) -> list[SiteExplanation]:
         """Explain each of vectors [N, D]: `samples` explanations each, from one engine call, scored by the AR."""
-        self.engine.greedy = greedy
+        self.engine.greedy = greedy  # every engine make_engine builds decodes by argmax while this is set
         requests = [RolloutRequest(self.prompt, v) for v in vectors.float()]
         rollouts = self.engine.generate(requests, group_size=samples, max_new_tokens=max_new_tokens)
         texts = [nla_core.extract_explanation(r.text) for r in rollouts]
@@ -199,7 +199,7 @@ class NLAReader:
 
     def info(self) -> dict[str, Any]:
         """What this reader is: model, layer, width, marker, engine (the server's /v1/info)."""
-        return {"model": self.model, "av_base_model": str(self.meta.get("base_model") or ""),
+        return {"model": self.model, "av_base_model": self.meta.get("base_checkpoint"),
                 "layer": self.nla.extraction_layer_index, "d_model": self.d_model,
                 "marker": self.nla.injection_char, "marker_token_id": self.nla.injection_token_id,
                 "engine": self.engine_name, "fve_baseline": self.rawvar}

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import yaml
@@ -167,6 +168,19 @@ def test_a_parquet_of_vectors_is_explained_row_by_row_with_its_fve(tmp_path, two
         scored = [m for m in row["mses"] if m is not None]
         assert len(row["explanations"]) == 3 and row["mse"] == (min(scored) if scored else None)
         assert row["fve"] is None or row["fve"] == pytest.approx(1 - row["mse"] / rawvar)
+
+
+def test_a_parquet_of_the_wrong_width_or_with_nan_is_refused_naming_the_row(tmp_path, two_concept_nla, capsys):
+    av, ar, parquet = two_concept_nla
+    table = pq.read_table(parquet, columns=["activation_vector", "doc_id"]).slice(0, 3).to_pylist()
+    for name, vector, message in (("narrow", [0.0] * 63, "row 2: activation_vector has 63 numbers, the sidecar's "
+                                   "d_model is 64"), ("nan", [float("nan")] * 64, "row 2: activation_vector is not finite")):
+        rows = [*table[:2], {"activation_vector": vector, "doc_id": "bad"}]
+        path = tmp_path / f"{name}.parquet"
+        pq.write_table(pa.Table.from_pylist(rows), path)
+        assert cli.main(["explain", "--av", str(av), "--ar", str(ar), "--parquet", str(path), "--out",
+                         str(tmp_path / f"{name}_out.parquet"), "--batch-size", "2", "device=cpu"]) == 2
+        assert message in capsys.readouterr().err
 
 
 def test_the_native_engine_explains_a_parquet_as_hf_generate_does_under_greedy_decoding(tmp_path, two_concept_nla):

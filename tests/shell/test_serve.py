@@ -161,6 +161,20 @@ def test_bad_input_is_a_4xx_naming_the_field_and_the_server_keeps_serving(server
     assert httpx.post(f"{url}/v1/explain", json={"text": TEXT, "greedy": True}, timeout=60).status_code == 200
 
 
+def test_a_failure_while_explaining_is_a_500_and_the_next_request_is_served(server, reader, monkeypatch):
+    url, _ = server
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("the engine fell over")
+
+    monkeypatch.setattr(reader, "explain", broken)
+    answer = httpx.post(f"{url}/v1/explain", json={"text": TEXT, "greedy": True}, timeout=60)
+    assert answer.status_code == 500
+    assert answer.json()["error"]["message"] == "explaining failed: RuntimeError: the engine fell over"
+    monkeypatch.undo()
+    assert httpx.post(f"{url}/v1/explain", json={"text": TEXT, "greedy": True}, timeout=60).status_code == 200
+
+
 def test_the_docs_commands_parse_and_their_client_example_runs(reader, two_concept_nla, nla_run_inputs, tmp_path,
                                                               capsys):
     import re

@@ -103,7 +103,8 @@ def explain(cfg: ExplainConfig) -> list[dict[str, Any]] | Path:
     (written to cfg.out, whose path is returned)."""
     for key in ("corpus", "parquet"):
         require_file(key, getattr(cfg, key))
-    reader = load_reader(cfg, model=cfg.model, max_batch=cfg.batch_size * cfg.samples)
+    # Stored vectors need no target LM: it is loaded only to capture a text's or corpus's residuals.
+    reader = load_reader(cfg, model=None if cfg.parquet else cfg.model, max_batch=cfg.batch_size * cfg.samples)
     if cfg.text is None:
         from nla_shell.serving.corpus import explain_corpus
 

@@ -23,7 +23,7 @@ from nla_shell.engines.base import RolloutEngine, RolloutRequest
 from nla_shell.io.data import DataError, av_prompt_messages, build_prompt_ids, check_tokenizer
 from nla_shell.io.paths import require_file, require_model
 from nla_shell.io.sidecars import MODEL_SIDECAR, injection_settings, load_sidecar, read_sidecar
-from nla_shell.models import ARModel, Injector, ar_predict, base_model_dir
+from nla_shell.models import ARModel, Injector, ar_predict, base_model_dir, pad_right
 from nla_shell.pipeline.datagen import DatagenConfig, capture_activations
 from nla_shell.pipeline.evaluate import load_av, tokenizer_dir
 from nla_shell.training.scoring import ar_token_ids, score_explanations
@@ -157,10 +157,7 @@ class NLAReader:
         if self.target is None:
             raise ValueError("this reader was loaded without a target model (model=); it reads vectors only")
         cut = [list(ids[: max(p) + 1]) for ids, p in zip(token_lists, positions, strict=True)]
-        width = max(map(len, cut))
-        pad = self.target_tokenizer.pad_token_id
-        ids = torch.tensor([c + [pad] * (width - len(c)) for c in cut], device=self.device)
-        mask = torch.tensor([[1] * len(c) + [0] * (width - len(c)) for c in cut], device=self.device)
+        ids, mask = pad_right(cut, self.target_tokenizer.pad_token_id, self.device)
         acts = capture_activations(self.target, ids, mask, self.nla.extraction_layer_index).cpu()
         return [acts[row, list(p)] for row, p in enumerate(positions)]
 

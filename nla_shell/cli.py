@@ -113,6 +113,12 @@ def _explain(args: argparse.Namespace) -> None:
     explain(_load_config(ExplainConfig, args))
 
 
+def _serve(args: argparse.Namespace) -> None:
+    from nla_shell.serving.server import ServeConfig, serve
+
+    serve(_load_config(ServeConfig, args))
+
+
 def _export(args: argparse.Namespace) -> None:
     from nla_shell.pipeline.export import ExportConfig, export
 
@@ -158,7 +164,10 @@ CONFIG_COMMANDS: dict[str, tuple[Callable[[argparse.Namespace], None], str, str,
              "held-out FVE of an AV+AR beside its controls (shuffled vector, gold, mean), FVE by length, "
              "splice-KL (--model)"),
     "explain": (_explain, "nla_shell.pipeline.explain", "ExplainConfig",
-                "explain the activations of a text at one position (--position) or all (--all)"),
+                "explain the activations of a text at one position (--position) or all (--all), or every site of a "
+                "--corpus / --parquet into --out (batched, resumable)"),
+    "serve": (_serve, "nla_shell.serving.server", "ServeConfig",
+              "an HTTP JSON API on 127.0.0.1: POST /v1/explain, /v1/explain_vectors (pip install 'nla[serve]')"),
     "export": (_export, "nla_shell.pipeline.export", "ExportConfig",
                "a trained AV (LoRA merged) and AR as HF dirs with upstream-layout nla_meta.yaml"),
     "demo": (_demo, "nla_shell.pipeline.demo", "DemoConfig",

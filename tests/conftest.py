@@ -87,3 +87,12 @@ def nla_run_inputs(nla_cache_dir: Path, tiny_tokenizer):
     import fixtures
 
     return fixtures.build_trainer_inputs(nla_cache_dir / "trainer_inputs", tiny_tokenizer)
+
+
+@pytest.fixture(scope="session")
+def two_concept_nla(nla_cache_dir: Path, nla_run_inputs):
+    """(AV adapter, AR dir, eval.parquet) of the two-concept toy NLA ("cat" / "river") after SFT. Read-only."""
+    import fixtures
+
+    format_av, _, _ = nla_run_inputs  # an AV that already writes <explanation>…</explanation>
+    return fixtures.build_two_concept_nla(nla_cache_dir / "two_concept", format_av)

@@ -66,10 +66,9 @@ class HFRolloutEngine:
             return_dict_in_generate=True,
             output_logits=True,
         )
-        if greedy:
-            # Argmax decoding for reading one explanation (`nla explain --greedy`); never for training,
-            # whose importance ratios assume samples from the softmax.
-            self.base_generation.update(do_sample=False, temperature=None, top_k=None, top_p=None, typical_p=None)
+        self.greedy = greedy
+        """Argmax decoding for reading explanations (`nla explain --greedy`, settable between calls); never
+        for training, whose importance ratios assume samples from the softmax."""
 
     @property
     def device(self) -> torch.device:
@@ -103,7 +102,7 @@ class HFRolloutEngine:
                 out = lm.generate(
                     input_ids=ids,
                     attention_mask=mask,
-                    generation_config=GenerationConfig(**self.base_generation, max_new_tokens=max_new_tokens),
+                    generation_config=GenerationConfig(**self._generation(), max_new_tokens=max_new_tokens),
                 )
         finally:
             lm.train(was_training)
@@ -124,6 +123,13 @@ class HFRolloutEngine:
                 )
             )
         return rollouts
+
+    def _generation(self) -> dict:
+        """The generate() settings of this call: the plain softmax, or argmax when greedy."""
+        if not self.greedy:
+            return self.base_generation
+        return {**self.base_generation, **dict(do_sample=False, temperature=None, top_k=None, top_p=None,
+                                               typical_p=None)}
 
     def sync_weights(self, actor: torch.nn.Module) -> float:
         return 0.0

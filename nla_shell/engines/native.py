@@ -187,6 +187,8 @@ class NativeRolloutEngine:
         one decode shape (and its graphs).
       check_every: steps between "all rows finished?" checks on CUDA (each is a host sync).
       max_shapes: decode shapes (static caches + graphs) kept alive at once.
+      greedy: argmax decoding (every noise draw is 1, so the exponential race picks the likeliest
+        token), for reading explanations; settable between calls; never for training.
     """
 
     shares_actor_weights = True
@@ -205,6 +207,7 @@ class NativeRolloutEngine:
         prompt_bucket: int = 16,
         check_every: int = 16,
         max_shapes: int = 2,
+        greedy: bool = False,
     ) -> None:
         self.actor, self.injector, self.tokenizer = actor, injector, tokenizer
         self.pad_id = tokenizer.pad_token_id
@@ -213,6 +216,7 @@ class NativeRolloutEngine:
         self.max_batch, self.merge_lora, self.compile = max_batch, merge_lora, compile
         self.kv_bucket = None if compile else kv_bucket
         self.prompt_bucket, self.check_every, self.max_shapes = prompt_bucket, check_every, max_shapes
+        self.greedy = greedy
         families.require_engine(actor, "native")
         self.cuda_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
         if self.cuda_graphs and self.device.type != "cuda":
@@ -291,7 +295,7 @@ class NativeRolloutEngine:
             self._capture_all(lm, state, width, max_new_tokens)
         t1 = self._clock()
         first_logits = self._prefill(lm, state, ids, attn, vectors, group_size)
-        state.noise.exponential_(generator=generator)
+        self._draw_noise(state.noise, generator)
         first = sample_with_noise(first_logits, state.noise)
         state.out_tokens[:, 0] = first.tokens
         state.out_logp[:, 0] = first.logp
@@ -378,7 +382,7 @@ class NativeRolloutEngine:
             if step % check_every == 0 and bool(state.finished.all()):
                 return step
             window = self._window(width + step, length)
-            state.noise.exponential_(generator=generator)
+            self._draw_noise(state.noise, generator)
             graph = state.graphs.get((window, self.merge_lora)) if self.cuda_graphs else None
             if graph is not None:
                 graph.replay()
@@ -553,6 +557,13 @@ class NativeRolloutEngine:
             return generator
         seed = int(torch.randint(2**62, (1,), generator=generator))
         return torch.Generator(self.device).manual_seed(seed)
+
+    def _draw_noise(self, noise: torch.Tensor, generator: torch.Generator | None) -> None:
+        """The next step's Exp(1) draws, in place (all ones when greedy: the sample is then the argmax)."""
+        if self.greedy:
+            noise.fill_(1.0)
+        else:
+            noise.exponential_(generator=generator)
 
     def _clock(self) -> float:
         if self.device.type == "cuda":

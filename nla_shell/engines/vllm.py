@@ -131,8 +131,10 @@ def build_request_specs(
     return specs
 
 
-def sampling_kwargs(spec: RequestSpec, *, extra_args: dict[str, Any] | None, logprobs: int = 0) -> dict[str, Any]:
-    """A fresh SamplingParams keyword dict: plain softmax at temperature 1 over the full vocabulary.
+def sampling_kwargs(spec: RequestSpec, *, extra_args: dict[str, Any] | None, logprobs: int = 0,
+                    greedy: bool = False) -> dict[str, Any]:
+    """A fresh SamplingParams keyword dict: plain softmax at temperature 1 over the full vocabulary
+    (greedy: temperature 0, vLLM's argmax, for reading explanations; never for training).
 
     Every knob that could reshape the distribution is spelled out, because the behaviour
     log-probs feed an importance ratio against the trainer's plain softmax. logprobs=0
@@ -140,7 +142,7 @@ def sampling_kwargs(spec: RequestSpec, *, extra_args: dict[str, Any] | None, log
     """
     return {
         "n": spec.n,
-        "temperature": 1.0,
+        "temperature": 0.0 if greedy else 1.0,
         "top_p": 1.0,
         "top_k": 0,
         "min_p": 0.0,
@@ -426,6 +428,7 @@ class VLLMRolloutEngine:
         eos_ids: Sequence[int] | None = None,
         sleep_level: int = 0,
         per_rank: bool = False,
+        greedy: bool = False,
     ) -> None:
         if sleep_level not in SLEEP_LEVELS:
             raise ValueError(f"sleep_level must be one of {SLEEP_LEVELS}, got {sleep_level!r}")
@@ -441,6 +444,8 @@ class VLLMRolloutEngine:
         self.injection_layer = injection_layer
         self.steering = steering
         self.seed_requests = seed_requests
+        self.greedy = greedy
+        """Argmax decoding (temperature 0) for reading explanations; settable between calls; never for training."""
         self.sleep_level = sleep_level
         self._asleep = False
         self._awake_depth = 0
@@ -585,7 +590,8 @@ class VLLMRolloutEngine:
                 prompt["cache_salt"] = spec.cache_salt
             prompts.append(prompt)
             extra_args = self._extra_args(spec) if steered else None
-            params.append(SamplingParams(**sampling_kwargs(spec, extra_args=extra_args, logprobs=logprobs)))
+            params.append(SamplingParams(**sampling_kwargs(spec, extra_args=extra_args, logprobs=logprobs,
+                                                           greedy=self.greedy)))
         with self.awake():
             start = time.perf_counter()
             outputs = self.llm.generate(prompts, params, use_tqdm=False)

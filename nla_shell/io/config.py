@@ -458,7 +458,17 @@ def normalize_fields(obj: Any) -> None:
 
 
 def field_docs(cls: type) -> dict[str, str]:
-    """Each field's attribute docstring (the string literal after it), read from the source."""
+    """Each field's attribute docstring (the string literal after it), read from the source of `cls` and of the
+    dataclasses it inherits from."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if dataclasses.is_dataclass(klass):
+            docs.update(_own_field_docs(klass))
+    return docs
+
+
+def _own_field_docs(cls: type) -> dict[str, str]:
+    """The attribute docstrings of the fields `cls` itself declares."""
     tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
     body = tree.body[0].body  # type: ignore[attr-defined]
     docs: dict[str, str] = {}

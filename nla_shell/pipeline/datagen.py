@@ -421,12 +421,18 @@ def split_fractions(cfg: DatagenConfig) -> dict[str, float]:
     return {"rl": 1.0 - sum(shares.values()), **shares}
 
 
+def document_positions(doc_id: str, n_tokens: int, *, seed: int, k: int, min_context: int) -> list[int]:
+    """The positions datagen samples in a document: a function of (doc_id, n_tokens, seed, k, min_context) only."""
+    rng = np.random.default_rng([seed, _stable_hash("positions", doc_id)])
+    return sample_positions(n_tokens, k, min_context, rng)
+
+
 def document_sites(doc: Document, tokens: list[int], cfg: DatagenConfig, tokenizer: Any,
                    fractions: Mapping[str, float]) -> tuple[str, list[Site]]:
     """The document's split and its sampled sites; depends only on (doc_id, tokens, seed, settings)."""
     split = assign_split(doc.doc_id, cfg.seed, fractions)
-    rng = np.random.default_rng([cfg.seed, _stable_hash("positions", doc.doc_id)])
-    positions = sample_positions(len(tokens), cfg.positions_per_doc, cfg.min_context, rng)
+    positions = document_positions(doc.doc_id, len(tokens), seed=cfg.seed, k=cfg.positions_per_doc,
+                                   min_context=cfg.min_context)
     return split, [Site(doc.doc_id, p, tuple(tokens[: p + 1]), tokenizer.decode(tokens[: p + 1]),
                         tokenizer.decode([tokens[p]]), doc.topic) for p in positions]
 

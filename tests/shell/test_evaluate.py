@@ -102,14 +102,6 @@ def test_eval_refuses_an_out_dir_that_holds_files(tmp_path, toy_sft, toy_dataset
     assert provenance["sidecar"]["d_model"] == 64 and provenance["config"]["n_rows"] == 3
 
 
-@pytest.fixture(scope="module")
-def two_concept_nla(nla_cache_dir, nla_run_inputs):
-    import fixtures
-
-    format_av, _, _ = nla_run_inputs  # an AV that already writes <explanation>…</explanation>
-    return fixtures.build_two_concept_nla(nla_cache_dir / "two_concept", format_av)
-
-
 def test_the_shuffled_control_collapses_and_the_length_curve_ends_at_the_fve(tmp_path, two_concept_nla):
     """On a toy NLA after SFT (two concepts, named "cat" / "river"), the AV reading another row's
     vector explains the true row far worse; cutting explanations past their length changes nothing."""

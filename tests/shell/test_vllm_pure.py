@@ -133,6 +133,9 @@ def test_sampling_kwargs_and_extra_args_are_fresh_and_plain():
     assert a["repetition_penalty"] == 1.0 and a["presence_penalty"] == 0.0 and a["frequency_penalty"] == 0.0
     assert a["n"] == 3 and a["max_tokens"] == 16 and a["logprobs"] == 0 and a["detokenize"] is False
     assert a["stop_token_ids"] == [2]
+    greedy = sampling_kwargs(spec, extra_args=None, greedy=True)  # reading explanations: vLLM's argmax
+    assert greedy["temperature"] == 0.0 and {k: v for k, v in greedy.items() if k not in ("temperature", "extra_args")} \
+        == {k: v for k, v in a.items() if k not in ("temperature", "extra_args")}
     payload = first[steer.EXTRA_ARGS_KEY]
     assert payload["position"] == 4 and isinstance(payload["vector"], bytes)
     v = spec.vector.reshape(-1)

@@ -1,0 +1,217 @@
+"""The FastAPI app of `nla serve`: request and response schemas, limits, errors, the bearer token.
+
+Every refusal is JSON, `{"error": {"field": "vectors[2]", "message": "..."}}`, naming the field
+(in the request body's terms, `positions[0]`, or `body` when it is not a JSON object):
+400 malformed JSON, 401 a missing or wrong bearer token, 422 a bad or out-of-limit field,
+500 a failure while explaining (the server keeps serving).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+from typing import Annotated, Any, Sequence
+
+import torch
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from nla_shell.serving.batcher import Batcher, Decoding, Job
+from nla_shell.serving.reader import NLAReader, SiteExplanation
+from nla_shell.serving.server import ServeConfig
+
+FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class Decode(_Strict):
+    samples: int = Field(1, description="Explanations sampled per site; the best by AR reconstruction is kept.")
+    greedy: bool = Field(False, description="Argmax decoding (deterministic; then samples must be 1).")
+    max_new_tokens: int | None = Field(None, description="Longest explanation in tokens; null: the server's default.")
+
+
+class ExplainRequest(Decode):
+    text: str = Field(description="The text whose activations are read with the target LM.")
+    positions: list[int] | None = Field(None, description="Token indices to explain (negative from the end); "
+                                                          "null: the last token.")
+    all: bool = Field(False, description="Explain every position (positions must then be null).")
+
+
+class VectorsRequest(Decode):
+    vectors: list[list[FiniteFloat]] = Field(description="n activation vectors of d_model finite numbers each.")
+
+
+class SiteResult(BaseModel):
+    explanation: str | None = Field(description="The kept explanation (best of `samples` by reconstruction MSE).")
+    explanations: list[str | None] = Field(description="All sampled explanations (null: none could be extracted).")
+    mses: list[float | None] = Field(description="Normalised reconstruction MSE of each explanation.")
+    mse: float | None = Field(description="MSE of the kept explanation.")
+    fve: float | None = Field(description="Its FVE against the AR's predict-the-mean baseline.")
+
+
+class PositionResult(SiteResult):
+    position: int
+    token: str
+    short_context: bool = Field(description="Fewer tokens before it than the AV's training data had.")
+
+
+class VectorResult(SiteResult):
+    reconstruction: list[float] | None = Field(description="The AR's reconstruction from the kept explanation.")
+
+
+class ExplainResponse(BaseModel):
+    text_tokens: int
+    results: list[PositionResult]
+
+
+class VectorsResponse(BaseModel):
+    results: list[VectorResult]
+
+
+class RequestError(Exception):
+    """A refused request: its HTTP status, the field at fault and what to do."""
+
+    def __init__(self, status: int, field: str | None, message: str) -> None:
+        super().__init__(message)
+        self.status, self.field, self.message = status, field, message
+
+
+def field_path(loc: Sequence[Any]) -> str:
+    """('body', 'vectors', 0, 3) -> 'vectors[0][3]'; the body itself -> 'body'."""
+    parts = [p for p in loc if p != "body"]
+    path = ""
+    for part in parts:
+        path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
+    return path or "body"
+
+
+def error_response(status: int, field: str | None, message: str) -> JSONResponse:
+    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+    return JSONResponse({"error": {"field": field, "message": message}}, status_code=status, headers=headers)
+
+
+def validation_error(errors: Sequence[dict[str, Any]]) -> JSONResponse:
+    """FastAPI's validation errors as one refusal naming the first field at fault."""
+    first = errors[0]
+    if first["type"] == "json_invalid":
+        return error_response(400, "body", f"malformed JSON: {first.get('ctx', {}).get('error', first['msg'])}")
+    field = field_path(first["loc"])
+    if first["type"] == "extra_forbidden":
+        return error_response(422, field, "unknown field; see GET /openapi.json for the fields each endpoint takes")
+    return error_response(422, field, first["msg"])
+
+
+def decoding(request: Decode, cfg: ServeConfig) -> Decoding:
+    """The request's decoding settings, within the server's limits."""
+    max_new = cfg.max_new_tokens if request.max_new_tokens is None else request.max_new_tokens
+    if not 1 <= max_new <= cfg.max_new_tokens_limit:
+        raise RequestError(422, "max_new_tokens", f"{max_new} is outside 1..{cfg.max_new_tokens_limit} (the limit)")
+    if not 1 <= request.samples <= cfg.max_samples:
+        raise RequestError(422, "samples", f"{request.samples} is outside 1..{cfg.max_samples} (the limit)")
+    if request.greedy and request.samples > 1:
+        raise RequestError(422, "samples", "greedy decoding writes one explanation; use samples=1 or greedy=false")
+    return Decoding(samples=request.samples, greedy=request.greedy, max_new_tokens=max_new)
+
+
+def text_job(request: ExplainRequest, reader: NLAReader, cfg: ServeConfig) -> Job:
+    """The sites of a text, checked against the limits."""
+    if len(request.text) > cfg.max_text_chars:
+        raise RequestError(422, "text", f"{len(request.text)} characters; the limit is {cfg.max_text_chars}")
+    ids = reader.target_tokenizer.encode(request.text, add_special_tokens=False)
+    if not ids:
+        raise RequestError(422, "text", "encodes to no tokens; give some text")
+    if len(ids) > cfg.max_text_tokens:
+        raise RequestError(422, "text", f"{len(ids)} tokens; the limit is {cfg.max_text_tokens}")
+    if request.all and request.positions is not None:
+        raise RequestError(422, "all", "all and positions exclude each other; give one")
+    positions = list(range(len(ids))) if request.all else (request.positions or [-1])
+    for i, p in enumerate(positions):
+        if not -len(ids) <= p < len(ids):
+            raise RequestError(422, f"positions[{i}]", f"{p} is outside the text's {len(ids)} tokens")
+    if len(positions) > cfg.max_sites:
+        raise RequestError(422, "all" if request.all else "positions",
+                           f"{len(positions)} sites; the limit is {cfg.max_sites} per request")
+    return Job(decoding(request, cfg), token_ids=ids, positions=[p % len(ids) for p in positions])
+
+
+def vectors_job(request: VectorsRequest, reader: NLAReader, cfg: ServeConfig) -> Job:
+    """The vectors, checked for width and count."""
+    if not request.vectors:
+        raise RequestError(422, "vectors", "no vectors; give n lists of d_model numbers")
+    if len(request.vectors) > cfg.max_sites:
+        raise RequestError(422, "vectors", f"{len(request.vectors)} vectors; the limit is {cfg.max_sites} per request")
+    for i, vector in enumerate(request.vectors):
+        if len(vector) != reader.d_model:
+            raise RequestError(422, f"vectors[{i}]", f"has {len(vector)} numbers; d_model is {reader.d_model}")
+    vectors = torch.tensor(request.vectors, dtype=torch.float32)
+    for i in torch.nonzero(~torch.isfinite(vectors).all(dim=1)).flatten().tolist():
+        raise RequestError(422, f"vectors[{i}]", "overflows float32 (a number beyond ±3.4e38)")
+    return Job(decoding(request, cfg), vectors=vectors, reconstruct=True)
+
+
+def site_fields(site: SiteExplanation) -> dict[str, Any]:
+    return {"explanation": site.explanation, "explanations": site.explanations, "mses": site.mses, "mse": site.mse,
+            "fve": site.fve}
+
+
+async def run_job(app: FastAPI, job: Job) -> list[SiteExplanation]:
+    try:
+        return await asyncio.wrap_future(app.state.batcher.submit(job))
+    except Exception as err:  # noqa: BLE001 - reported as a 500, the server goes on
+        raise RequestError(500, None, f"explaining failed: {type(err).__name__}: {err}") from None
+
+
+def build_app(reader: NLAReader, cfg: ServeConfig) -> FastAPI:
+    """The app, with its batcher (app.state.batcher: close it when done)."""
+    app = FastAPI(title="nla serve", version="1", description="Natural Language Autoencoder: explain activations.")
+    app.state.batcher = Batcher(reader, max_sites=cfg.max_batch, wait_s=cfg.batch_wait_ms / 1000)
+    api_key = cfg.resolved_api_key()
+
+    def authorized(request: Request) -> None:
+        if api_key is None:
+            return
+        sent = request.headers.get("authorization", "")
+        if not hmac.compare_digest(sent.encode(), f"Bearer {api_key}".encode()):
+            raise RequestError(401, "Authorization", "send the header 'Authorization: Bearer <api key>'")
+
+    @app.exception_handler(RequestError)
+    async def refused(request: Request, err: RequestError) -> JSONResponse:
+        return error_response(err.status, err.field, err.message)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, err: RequestValidationError) -> JSONResponse:
+        return validation_error(err.errors())
+
+    @app.get("/v1/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/v1/info", dependencies=[Depends(authorized)])
+    async def info() -> dict[str, Any]:
+        limits = {key: getattr(cfg, key) for key in ("max_batch", "max_sites", "max_text_chars", "max_text_tokens",
+                                                      "max_new_tokens", "max_new_tokens_limit", "max_samples")}
+        return {**reader.info(), "limits": limits, "batching": dict(app.state.batcher.stats)}
+
+    @app.post("/v1/explain", dependencies=[Depends(authorized)])
+    async def explain(request: ExplainRequest) -> ExplainResponse:
+        job = text_job(request, reader, cfg)
+        sites = await run_job(app, job)
+        tokenizer = reader.target_tokenizer
+        return ExplainResponse(text_tokens=len(job.token_ids), results=[
+            PositionResult(position=p, token=tokenizer.decode([job.token_ids[p]]),
+                           short_context=p < reader.min_context, **site_fields(site))
+            for p, site in zip(job.positions, sites)])
+
+    @app.post("/v1/explain_vectors", dependencies=[Depends(authorized)])
+    async def explain_vectors(request: VectorsRequest) -> VectorsResponse:
+        sites = await run_job(app, vectors_job(request, reader, cfg))
+        return VectorsResponse(results=[
+            VectorResult(reconstruction=None if s.reconstruction is None else s.reconstruction.tolist(),
+                         **site_fields(s)) for s in sites])
+
+    return app

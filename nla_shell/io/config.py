@@ -5,7 +5,7 @@ whose field annotations are the schema: `load_dataclass(cls, mapping, overrides)
 keys against the fields, coerces values to the annotated types and constructs `cls`,
 whose `__post_init__` calls `normalize_fields(self)` and then its own range checks.
 Supported annotations: `str`, `int`, `float`, `bool`, `Literal[...]` (the choices),
-`X | None`, and `tuple[X, ...]`.
+unions of them (`X | None`, `int | Literal["auto"]`), and `tuple[X, ...]`.
 
 Every problem is a `ConfigError` whose message names the key, the bad value and the fix.
 """
@@ -501,15 +501,20 @@ def _coerce(key: str, tp: Any, value: Any, *, parse_strings: bool) -> Any:
         )
 
     if origin in (typing.Union, types.UnionType):
+        arms = [a for a in args if a is not type(None)]
+        # A choice spelled like null ("none" of Literal["rl", "none"] | None) is that choice, not null.
+        if value in [choice for arm in arms if typing.get_origin(arm) is Literal for choice in typing.get_args(arm)]:
+            return value
         if value is None or (parse_strings and isinstance(value, str) and value.lower() in _NULL):
             if type(None) in args:
                 return None
             raise bad()
-        (inner,) = [a for a in args if a is not type(None)]
-        try:
-            return _coerce(key, inner, value, parse_strings=parse_strings)
-        except ConfigError:
-            raise bad() from None
+        for arm in arms:  # the first arm that takes the value
+            try:
+                return _coerce(key, arm, value, parse_strings=parse_strings)
+            except ConfigError:
+                continue
+        raise bad()
     if origin is Literal:
         if value not in args:
             raise bad()
@@ -563,8 +568,8 @@ def _coerce(key: str, tp: Any, value: Any, *, parse_strings: bool) -> Any:
 def _describe(tp: Any) -> str:
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin in (typing.Union, types.UnionType):
-        (inner,) = [a for a in args if a is not type(None)]
-        return f"{_describe(inner)}, or null"
+        arms = " or ".join(_describe(a) for a in args if a is not type(None))
+        return f"{arms}, or null" if type(None) in args else arms
     if origin is Literal:
         return "one of " + ", ".join(repr(a) for a in args)
     if origin is tuple:

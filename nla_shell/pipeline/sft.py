@@ -241,7 +241,7 @@ def _run_sft(cfg: SFTConfig, stop: StopSignals) -> Path:
     save_dir = Path(cfg.save_dir)
     config_dict = config_to_dict(cfg)
     ckpt.claim_save_dir(save_dir, config_dict, overwrite=cfg.overwrite, resume=cfg.resume,
-                        mutable_keys=SFT_RESUME_MUTABLE_KEYS)
+                        mutable_keys=SFT_RESUME_MUTABLE_KEYS, num_steps=cfg.num_steps)
     ckpt.remove_stale_entries(save_dir)  # under the lock: no other run's save is in flight
     resume_from = ckpt.latest_verified_checkpoint(save_dir) if cfg.resume == "auto" else None
 

@@ -476,6 +476,7 @@ def claim_save_dir(
     overwrite: bool,
     resume: str,
     mutable_keys: Collection[str] = RESUME_MUTABLE_KEYS,
+    num_steps: int | None = None,
 ) -> None:
     """Make `save_dir` this run's directory and write `config_dict` to its config.yaml.
 
@@ -484,7 +485,9 @@ def claim_save_dir(
     or when `resume` is "never" and it holds a complete checkpoint. A conflict raises
     ConfigError, writing nothing, unless `overwrite`, which empties the directory first.
     A non-empty directory without config.yaml is refused even with `overwrite`: it was
-    not made by nla, and overwrite must never delete someone's files.
+    not made by nla, and overwrite must never delete someone's files. A resumable run whose
+    newest checkpoint is past `num_steps` is refused too: it would resume at that step, run
+    nothing, and report a checkpoint at num_steps that does not exist.
     """
     if resume not in ("auto", "never"):
         raise ValueError(f"resume must be 'auto' or 'never', got {resume!r}")
@@ -514,6 +517,14 @@ def claim_save_dir(
                     shutil.rmtree(child)
                 else:
                     child.unlink()
+        elif resume == "auto" and num_steps is not None and (newest := latest_checkpoint(save_dir)) is not None:
+            done = int(_STEP_DIR.fullmatch(newest.name).group(1))
+            if done > num_steps:
+                raise ConfigError(
+                    f"config key 'num_steps' = {num_steps} is invalid: save_dir {str(save_dir)!r} already holds "
+                    f"{newest.name} ({done} steps done); give num_steps >= {done} to continue this run, or another "
+                    f"save_dir to start over"
+                )
     save_dir.mkdir(parents=True, exist_ok=True)
     write_text_atomically(config_path, yaml.safe_dump(dict(config_dict), sort_keys=False))
 

@@ -293,7 +293,8 @@ def run_ranked(cfg: TrainConfig, rank: RankInfo, device: torch.device, dtype: to
     mutable_keys = RESUME_MUTABLE_KEYS | ({"lora_r", "lora_alpha", "use_rslora"} if continues_sft else set())
 
     def claim() -> Path | None:
-        ckpt.claim_save_dir(save_dir, config_dict, overwrite=cfg.overwrite, resume=cfg.resume, mutable_keys=mutable_keys)
+        ckpt.claim_save_dir(save_dir, config_dict, overwrite=cfg.overwrite, resume=cfg.resume, mutable_keys=mutable_keys,
+                            num_steps=cfg.num_steps)
         ckpt.remove_stale_entries(save_dir)  # under the lock: no other run's save is in flight
         if cfg.resume != "auto":
             return None
@@ -607,7 +608,7 @@ def run_ranked(cfg: TrainConfig, rank: RankInfo, device: torch.device, dtype: to
         distributed.barrier()
     finish(max(start_step, cfg.num_steps), final_eval)
     if rank.is_main:
-        say(f"[nla train] done: {cfg.num_steps} steps; checkpoint {ckpt.checkpoint_dir(save_dir, cfg.num_steps)} "
+        say(f"[nla train] done: {cfg.num_steps} step{'s' if cfg.num_steps != 1 else ''}; checkpoint {ckpt.checkpoint_dir(save_dir, cfg.num_steps)} "
             f"(adapter/ is the AV{', critic/ the AR' if cfg.train_critic else ''}); metrics {save_dir / 'metrics.jsonl'}, "
             f"summary {save_dir / 'summary.json'}; curves: nla plot {save_dir}")
     return save_dir

@@ -149,7 +149,7 @@ def evaluate(cfg: EvalConfig) -> EvalResult:
     out_dir = check_out_dir(cfg.out_dir, overwrite=cfg.overwrite)
     require_model("ar", cfg.ar, hub_ok=False)
     require_model("av", cfg.av)
-    require_model("tokenizer", cfg.tokenizer)
+    require_model("tokenizer", cfg.tokenizer, files=("tokenizer_config.json",))
     require_model("model", cfg.model)
     require_file("parquet", cfg.parquet)
     require_file("sidecar", cfg.sidecar)

@@ -385,8 +385,8 @@ def load_dataclass(
     ]
     if missing:
         raise ConfigError(
-            f"missing required config key(s) {', '.join(map(repr, missing))}; "
-            f"set them in the YAML or as key=value overrides"
+            f"missing required config key(s) {', '.join(map(repr, missing))}; give them as "
+            f"{' '.join('--' + k.replace('_', '-') + ' VALUE' for k in missing)}, as key=value overrides or in the YAML"
         )
     hints = _type_hints(cls)
     return cls(**{k: _coerce(k, hints[k], v, parse_strings=True) for k, v in raw.items()})

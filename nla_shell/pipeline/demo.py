@@ -179,7 +179,8 @@ def claim_run_dir(run_dir: Path, *, overwrite: bool) -> None:
     if run_dir.exists():
         if not overwrite:
             raise ConfigError(
-                f"config key 'run_dir' = {str(run_dir)!r} already exists; choose another run_dir or set overwrite=true"
+                f"config key 'run_dir' = {str(run_dir)!r} already exists; choose another run_dir or set "
+                "overwrite=true (--overwrite)"
             )
         if any(run_dir.iterdir()) and not (run_dir / RUN_MARKER).is_file():
             raise ConfigError(

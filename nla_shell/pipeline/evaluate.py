@@ -282,7 +282,7 @@ def check_out_dir(out_dir: str | Path, *, overwrite: bool) -> Path:
         raise ConfigError(f"config key 'out_dir' = {str(out_dir)!r} is a file; choose a directory")
     if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:
         raise ConfigError(f"config key 'out_dir' = {str(out_dir)!r} already exists and is not empty; choose another "
-                          "out_dir or pass --overwrite")
+                          "out_dir or set overwrite=true (--overwrite)")
     return out_dir
 
 

@@ -262,7 +262,7 @@ def latest_verified_checkpoint(
     if failures:
         raise CheckpointError(
             f"no checkpoint in {save_dir} passes verification: {'; '.join(failures)}; delete the damaged "
-            "step_* dirs to start over, or set overwrite=true"
+            "step_* dirs to start over, or set overwrite=true (--overwrite)"
         )
     return None
 
@@ -508,7 +508,7 @@ def claim_save_dir(
             if not overwrite:
                 raise ConfigError(
                     f"config key 'save_dir' = {str(save_dir)!r} {conflict}; choose another "
-                    f"save_dir, or set overwrite=true to delete its contents and start over"
+                    f"save_dir, or set overwrite=true (--overwrite) to delete its contents and start over"
                 )
             for child in save_dir.iterdir():
                 if child.name == LOCK_NAME:

@@ -166,8 +166,9 @@ def test_eval_rows_must_not_overlap_the_training_window():
 
 
 def test_missing_required_keys_are_named():
-    with pytest.raises(ConfigError, match="'ar_ckpt'.*'save_dir'"):
+    with pytest.raises(ConfigError, match="'ar_ckpt'.*'save_dir'") as error:
         load_config(None, ["av_ckpt=av", "rl_parquet=rl.parquet"])
+    assert "--ar-ckpt VALUE --save-dir VALUE" in str(error.value)  # the README's flag form, too
 
 
 def test_malformed_override_and_non_mapping_yaml(tmp_path):

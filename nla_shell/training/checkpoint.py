@@ -469,6 +469,15 @@ def restore_optimizer(optimizer: torch.optim.Optimizer, state: TrainingState, na
 # --------------------------------------------------------------------------- run identity
 
 
+def saved_config(checkpoint: str | os.PathLike[str]) -> dict[str, Any]:
+    """The config.yaml a checkpoint was saved with, as a mapping ({} when it has none that reads as one)."""
+    try:
+        config = yaml.safe_load((Path(checkpoint) / CONFIG_NAME).read_text())
+    except (OSError, yaml.YAMLError):
+        return {}
+    return config if isinstance(config, dict) else {}
+
+
 def claim_save_dir(
     save_dir: str | os.PathLike[str],
     config_dict: Mapping[str, Any],

@@ -258,7 +258,7 @@ class TrainConfig:
     """Allow deleting a save_dir that holds a different run (or any run, with resume=never)."""
     logger: tuple[Literal["console", "jsonl", "wandb", "tensorboard"], ...] = ("console",)
     """Metric sinks (comma-separated); save_dir/metrics.jsonl is written whatever this says. wandb runs offline
-    unless WANDB_API_KEY is set; tensorboard writes save_dir/tensorboard. The progress bar shows with console."""
+    unless WANDB_API_KEY is set; tensorboard writes save_dir/tensorboard. The progress bar shows on a terminal whatever this says."""
     wandb_project: str = "nla"
     """wandb project (reference: nla-qwen3-8b)."""
     wandb_name: str | None = None

@@ -153,7 +153,8 @@ class ConsoleLogger:
         # A few rows are enough to watch explanations evolve; the JSONL sink keeps them all.
         for row in rows[: self._TABLE_ROWS_SHOWN]:
             cells = " | ".join(
-                f"{c}={str(v).replace(chr(10), ' ')[: self._CELL_CHARS]}" for c, v in zip(columns, row)
+                f"{c}={(format(v, '.4g') if isinstance(v, float) else str(v)).replace(chr(10), ' ')[: self._CELL_CHARS]}"
+                for c, v in zip(columns, row)
             )
             self._print(f"  [{name}] {cells}")
 

@@ -1,8 +1,8 @@
 """One progress display for every command: a tqdm bar with n/total, rate and ETA, on stderr.
 
-The bar shows only where someone watches: on a terminal, and when the command's output is
-meant for the console (not under file-only loggers, not in CI logs, where a redrawn bar is
-noise). Lines printed while a bar is up go through `say`, so they never run into the bar.
+The bar shows only where someone watches: on a terminal (not in CI logs, where a redrawn bar
+is noise), whichever loggers a run writes to; a command may turn it off. Lines printed while a
+bar is up go through `say`, so they never run into the bar.
 """
 
 from __future__ import annotations

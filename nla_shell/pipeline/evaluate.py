@@ -29,7 +29,7 @@ import json
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Literal, Sequence
+from typing import Any, Literal, Mapping, Sequence
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -212,12 +212,20 @@ def evaluate(cfg: EvalConfig) -> EvalResult:
     controls = controls_table(metrics)
     write_reports(out_dir, samples, metrics, controls, table_rows=cfg.table_rows,
                   provenance=provenance(cfg, sidecar_path, nla))
-    print(controls, flush=True)
+    # Named, so that several evals in one output (the demo's) say which table is whose.
+    print(f"[eval] AV {cfg.av or 'none: the AR on the gold explanations'}, AR {cfg.ar}:\n{controls}", flush=True)
     if "length/tokens_mean" in metrics:
-        print("[eval] explanation tokens: mean {:.1f}, p10 {:.0f}, p50 {:.0f}, p90 {:.0f}, max {:.0f}; ".format(
-            *(metrics[f"length/tokens_{q}"] for q in ("mean", "p10", "p50", "p90", "max")))
-            + ", ".join(f"FVE(k={k}) {metrics[f'length/fve_k{k}']:.4f}" for k in cfg.length_ks), flush=True)
+        print(length_line(metrics, cfg.length_ks), flush=True)
     return EvalResult(metrics, samples, out_dir)
+
+
+def length_line(metrics: Mapping[str, float], length_ks: Sequence[int]) -> str:
+    """`[eval] explanation tokens: mean …, p10 …, …; FVE(k=4) …, …` (the FVE(k) part only when ks were asked)."""
+    parts = ["explanation tokens: mean {:.1f}, p10 {:.0f}, p50 {:.0f}, p90 {:.0f}, max {:.0f}".format(
+        *(metrics[f"length/tokens_{q}"] for q in ("mean", "p10", "p50", "p90", "max")))]
+    if length_ks:
+        parts.append(", ".join(f"FVE(k={k}) {metrics[f'length/fve_k{k}']:.4f}" for k in length_ks))
+    return "[eval] " + "; ".join(parts)
 
 
 def score_av(

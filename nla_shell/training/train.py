@@ -482,7 +482,7 @@ def run_ranked(cfg: TrainConfig, rank: RankInfo, device: torch.device, dtype: to
     last_record: dict[str, Any] = {}
     canary_watch = CanaryWatch(stop=cfg.vllm_canary == "stop")
     bar = progress_bar(total=cfg.num_steps, initial=start_step, desc="train", unit="step",
-                       enabled=rank.is_main and "console" in cfg.logger)
+                       enabled=rank.is_main)
 
     def held_out(step: int, step_logger) -> dict[str, float]:
         """The held-out eval at `step` (rank 0 only)."""

@@ -312,6 +312,26 @@ def test_progress_shows_step_total_rate_and_eta_only_on_a_terminal(monkeypatch):
     bar.close()
 
 
+def test_train_under_a_file_only_logger_still_shows_its_bar_on_a_terminal(nla_run_inputs, tmp_path, monkeypatch):
+    terminal = _Terminal()
+    monkeypatch.setattr("sys.stderr", terminal)
+    assert cli.main(fixtures.train_argv(nla_run_inputs, tmp_path / "run", num_steps=1, eval_every=0,
+                                        logger="jsonl")) == 0
+    assert "train: 100%" in terminal.getvalue() and "1/1" in terminal.getvalue()
+
+
+def test_the_demo_lm_stage_shows_a_bar_on_a_terminal(tiny_tokenizer, monkeypatch):
+    from nla_shell.pipeline.demo import train_lm
+    from nla_shell.toy.builders import build_tiny_qwen3
+
+    terminal = _Terminal()
+    monkeypatch.setattr("sys.stderr", terminal)
+    model = build_tiny_qwen3(tiny_tokenizer, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8,
+                             intermediate_size=32, seed=0)
+    train_lm(model, tiny_tokenizer, ["a cat sat", "a dog ran"], steps=3, batch=2, lr=1e-3, seed=0)
+    assert "target LM" in terminal.getvalue() and "3/3" in terminal.getvalue()
+
+
 def test_demo_run_dir_is_ignored_by_git():
     assert "nla_demo/" in (REPO / ".gitignore").read_text().splitlines()
 

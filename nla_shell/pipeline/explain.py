@@ -26,7 +26,7 @@ from nla_shell.io.paths import require_file, require_model
 from nla_shell.pipeline.datagen import DatagenConfig, capture_activations
 from nla_shell.engines.base import RolloutRequest
 from nla_shell.engines.hf import HFRolloutEngine
-from nla_shell.pipeline.evaluate import load_av, tokenizer_dir
+from nla_shell.pipeline.evaluate import check_model_reads_training_data, load_av, tokenizer_dir
 from nla_shell.models import ARModel, Injector
 from nla_shell.training.scoring import score_explanations
 from nla_shell.training.train import resolve_device
@@ -124,6 +124,9 @@ def explain(cfg: ExplainConfig) -> list[dict[str, Any]]:
     if nla.extraction_layer_index is None:
         raise DataError(f"sidecar {sidecar_path}: names no extraction layer ({', '.join(nla_core.sidecar.LAYER_KEYS)}); "
                         "pass sidecar= the AR's or the dataset's sidecar")
+    if check_model_reads_training_data(target, target_tokenizer, meta, nla, model_name=cfg.model, device=device) is None:
+        print(f"[explain] note: no training parquet in the sidecar's trained_on is left to check that {cfg.model} is "
+              "the LM this NLA was trained on", flush=True)
     acts = capture_activations(target, torch.tensor([ids], device=device), torch.ones(1, len(ids), dtype=torch.long,
                                device=device), nla.extraction_layer_index)[0, positions].cpu()
     actor = load_av(cfg.av, dtype=dtype, device=device)

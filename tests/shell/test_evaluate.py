@@ -176,6 +176,26 @@ def test_explain_greedy_is_seed_free_and_short_contexts_are_flagged(toy_sft, tin
     assert out.count("note: only") == 2 * 4 and "datagen sampled positions with >= 4, so" in out
 
 
+def test_explain_refuses_another_lm_of_the_same_width(toy_sft, tiny_av_dir, tiny_tokenizer, tmp_path, capsys):
+    """As `nla eval --model` does: another LM of the AV's width would be explained without a word (MSE ~2)."""
+    import fixtures
+    from nla_shell.toy import builders as toy
+
+    av, ar = toy_sft
+    other = tmp_path / "other_lm"
+    toy.save_av_checkpoint(toy.build_tiny_qwen3(tiny_tokenizer, hidden_size=fixtures.D_MODEL,
+                                                num_layers=fixtures.NUM_LAYERS, seed=1), tiny_tokenizer, other)
+    capsys.readouterr()
+    argv = ["explain", "--av", str(av), "--ar", str(ar), "--text", "the red cat sees a dog .", "--max-new-tokens", "4",
+            "device=cpu"]
+    assert cli.main([*argv, "--model", str(other)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith(f"nla explain: error: model: {other} does not reproduce"), err
+    assert "pass the model datagen read" in err
+    assert cli.main([*argv, "--model", str(tiny_av_dir)]) == 0  # the LM the data came from passes
+    assert "note: no training parquet" not in capsys.readouterr().out
+
+
 def test_explain_reads_positions_of_a_text(toy_sft, tiny_av_dir, capsys):
     av, ar = toy_sft
     text = "the red cat sees a dog ."

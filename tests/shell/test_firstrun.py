@@ -332,6 +332,24 @@ def test_the_demo_lm_stage_shows_a_bar_on_a_terminal(tiny_tokenizer, monkeypatch
     assert "target LM" in terminal.getvalue() and "3/3" in terminal.getvalue()
 
 
+def test_a_bar_left_open_by_an_error_is_closed_before_the_last_line(monkeypatch):
+    """Else the garbage collector closes it after the CLI's message, redrawing the bar under that line."""
+    from nla_shell.pipeline import plot
+
+    terminal = _Terminal()
+    monkeypatch.setattr("sys.stderr", terminal)
+
+    def failing(run_dir, out):
+        bar = progress_bar(total=4, desc="work", unit="step")
+        bar.update(2)
+        raise ValueError("boom")
+
+    monkeypatch.setattr(plot, "plot_run", failing)
+    assert cli.main(["plot", "somewhere"]) == 2
+    shown = terminal.getvalue()
+    assert shown.endswith("nla plot: error: boom\n") and "work:  50%" in shown, shown
+
+
 def test_demo_run_dir_is_ignored_by_git():
     assert "nla_demo/" in (REPO / ".gitignore").read_text().splitlines()
 

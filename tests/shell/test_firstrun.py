@@ -119,6 +119,15 @@ def test_explainer_none_is_a_choice_not_null(tmp_path):
     assert load_config(None, [*base, "explainer=null", "write_sites=s.jsonl"], cls=DatagenConfig).explainer is None
 
 
+def test_datagen_with_explainer_none_writes_the_rl_split(tiny_av_dir, tmp_path):
+    corpus = fixtures.write_toy_corpus(tmp_path / "c.jsonl", n_docs=4)
+    out = tmp_path / "data"
+    assert cli.main(["datagen", "--model", str(tiny_av_dir), "--corpus", str(corpus), "--layer", "1", "--out-dir",
+                     str(out), "--explainer", "none", "--av-sft-fraction", "0", "--ar-sft-fraction", "0",
+                     "--eval-fraction", "0", "device=cpu", "--no-progress"]) == 0
+    assert sorted(p.name for p in out.iterdir() if p.suffix == ".parquet") == ["rl.parquet"]
+
+
 # --------------------------------------------------------------------------- local paths
 
 

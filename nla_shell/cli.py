@@ -61,9 +61,12 @@ def _add_config_flags(parser: argparse.ArgumentParser, cls: type, *, config_file
 
 
 def _default_and_choices(f: dataclasses.Field, hint: Any) -> str:
-    """" [required]" or " [default: X]", plus " [choices: a, b]" for a Literal (or a tuple or union with one)."""
+    """" [required]" or " [default: X]", plus " [choices: a, b]" for a Literal (or a tuple of one, or one or null);
+    a union with another type (int | Literal["auto"]) leaves its choices to the docstring."""
     arms = typing.get_args(hint) if typing.get_origin(hint) in (tuple, typing.Union, types.UnionType) else (hint,)
-    choices = [c for arm in arms if typing.get_origin(arm) is typing.Literal for c in typing.get_args(arm)]
+    arms = tuple(arm for arm in arms if arm not in (type(None), Ellipsis))
+    literal = all(typing.get_origin(arm) is typing.Literal for arm in arms)
+    choices = [c for arm in arms for c in typing.get_args(arm)] if literal else []
     if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
         text = " [required]"
     else:

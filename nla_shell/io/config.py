@@ -120,7 +120,8 @@ class TrainConfig:
     ref_micro_batch: int | Literal["auto"] = "auto"
     """Sequences per micro-batch in the reference forward (adapter off, no grad; with kl_beta > 0 or kl_metric).
     It keeps no autograd state: its memory is one block's activations of its sequences at a time plus every
-    block's K and V of their prompts, a few percent of a training micro-batch's, so it can be much larger.
+    block's K and V of their prompts (a few percent of a training micro-batch's, by nla_shell.training.memory's
+    estimate; not measured), so it can be much larger.
     "auto": chosen from free memory like logp_micro_batch (at most 64), or 4 x logp_micro_batch on a CPU (the
     trainer's rule before this key); printed, saved in config.yaml and kept on resume. Not in the reference."""
     logp_prompt_block: int = 4

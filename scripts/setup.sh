@@ -10,4 +10,6 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   .venv/bin/python -m pip install -q --upgrade pip
   .venv/bin/python -m pip install -q "torch==2.13.0"
 fi
-.venv/bin/python -m pip install -q -e ".[test]"
+# pip (26) passes on setuptools' "Editable installation" notice at every run: a general caution about
+# same-named folders in the working directory, nothing about this checkout.
+PYTHONWARNINGS="ignore:Editable installation" .venv/bin/python -m pip install -q -e ".[test]"

@@ -230,7 +230,8 @@ class TrainConfig:
     while the update still gets the GPU. 1 parks the weights in pinned CPU memory (a host copy each way per
     step); 2 discards them and pushes the actor's at every wake-up instead (one push, 0.06 s at 8B; needs
     vllm_sync_every=1). Either re-maps the KV cache per step (no prefix cache survives) and adds its wake-up
-    and sleep to time_rollout. An nla addition (TRL's vllm_enable_sleep_mode)."""
+    and sleep to time_rollout (the push made at a wake-up counts in time_sync). An nla addition (TRL's
+    vllm_enable_sleep_mode)."""
     vllm_canary: Literal["stop", "warn"] = "stop"
     """What a failed steering canary does (engine=vllm): each step compares the first-token log-probs of one
     prompt with and without its vector, and reading no difference (or no number) means the rollouts came from

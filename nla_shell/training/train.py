@@ -526,8 +526,12 @@ def run_ranked(cfg: TrainConfig, rank: RankInfo, device: torch.device, dtype: to
         # Under vllm_sleep the previous step's push is made at this wake-up: it is the sync phase's time.
         time_pushed = getattr(engine, "last_stats", {}).get("push_s", 0.0)
         time_rollout = time.perf_counter() - t0 - time_pushed
-        if hasattr(engine, "steering_canary") and (warning := canary_watch.check(step, canary)) is not None:
-            say(warning, error=True)
+        if hasattr(engine, "steering_canary"):
+            # Each rank steers with an engine of its own: the worst reading (a failed one as 0) decides for all,
+            # so that the ranks stop together.
+            (worst,) = distributed.all_reduce_max([-(canary if canary > 0 else 0.0)])
+            if (warning := canary_watch.check(step, -worst)) is not None:
+                say(warning, error=True)
 
         # --- score: extraction -> AR -> reward -> advantages (groups are whole: exact) -----
         # A co-trained critic takes its regression step here, on the same forward that scores

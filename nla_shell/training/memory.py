@@ -12,8 +12,9 @@ of a Qwen-style block with LoRA on q, k, v, o (norm inputs and outputs, the proj
 outputs, attention's q/k/v/output, the MLP's gate/up/activation/product): about 10 hidden,
 4 KV and 4 intermediate widths in the model's dtype, plus PEFT's float32 copies of the four
 LoRA inputs (bf16 with bf16_autocast). It ignores prompt sharing (a group's prompt counts once
-per sample) and takes half the free memory, so it errs large by design: a too-small
-micro-batch is slow, a too-large one is an out-of-memory error.
+per sample) and takes half the free memory, so it errs towards smaller micro-batches by design: a
+too-small micro-batch is slow, a too-large one is an out-of-memory error. Not yet checked against
+measured peaks on a GPU: the line `nla train` prints says what it chose, and the keys override it.
 """
 
 from __future__ import annotations

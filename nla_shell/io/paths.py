@@ -34,11 +34,13 @@ MODEL_FILES = ("config.json", "adapter_config.json", AR_META_FILE)
 _OFF = {"1", "true", "yes", "on"}
 
 
-def hub_unreachable() -> str | None:
+def _hub_unreachable() -> str | None:
     """Why the model hub cannot be asked (offline mode, or no answer to a TCP connect in 3 s), or None."""
     for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
         if os.environ.get(name, "").strip().lower() in _OFF:
             return f"offline ({name} is set)"
+    if any(os.environ.get(name) for name in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return None  # reached through a proxy, which a direct connect cannot try
     endpoint = urllib.parse.urlsplit(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
     port = endpoint.port or (443 if endpoint.scheme == "https" else 80)
     try:
@@ -51,7 +53,8 @@ def hub_unreachable() -> str | None:
 def _in_hub_cache(repo_id: str) -> bool:
     from huggingface_hub import try_to_load_from_cache
 
-    return any(isinstance(try_to_load_from_cache(repo_id, name), str) for name in MODEL_FILES[:2])
+    # A hub repo holds a model (config.json) or an adapter (adapter_config.json).
+    return any(isinstance(try_to_load_from_cache(repo_id, name), str) for name in ("config.json", "adapter_config.json"))
 
 
 def looks_like_hub_id(value: str) -> bool:
@@ -94,7 +97,7 @@ def require_model(key: str, value: str | None, *, hub_ok: bool = True, files: tu
     if value is None:
         return
     if hub_ok and looks_like_hub_id(value):
-        if _in_hub_cache(value) or (why := hub_unreachable()) is None:
+        if _in_hub_cache(value) or (why := _hub_unreachable()) is None:
             return
         raise ConfigError(f"config key '{key}' = {value!r}: no such directory, and the model hub is {why}, so it "
                           "cannot be fetched as a hub id either; give the path of a local model directory")

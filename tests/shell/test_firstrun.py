@@ -179,6 +179,8 @@ def test_a_path_shaped_like_a_hub_id_fails_at_once_when_the_hub_cannot_be_asked(
     assert time.perf_counter() - start < 5
     monkeypatch.delenv("HF_HUB_OFFLINE")
     monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # the discard port: nothing answers
+    for name in ("TRANSFORMERS_OFFLINE", "HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(name, raising=False)  # (a proxy would be trusted to reach the hub)
     _fails_in_one_line(capsys, argv, "no such directory", "model hub is unreachable (127.0.0.1:9 does not answer)")
     assert list(tmp_path.iterdir()) == []
 

@@ -260,7 +260,8 @@ class TrainConfig:
     """Allow deleting a save_dir that holds a different run (or any run, with resume=never)."""
     logger: tuple[Literal["console", "jsonl", "wandb", "tensorboard"], ...] = ("console",)
     """Metric sinks (comma-separated); save_dir/metrics.jsonl is written whatever this says. wandb runs offline
-    unless WANDB_API_KEY is set; tensorboard writes save_dir/tensorboard. The progress bar shows on a terminal whatever this says."""
+    unless WANDB_API_KEY is set; tensorboard writes save_dir/tensorboard. The progress bar shows on a terminal,
+    whatever this says."""
     wandb_project: str = "nla"
     """wandb project (reference: nla-qwen3-8b)."""
     wandb_name: str | None = None
@@ -287,9 +288,9 @@ RESUME_MUTABLE_KEYS: frozenset[str] = frozenset(
         # Where it runs and where it reports, not what it computes.
         "save_dir", "resume", "overwrite", "logger", "wandb_project", "wandb_name", "device",
         # Memory/speed knobs: mathematically neutral (not bit-exact: summation order moves).
-        "logp_micro_batch", "ref_micro_batch", "logp_prompt_block", "critic_micro_batch", "gradient_checkpointing",
-        "compile_blocks", "vllm_gpu_mem", "vllm_max_len", "vllm_tp", "vllm_sleep", "vllm_prefix_caching",
-        "vllm_max_seqs", "vllm_kv_cache_gib",
+        "logp_micro_batch", "logp_prompt_block", "critic_micro_batch", "gradient_checkpointing", "compile_blocks",
+        "vllm_gpu_mem", "vllm_max_len", "vllm_tp", "vllm_sleep", "vllm_prefix_caching", "vllm_max_seqs",
+        "vllm_kv_cache_gib", "ref_micro_batch",
         # A safety policy, not arithmetic.
         "vllm_canary",
     }

@@ -180,7 +180,8 @@ def build_parser(argv: Sequence[str] = ()) -> tuple[argparse.ArgumentParser, dic
     # No abbreviations: a truncated `--num-step 3` must be refused with "did you mean", not taken silently.
     parser = _Parser(prog="nla", description="Natural Language Autoencoders: train and use NLAs.", allow_abbrev=False)
     parser.add_argument("--version", action="version", version=f"nla {importlib.metadata.version('nla')}")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=functools.partial(_Parser, allow_abbrev=False))
+    sub = parser.add_subparsers(dest="command", required=True,
+                                parser_class=functools.partial(_Parser, allow_abbrev=False))
     commands: dict[str, Callable[[argparse.Namespace], None]] = {}
 
     for name, (handler, module, cls_name, help_text) in CONFIG_COMMANDS.items():

@@ -197,8 +197,9 @@ class CanaryWatch:
         if self.stop and len(self.failed_steps) >= self.patience:
             raise RunSpoiledError(
                 f"steering canary failed at steps {steps} (read {reading}): vLLM's rollouts are not steered, the "
-                "injected vector does not reach the model (is vllm==0.24.0 with nla's plugin installed?); the run "
-                "stopped before training on them (its newest checkpoint is intact); vllm_canary=warn goes on regardless"
+                "injected vector does not reach the model (is vllm==0.24.0 with nla's plugin installed?); stopped "
+                f"before step {step}'s update (a checkpoint after step {self.failed_steps[0]} holds updates from "
+                "unsteered rollouts); vllm_canary=warn goes on regardless"
             )
         return (f"[warn] step {step}: steering canary read {reading}: the engine's rollouts are unsteered "
                 f"({len(self.failed_steps)} step(s) in a row"

@@ -112,7 +112,7 @@ def main() -> None:
             with syn.trainer_options(ar.lm, bf16_autocast=False, compiled=(ar.lm,) if variant.compiled else ()):
                 call(variant, min(args.inputs, 2 * variant.micro_batch))()  # compilation, allocator growth
                 syn.free_memory(device)
-                seconds, (scores, loss, grad_norm), memory = syn.measured(call(variant, args.inputs), device)
+                seconds, (scores, loss, grad_norm, _), memory = syn.measured(call(variant, args.inputs), device)
                 profiled = {}
                 if args.profile_micro_batches:
                     n = min(args.inputs, args.profile_micro_batches * variant.micro_batch)

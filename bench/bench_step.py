@@ -340,7 +340,7 @@ def run_path(ctx: Context, path: str, rollouts, golds, args, *, critic_on: bool,
 
     critic_loss = critic_norm = math.nan
     if critic_on and not before:
-        scores, critic_loss, critic_norm = phase("score", lambda: score_and_train_critic(
+        scores, critic_loss, critic_norm, _ = phase("score", lambda: score_and_train_critic(
             ctx.critic, critic_optimizer, ctx.tokenizer, explanations, golds, **score_kwargs,
             micro_batch=critic_micro, max_grad_norm=d["max_grad_norm"]))
     else:

@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import functools
 import importlib
+import importlib.metadata
 import re
 import sys
 import types
@@ -13,6 +15,7 @@ import typing
 from typing import Any, Callable, Mapping, Sequence
 
 from nla_shell.io.config import ConfigError
+from nla_shell.io.progress import close_bars, quiet_libraries
 
 
 def _train(args: argparse.Namespace) -> None:
@@ -58,9 +61,12 @@ def _add_config_flags(parser: argparse.ArgumentParser, cls: type, *, config_file
 
 
 def _default_and_choices(f: dataclasses.Field, hint: Any) -> str:
-    """" [required]" or " [default: X]", plus " [choices: a, b]" for a Literal (or a tuple of one)."""
-    inner = typing.get_args(hint)[0] if typing.get_origin(hint) in (tuple, typing.Union, types.UnionType) else hint
-    choices = typing.get_args(inner) if typing.get_origin(inner) is typing.Literal else ()
+    """" [required]" or " [default: X]", plus " [choices: a, b]" for a Literal (or a tuple of one, or one or null);
+    a union with another type (int | Literal["auto"]) leaves its choices to the docstring."""
+    arms = typing.get_args(hint) if typing.get_origin(hint) in (tuple, typing.Union, types.UnionType) else (hint,)
+    arms = tuple(arm for arm in arms if arm not in (type(None), Ellipsis))
+    literal = all(typing.get_origin(arm) is typing.Literal for arm in arms)
+    choices = [c for arm in arms for c in typing.get_args(arm)] if literal else []
     if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
         text = " [required]"
     else:
@@ -183,10 +189,11 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> typing.NoReturn:
         unknown = re.match(r"unrecognized arguments: (.*)", message)
         if unknown:
-            known = [s for action in self._actions for s in action.option_strings]
+            # Suggest the dashed spelling the README uses (each --key_name has a --key-name twin).
+            known = [s for action in self._actions for s in action.option_strings if "_" not in s]
             for token in unknown.group(1).split():
                 if token.startswith("-"):
-                    close = difflib.get_close_matches(token.split("=")[0], known, n=1, cutoff=0.6)
+                    close = difflib.get_close_matches(token.split("=")[0].replace("_", "-"), known, n=1, cutoff=0.6)
                     hint = f"; did you mean {close[0]}?" if close else ""
                     message = f"unknown flag {token}{hint} ({self.prog} --help lists them)"
                     break
@@ -195,8 +202,11 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser(argv: Sequence[str] = ()) -> tuple[argparse.ArgumentParser, dict[str, Callable[[argparse.Namespace], None]]]:
     """The parser; the config flags of the command named by argv[0] (if any) are added too."""
-    parser = _Parser(prog="nla", description="Natural Language Autoencoders: train and use NLAs.")
-    sub = parser.add_subparsers(dest="command", required=True)
+    # No abbreviations: a truncated `--num-step 3` must be refused with "did you mean", not taken silently.
+    parser = _Parser(prog="nla", description="Natural Language Autoencoders: train and use NLAs.", allow_abbrev=False)
+    parser.add_argument("--version", action="version", version=f"nla {importlib.metadata.version('nla')}")
+    sub = parser.add_subparsers(dest="command", required=True,
+                                parser_class=functools.partial(_Parser, allow_abbrev=False))
     commands: dict[str, Callable[[argparse.Namespace], None]] = {}
 
     for name, (handler, module, cls_name, help_text) in CONFIG_COMMANDS.items():
@@ -239,18 +249,20 @@ def build_parser(argv: Sequence[str] = ()) -> tuple[argparse.ArgumentParser, dic
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser, commands = build_parser(argv)
+    if not argv:  # `nla` alone: what it can do, not "the following arguments are required"
+        parser.print_help()
+        return 0
     args, unknown = parser.parse_known_args(argv)
     if unknown:
         parser.subcommand_parsers[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
-    from nla_shell.training.stopped import RunStopped  # no torch: `nla plot` starts light
+    from nla_shell.training.stopped import RunSpoiledError, RunStopped  # no torch: `nla plot` starts light
 
     try:
         if args.command != "plot":
-            from nla_shell.io.progress import quiet_libraries
-
             quiet_libraries()
         commands[args.command](args)
     except RunStopped as stopped:
+        close_bars()  # every last line below is the command's last: no bar redrawn under it
         from nla_shell.training.distributed import rank_info
 
         # A signal stopped the run cleanly: say where to resume (rank 0 already did under torchrun).
@@ -258,11 +270,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"nla {args.command}: {stopped}", file=sys.stderr, flush=True)
         return stopped.exit_code
     except KeyboardInterrupt:
+        close_bars()
         print(f"nla {args.command}: interrupted", file=sys.stderr, flush=True)
         return 130
-    except (ConfigError, ValueError, OSError, ImportError) as err:
-        # Bad input or a failed write (disk full, permission denied): one clear line naming
-        # the path, not a stack trace from deep inside a library.
+    except (ConfigError, ValueError, OSError, ImportError, RunSpoiledError) as err:
+        # Bad input, a failed write (disk full, permission denied) or a run that would train on nonsense:
+        # one clear line naming the path or the cause, not a stack trace from deep inside a library.
+        close_bars()
         print(f"nla {args.command}: error: {err}", file=sys.stderr)
         return 2
     return 0

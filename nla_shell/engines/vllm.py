@@ -318,6 +318,28 @@ VLLM_CAPTURE_CAP = 512
 """vLLM's largest decode batch captured as a CUDA graph unless told otherwise."""
 
 
+def canary_reading(steered: Mapping[int, float], plain: Mapping[int, float]) -> float:
+    """A lower bound on max_t |steered - unsteered| log-prob of the first token, from two top-k lists.
+
+    A token in both lists counts its exact change. A token in one list only has at most the other
+    list's lowest log-prob there, so it counts by how far it lies above that floor: the bound stays
+    finite when the lists share no token (the old canary read inf, which passes any check yet cannot
+    tell strong steering from a broken model). NaN when either list holds a non-finite log-prob.
+    """
+    if not steered or not plain:
+        return math.nan
+    values = [*steered.values(), *plain.values()]
+    if not all(math.isfinite(v) for v in values):
+        return math.nan
+    floor_steered, floor_plain = min(steered.values()), min(plain.values())
+    return max(
+        abs(steered[t] - plain[t]) if t in steered and t in plain
+        else max(0.0, steered[t] - floor_plain) if t in steered
+        else max(0.0, plain[t] - floor_steered)
+        for t in steered.keys() | plain.keys()
+    )
+
+
 def llm_kwargs_for(
     model_dir: str | os.PathLike,
     *,
@@ -632,16 +654,11 @@ class VLLMRolloutEngine:
         return {int(token): float(lp.logprob) for token, lp in first.items()}
 
     def steering_canary(self, request: RolloutRequest, *, top_k: int = 20) -> float:
-        """Max |steered - unsteered| first-token log-prob over tokens in both top-k lists.
-
-        Zero means the vector did not reach the model: steering is broken.
-        """
+        """How far the vector moves the first token's log-probs (`canary_reading` of the steered and
+        unsteered top-k). Zero (or NaN) means the vector did not reach the model: steering is broken."""
         steered = self.first_token_logprobs(request, steered=True, top_k=top_k)
         plain = self.first_token_logprobs(request, steered=False, top_k=top_k)
-        shared = steered.keys() & plain.keys()
-        if not shared:
-            return math.inf
-        return max(abs(steered[t] - plain[t]) for t in shared)
+        return canary_reading(steered, plain)
 
     # ------------------------------------------------------------------ weights
 

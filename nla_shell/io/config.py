@@ -5,7 +5,7 @@ whose field annotations are the schema: `load_dataclass(cls, mapping, overrides)
 keys against the fields, coerces values to the annotated types and constructs `cls`,
 whose `__post_init__` calls `normalize_fields(self)` and then its own range checks.
 Supported annotations: `str`, `int`, `float`, `bool`, `Literal[...]` (the choices),
-`X | None`, and `tuple[X, ...]`.
+unions of them (`X | None`, `int | Literal["auto"]`), and `tuple[X, ...]`.
 
 Every problem is a `ConfigError` whose message names the key, the bad value and the fix.
 """
@@ -111,8 +111,19 @@ class TrainConfig:
     the AR's decoder blocks, and the actor's log-prob head's per-chunk arithmetic, fusing their element-wise
     kernels; the rest of the attention modules stays eager. Costs a compilation (tens of seconds) in the
     first step; same arithmetic up to float rounding."""
-    logp_micro_batch: int = 2
-    """Sequences per micro-batch in the training / reference forward."""
+    logp_micro_batch: int | Literal["auto"] = "auto"
+    """Sequences per micro-batch in the training forward (memory grows with it; same arithmetic up to summation
+    order). "auto" chooses it at start-up: on a GPU from the memory free once the models and the engine are
+    loaded (the largest power of two, at most 64, whose activations fit in half of it; nla_shell.training.memory),
+    on a CPU the reference's 2. The value is printed, saved in config.yaml, and kept by a resumed run. A
+    deviation from the reference's fixed 2, which leaves a small model on a large GPU waiting on the host."""
+    ref_micro_batch: int | Literal["auto"] = "auto"
+    """Sequences per micro-batch in the reference forward (adapter off, no grad; with kl_beta > 0 or kl_metric).
+    It keeps no autograd state: its memory is one block's activations of its sequences at a time plus every
+    block's K and V of their prompts (a few percent of a training micro-batch's, by nla_shell.training.memory's
+    estimate; not measured), so it can be much larger.
+    "auto": chosen from free memory like logp_micro_batch (at most 64), or 4 x logp_micro_batch on a CPU (the
+    trainer's rule before this key); printed, saved in config.yaml and kept on resume. Not in the reference."""
     logp_prompt_block: int = 4
     """Micro-batches whose groups' shared prompts run in one forward, and one backward after the
     block's last micro-batch (an nla addition, like the prompt sharing itself; 1: one prompt forward
@@ -249,7 +260,13 @@ class TrainConfig:
     while the update still gets the GPU. 1 parks the weights in pinned CPU memory (a host copy each way per
     step); 2 discards them and pushes the actor's at every wake-up instead (one push, 0.06 s at 8B; needs
     vllm_sync_every=1). Either re-maps the KV cache per step (no prefix cache survives) and adds its wake-up
-    and sleep to time_rollout. An nla addition (TRL's vllm_enable_sleep_mode)."""
+    and sleep to time_rollout (the push made at a wake-up counts in time_sync). An nla addition (TRL's
+    vllm_enable_sleep_mode)."""
+    vllm_canary: Literal["stop", "warn"] = "stop"
+    """What a failed steering canary does (engine=vllm): each step compares the first-token log-probs of one
+    prompt with and without its vector, and reading no difference (or no number) means the rollouts came from
+    an unsteered model. "stop" ends the run with an error after 3 failed steps in a row (one can be a fluke of
+    a vector that barely moves the first token), "warn" only warns. An nla addition."""
     vllm_sync_every: int = 1
     """Push the actor's merged weights to an engine with its own copy every N steps; 0 never pushes
     after the initial one. A deliberate deviation from the reference's 20: measured on an H200
@@ -273,7 +290,8 @@ class TrainConfig:
     """Allow deleting a save_dir that holds a different run (or any run, with resume=never)."""
     logger: tuple[Literal["console", "jsonl", "wandb", "tensorboard"], ...] = ("console",)
     """Metric sinks (comma-separated); save_dir/metrics.jsonl is written whatever this says. wandb runs offline
-    unless WANDB_API_KEY is set; tensorboard writes save_dir/tensorboard. The progress bar shows with console."""
+    unless WANDB_API_KEY is set; tensorboard writes save_dir/tensorboard. The progress bar shows on a terminal,
+    whatever this says."""
     wandb_project: str = "nla"
     """wandb project (reference: nla-qwen3-8b)."""
     wandb_name: str | None = None
@@ -302,7 +320,9 @@ RESUME_MUTABLE_KEYS: frozenset[str] = frozenset(
         # Memory/speed knobs: mathematically neutral (not bit-exact: summation order moves).
         "logp_micro_batch", "logp_prompt_block", "critic_micro_batch", "gradient_checkpointing", "compile_blocks",
         "vllm_gpu_mem", "vllm_max_len", "vllm_tp", "vllm_sleep", "vllm_prefix_caching", "vllm_max_seqs",
-        "vllm_kv_cache_gib",
+        "vllm_kv_cache_gib", "ref_micro_batch",
+        # A safety policy, not arithmetic.
+        "vllm_canary",
     }
 )
 """TrainConfig keys a resumed run may change. Every other key is part of the run's identity:
@@ -322,10 +342,13 @@ def _check_train_config(cfg: TrainConfig) -> None:
     )
     for key in (
         "num_steps", "batch_prompts", "max_new_tokens", "lora_r", "lora_alpha",
-        "logp_micro_batch", "logp_prompt_block", "critic_micro_batch", "max_explanation_tokens",
+        "logp_prompt_block", "critic_micro_batch", "max_explanation_tokens",
         "vllm_max_len", "vllm_tp", "vllm_max_seqs", "save_every",
     ):
         require(getattr(cfg, key) >= 1, key, getattr(cfg, key), "use an integer >= 1")
+    for key in ("logp_micro_batch", "ref_micro_batch"):
+        value = getattr(cfg, key)
+        require(value == "auto" or value >= 1, key, value, "use an integer >= 1, or auto")
     for key in ("max_rows", "eval_max_new_tokens", "keep_last"):
         value = getattr(cfg, key)
         require(value is None or value >= 1, key, value, "use an integer >= 1 or null")
@@ -436,8 +459,8 @@ def load_dataclass(
     ]
     if missing:
         raise ConfigError(
-            f"missing required config key(s) {', '.join(map(repr, missing))}; "
-            f"set them in the YAML or as key=value overrides"
+            f"missing required config key(s) {', '.join(map(repr, missing))}; give them as "
+            f"{' '.join('--' + k.replace('_', '-') + ' VALUE' for k in missing)}, as key=value overrides or in the YAML"
         )
     hints = _type_hints(cls)
     return cls(**{k: _coerce(k, hints[k], v, parse_strings=True) for k, v in raw.items()})
@@ -567,15 +590,20 @@ def _coerce(key: str, tp: Any, value: Any, *, parse_strings: bool) -> Any:
         )
 
     if origin in (typing.Union, types.UnionType):
+        arms = [a for a in args if a is not type(None)]
+        # A choice spelled like null ("none" of Literal["rl", "none"] | None) is that choice, not null.
+        if value in [choice for arm in arms if typing.get_origin(arm) is Literal for choice in typing.get_args(arm)]:
+            return value
         if value is None or (parse_strings and isinstance(value, str) and value.lower() in _NULL):
             if type(None) in args:
                 return None
             raise bad()
-        (inner,) = [a for a in args if a is not type(None)]
-        try:
-            return _coerce(key, inner, value, parse_strings=parse_strings)
-        except ConfigError:
-            raise bad() from None
+        for arm in arms:  # the first arm that takes the value
+            try:
+                return _coerce(key, arm, value, parse_strings=parse_strings)
+            except ConfigError:
+                continue
+        raise bad()
     if origin is Literal:
         if value not in args:
             raise bad()
@@ -629,8 +657,8 @@ def _coerce(key: str, tp: Any, value: Any, *, parse_strings: bool) -> Any:
 def _describe(tp: Any) -> str:
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin in (typing.Union, types.UnionType):
-        (inner,) = [a for a in args if a is not type(None)]
-        return f"{_describe(inner)}, or null"
+        arms = " or ".join(_describe(a) for a in args if a is not type(None))
+        return f"{arms}, or null" if type(None) in args else arms
     if origin is Literal:
         return "one of " + ", ".join(repr(a) for a in args)
     if origin is tuple:

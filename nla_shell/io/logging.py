@@ -23,8 +23,9 @@ METRIC_KEYS: tuple[str, ...] = (
     "step",
     "loss",
     "reward_mean", "reward_std", "reward_min", "reward_max",
-    "mse_mean",
+    "mse_mean", "mse_std", "mse_min", "mse_max",  # over the scored samples
     "fve",  # 1 - mse / the paper's "rawvar" predict-the-mean baseline
+    "fve_pct", "fve_baseline",  # the reference's: 100 * fve, and that baseline's mse
     "fve_meannorm",  # 1 - mse / the normalised-mean baseline (the reference's older curve)
     "advantage_mean", "advantage_std",
     "extraction_rate",
@@ -41,6 +42,8 @@ METRIC_KEYS: tuple[str, ...] = (
     "critic_grad_norm",
     "truncated_frac",  # rollouts cut by the max_new_tokens cap
     "length_penalty_mean",  # hinged length penalty subtracted from the reward (0 when off)
+    # Each phase measured on its own: score excludes the critic's backward and step; under vllm_sleep the
+    # push made at the rollouts' wake-up is the sync's, not the rollout's.
     "time_rollout", "time_score", "time_update", "time_critic", "time_sync", "time_step",
     "tokens_per_s",
     "peak_mem_gb",
@@ -54,6 +57,8 @@ LOGGER_NAMES: tuple[str, ...] = ("console", "jsonl", "wandb", "tensorboard")
 
 EVAL_KEYS: tuple[str, ...] = (
     "eval/reward_mean", "eval/mse_mean", "eval/fve", "eval/fve_meannorm", "eval/extraction_rate",
+    # The reference's names: the mean reward of the scored rows, mse_mean again, and 100 * fve.
+    "eval/reward_mean_valid", "eval/mse_mean_valid", "eval/fve_pct",
 )
 """Keys of the held-out eval, present only on eval steps; the console prints them as a second line."""
 
@@ -148,7 +153,8 @@ class ConsoleLogger:
         # A few rows are enough to watch explanations evolve; the JSONL sink keeps them all.
         for row in rows[: self._TABLE_ROWS_SHOWN]:
             cells = " | ".join(
-                f"{c}={str(v).replace(chr(10), ' ')[: self._CELL_CHARS]}" for c, v in zip(columns, row)
+                f"{c}={(format(v, '.4g') if isinstance(v, float) else str(v)).replace(chr(10), ' ')[: self._CELL_CHARS]}"
+                for c, v in zip(columns, row)
             )
             self._print(f"  [{name}] {cells}")
 

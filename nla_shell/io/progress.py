@@ -1,26 +1,40 @@
 """One progress display for every command: a tqdm bar with n/total, rate and ETA, on stderr.
 
-The bar shows only where someone watches: on a terminal, and when the command's output is
-meant for the console (not under file-only loggers, not in CI logs, where a redrawn bar is
-noise). Lines printed while a bar is up go through `say`, so they never run into the bar.
+The bar shows only where someone watches: on a terminal (not in CI logs, where a redrawn bar
+is noise), whichever loggers a run writes to; a command may turn it off. Lines printed while a
+bar is up go through `say`, so they never run into the bar.
 """
 
 from __future__ import annotations
 
 import sys
+import weakref
 from typing import Any
 
-__all__ = ["progress_bar", "quiet_libraries", "say_line"]
+__all__ = ["close_bars", "progress_bar", "quiet_libraries", "say_line"]
+
+_open_bars: weakref.WeakSet = weakref.WeakSet()
+"""Bars made by progress_bar and not yet closed (close_bars closes them)."""
 
 
 def progress_bar(*, total: int | None, desc: str, unit: str, initial: int = 0, enabled: bool = True) -> Any:
     """A tqdm bar over `total` units starting at `initial` (a resumed run); disabled off a terminal."""
     from tqdm.auto import tqdm
 
-    return tqdm(
+    bar = tqdm(
         total=total, initial=initial, desc=desc, unit=unit, dynamic_ncols=True,
         disable=not (enabled and sys.stderr.isatty()),
     )
+    _open_bars.add(bar)
+    return bar
+
+
+def close_bars() -> None:
+    """Close every bar still open, before a command's last line: a bar left open by an error or a second
+    Ctrl-C would otherwise be closed (and redrawn) by the garbage collector, under that line."""
+    for bar in list(_open_bars):
+        bar.close()
+    _open_bars.clear()
 
 
 def say_line(message: str, *, error: bool = False) -> None:

@@ -463,7 +463,7 @@ def datagen_sites(cfg: DatagenConfig, tokenizer: Any) -> Path:
     if Path(cfg.write_sites).exists() and not cfg.overwrite:
         raise ConfigError(
             f"config key 'write_sites' = {cfg.write_sites!r} already exists (labels added to it would be lost); "
-            "choose another file or set overwrite=true"
+            "choose another file or set overwrite=true (--overwrite)"
         )
     from transformers import AutoConfig
 
@@ -535,7 +535,7 @@ def _write_datasets(cfg: DatagenConfig) -> DatagenResult | Path:
     if existing and not cfg.overwrite:
         raise ConfigError(
             f"config key 'out_dir' = {str(out_dir)!r} already holds datasets ({', '.join(p.name for p in existing)}); "
-            "choose another out_dir or set overwrite=true"
+            "choose another out_dir or set overwrite=true (--overwrite)"
         )
     tmp_dir = out_dir / TMP_DIR_NAME
     if tmp_dir.exists():  # left by an interrupted run: start over

@@ -40,6 +40,7 @@ import torch
 
 from nla_shell.toy import corpus as toy_corpus
 from nla_shell.io.config import ConfigError, TrainConfig, normalize_fields
+from nla_shell.io.progress import progress_bar
 from nla_shell.toy.builders import DEFAULT_AV_TEMPLATE, build_tiny_qwen3, save_av_checkpoint, train_tokenizer
 
 RUN_MARKER = "demo_config.json"
@@ -190,6 +191,7 @@ def train_lm(model: torch.nn.Module, tokenizer, texts: list[str], *, steps: int,
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
     model.train()
     losses = []
+    bar = progress_bar(total=steps, desc="target LM", unit="step")  # the demo's longest stage
     for step in range(steps):
         for group in optimizer.param_groups:
             group["lr"] = lr * lr_factor(step, num_steps=steps, warmup_steps=min(20, steps), schedule="cosine")
@@ -201,6 +203,8 @@ def train_lm(model: torch.nn.Module, tokenizer, texts: list[str], *, steps: int,
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         losses.append(float(loss.detach()))
+        bar.update()
+    bar.close()
     model.eval()
     return losses
 
@@ -222,7 +226,8 @@ def claim_run_dir(run_dir: Path, *, overwrite: bool) -> None:
     if run_dir.exists():
         if not overwrite:
             raise ConfigError(
-                f"config key 'run_dir' = {str(run_dir)!r} already exists; choose another run_dir or set overwrite=true"
+                f"config key 'run_dir' = {str(run_dir)!r} already exists; choose another run_dir or set "
+                "overwrite=true (--overwrite)"
             )
         if any(run_dir.iterdir()) and not (run_dir / RUN_MARKER).is_file():
             raise ConfigError(

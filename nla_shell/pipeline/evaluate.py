@@ -29,7 +29,7 @@ import json
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Literal, Sequence
+from typing import Any, Literal, Mapping, Sequence
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -45,7 +45,8 @@ from nla_shell.io.paths import require_file, require_model
 from nla_shell.io.progress import progress_bar
 from nla_shell.io.sidecars import MODEL_SIDECAR, find_sidecar, injection_settings, load_sidecar
 from nla_shell.metrics import finite_mean, fve_metrics, token_lengths
-from nla_shell.models import ARModel, Injector, ar_predict, base_model_dir, load_actor
+from nla_shell.models import ARModel, Injector, ar_predict, base_model_dir, load_actor, pad_right
+from nla_shell.pipeline.datagen import capture_activations
 from nla_shell.pipeline.splice import splice_kl
 from nla_shell.training.scoring import Scores, score_explanations
 from nla_shell.training.checkpoint import file_sha256
@@ -56,7 +57,10 @@ OPTIONAL_COLUMNS = ("position", "context", "explanation")
 OUTPUT_FILES = ("eval_samples.jsonl", "eval_table.md", "eval_controls.md", "eval_summary.json")
 """What `nla eval` writes into out_dir (and, with overwrite, replaces)."""
 MIN_RESIDUAL_COSINE = 0.99
-"""Splice-KL refuses a model whose residuals at the splice sites differ more than this from the parquet's."""
+"""Splice-KL (and `nla explain`) refuse a model whose residuals at the data's sites differ more than this from
+the parquet's: a different LM of the same width would otherwise be explained and scored without a word."""
+RESIDUAL_CHECK_ROWS = 8
+"""Training rows `nla explain` re-reads with its --model to check it is the LM they came from."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -149,7 +153,7 @@ def evaluate(cfg: EvalConfig) -> EvalResult:
     out_dir = check_out_dir(cfg.out_dir, overwrite=cfg.overwrite)
     require_model("ar", cfg.ar, hub_ok=False)
     require_model("av", cfg.av)
-    require_model("tokenizer", cfg.tokenizer)
+    require_model("tokenizer", cfg.tokenizer, files=("tokenizer_config.json",))
     require_model("model", cfg.model)
     require_file("parquet", cfg.parquet)
     require_file("sidecar", cfg.sidecar)
@@ -212,12 +216,20 @@ def evaluate(cfg: EvalConfig) -> EvalResult:
     controls = controls_table(metrics)
     write_reports(out_dir, samples, metrics, controls, table_rows=cfg.table_rows,
                   provenance=provenance(cfg, sidecar_path, nla))
-    print(controls, flush=True)
+    # Named, so that several evals in one output (the demo's) say which table is whose.
+    print(f"[eval] AV {cfg.av or 'none: the AR on the gold explanations'}, AR {cfg.ar}:\n{controls}", flush=True)
     if "length/tokens_mean" in metrics:
-        print("[eval] explanation tokens: mean {:.1f}, p10 {:.0f}, p50 {:.0f}, p90 {:.0f}, max {:.0f}; ".format(
-            *(metrics[f"length/tokens_{q}"] for q in ("mean", "p10", "p50", "p90", "max")))
-            + ", ".join(f"FVE(k={k}) {metrics[f'length/fve_k{k}']:.4f}" for k in cfg.length_ks), flush=True)
+        print(length_line(metrics, cfg.length_ks), flush=True)
     return EvalResult(metrics, samples, out_dir)
+
+
+def length_line(metrics: Mapping[str, float], length_ks: Sequence[int]) -> str:
+    """`[eval] explanation tokens: mean …, p10 …, …; FVE(k=4) …, …` (the FVE(k) part only when ks were asked)."""
+    parts = ["explanation tokens: mean {:.1f}, p10 {:.0f}, p50 {:.0f}, p90 {:.0f}, max {:.0f}".format(
+        *(metrics[f"length/tokens_{q}"] for q in ("mean", "p10", "p50", "p90", "max")))]
+    if length_ks:
+        parts.append(", ".join(f"FVE(k={k}) {metrics[f'length/fve_k{k}']:.4f}" for k in length_ks))
+    return "[eval] " + "; ".join(parts)
 
 
 def score_av(
@@ -282,7 +294,7 @@ def check_out_dir(out_dir: str | Path, *, overwrite: bool) -> Path:
         raise ConfigError(f"config key 'out_dir' = {str(out_dir)!r} is a file; choose a directory")
     if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:
         raise ConfigError(f"config key 'out_dir' = {str(out_dir)!r} already exists and is not empty; choose another "
-                          "out_dir or pass --overwrite")
+                          "out_dir or set overwrite=true (--overwrite)")
     return out_dir
 
 
@@ -382,10 +394,7 @@ def splice_kl_metrics(
     pad_id = target_tokenizer.pad_token_id if target_tokenizer.pad_token_id is not None else 0  # masked: any id
     result = splice_kl(model, [contexts[i] for i in keep], {k: v.float() for k, v in replacements.items()},
                        layer=layer, pad_id=pad_id, micro_batch=cfg.micro_batch)
-    cosine = torch.nn.functional.cosine_similarity(result.resid.double(), gold, dim=-1)
-    if float(cosine.median()) < MIN_RESIDUAL_COSINE:
-        raise DataError(f"model: {cfg.model} does not reproduce the activations of {cfg.parquet} at layer {layer} "
-                        f"(median cosine {float(cosine.median()):.3f}); pass the model datagen read")
+    cosine = require_residuals_match(result.resid, gold, model=cfg.model, source=cfg.parquet, layer=layer)
     kls = {name: torch.where(failed[name], math.nan, kl) if name in failed else kl for name, kl in result.kl.items()}
     metrics = {"splice/n_rows": len(keep), "splice/resid_cosine_min": float(cosine.min()),
                **{f"splice/kl_{name}": finite_mean(kl) for name, kl in kls.items()}}
@@ -395,6 +404,41 @@ def splice_kl_metrics(
     for j, i in enumerate(keep):
         per_row[i] = {name: _finite_or_none(float(kl[j])) for name, kl in kls.items()}
     return metrics, per_row
+
+
+def require_residuals_match(resid: torch.Tensor, gold: torch.Tensor, *, model: str, source: str | Path,
+                            layer: int) -> torch.Tensor:
+    """The cosine of each residual the model computes at a site ([N, D]) with the data's activation there;
+    a DataError when their median is below MIN_RESIDUAL_COSINE: `model` is not the LM `source` was read from."""
+    cosine = torch.nn.functional.cosine_similarity(resid.double(), gold.double(), dim=-1)
+    if float(cosine.median()) < MIN_RESIDUAL_COSINE:
+        raise DataError(f"model: {model} does not reproduce the activations of {source} at layer {layer} "
+                        f"(median cosine {float(cosine.median()):.3f}); pass the model datagen read")
+    return cosine
+
+
+def check_model_reads_training_data(model: torch.nn.Module, tokenizer, sidecar: Mapping[str, Any],
+                                    nla: nla_core.NLAConfig, *, model_name: str, device: torch.device) -> str | None:
+    """A DataError (require_residuals_match) unless `model` reproduces the activations of the first parquet
+    the model `sidecar` lists under `trained_on` that is still there; returns that parquet, or None when no
+    listed parquet is left to check against."""
+    for parquet in sidecar.get("trained_on") or []:
+        if not Path(parquet).is_file():
+            continue
+        rows = list(stream_rows(parquet, nla, stop=RESIDUAL_CHECK_ROWS, extra_columns=["position", "context"],
+                                key="trained_on"))
+        contexts = [tokenizer.encode(r.extras["context"], add_special_tokens=False) for r in rows]
+        # As in splice-KL: only a context that re-encodes to its site is a like-for-like comparison.
+        keep = [i for i, ids in enumerate(contexts) if ids and rows[i].extras.get("position") in (None, len(ids) - 1)]
+        if not keep:
+            continue
+        ids, mask = pad_right([contexts[i] for i in keep], tokenizer.pad_token_id or 0, device)
+        resid = capture_activations(model, ids, mask, nla.extraction_layer_index)
+        sites = resid[torch.arange(len(keep), device=resid.device), mask.sum(1) - 1].cpu()
+        require_residuals_match(sites, torch.stack([rows[i].activation for i in keep]), model=model_name,
+                                source=parquet, layer=nla.extraction_layer_index)
+        return parquet
+    return None
 
 
 CONTROL_ROWS: tuple[tuple[str, str | None], ...] = (

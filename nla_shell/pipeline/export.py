@@ -76,7 +76,7 @@ def export(cfg: ExportConfig) -> dict[str, Path]:
     if existing and not cfg.overwrite:
         raise ConfigError(
             f"config key 'out_dir' = {str(out_dir)!r} already holds {', '.join(p.name for p in existing)}; "
-            "choose another out_dir or set overwrite=true"
+            "choose another out_dir or set overwrite=true (--overwrite)"
         )
     if cfg.ar is not None and nla.extraction_layer_index is None:
         raise DataError(f"sidecar {find_sidecar(source)}: names no extraction layer; pass sidecar= the AR's or the dataset's")

@@ -89,7 +89,7 @@ class SFTConfig:
     log_every: int = 10
     """Console line every N steps (metrics.jsonl gets every step)."""
     logger: tuple[Literal["console", "jsonl", "wandb", "tensorboard"], ...] = ("console",)
-    """Metric sinks (comma-separated); save_dir/metrics.jsonl is always written; the progress bar shows with console."""
+    """Metric sinks (comma-separated); save_dir/metrics.jsonl is always written; the progress bar shows on a terminal."""
     wandb_project: str = "nla"
     """wandb project when logger includes wandb."""
     resume: Literal["auto", "never"] = "auto"
@@ -241,7 +241,7 @@ def _run_sft(cfg: SFTConfig, stop: StopSignals) -> Path:
     save_dir = Path(cfg.save_dir)
     config_dict = config_to_dict(cfg)
     ckpt.claim_save_dir(save_dir, config_dict, overwrite=cfg.overwrite, resume=cfg.resume,
-                        mutable_keys=SFT_RESUME_MUTABLE_KEYS)
+                        mutable_keys=SFT_RESUME_MUTABLE_KEYS, num_steps=cfg.num_steps)
     ckpt.remove_stale_entries(save_dir)  # under the lock: no other run's save is in flight
     resume_from = ckpt.latest_verified_checkpoint(save_dir) if cfg.resume == "auto" else None
 
@@ -298,8 +298,7 @@ def _run_sft(cfg: SFTConfig, stop: StopSignals) -> Path:
 
     # --- steps -------------------------------------------------------------------------------
     final = resume_from
-    bar = progress_bar(total=cfg.num_steps, initial=start_step, desc=f"sft {cfg.mode}", unit="step",
-                       enabled="console" in cfg.logger)
+    bar = progress_bar(total=cfg.num_steps, initial=start_step, desc=f"sft {cfg.mode}", unit="step")
     for step in range(start_step, cfg.num_steps):
         # --- preemption: a signal ends the run here, between steps -----------------------------
         if stop.should_stop(step):

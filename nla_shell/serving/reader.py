@@ -25,7 +25,7 @@ from nla_shell.io.paths import require_file, require_model
 from nla_shell.io.sidecars import MODEL_SIDECAR, injection_settings, load_sidecar, read_sidecar
 from nla_shell.models import ARModel, Injector, ar_predict, base_model_dir, pad_right
 from nla_shell.pipeline.datagen import DatagenConfig, capture_activations
-from nla_shell.pipeline.evaluate import load_av, tokenizer_dir
+from nla_shell.pipeline.evaluate import check_model_reads_training_data, load_av, tokenizer_dir
 from nla_shell.training.scoring import ar_token_ids, score_explanations
 from nla_shell.training.train import resolve_device
 
@@ -248,6 +248,10 @@ def load_reader(settings: ReaderSettings, *, model: str | None, max_batch: int =
         if target.config.hidden_size != nla.d_model:
             raise ValueError(f"model {model} has hidden size {target.config.hidden_size}, the sidecar's d_model is "
                              f"{nla.d_model}")
+        if check_model_reads_training_data(target, target_tokenizer, read_sidecar(sidecar_path)[1], nla,
+                                           model_name=model, device=device_) is None:
+            print(f"[explain] note: no training parquet in the sidecar's trained_on is left to check that {model} is "
+                  "the LM this NLA was trained on", flush=True)
     actor = load_av(av, dtype=dtype_, device=device_)
     style, injection_norm = injection_settings(nla, av_dir=av)
     injector = Injector(actor, marker_id=nla.injection_token_id, left_id=nla.injection_left_neighbor_id,

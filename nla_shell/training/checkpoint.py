@@ -262,7 +262,7 @@ def latest_verified_checkpoint(
     if failures:
         raise CheckpointError(
             f"no checkpoint in {save_dir} passes verification: {'; '.join(failures)}; delete the damaged "
-            "step_* dirs to start over, or set overwrite=true"
+            "step_* dirs to start over, or set overwrite=true (--overwrite)"
         )
     return None
 
@@ -469,6 +469,15 @@ def restore_optimizer(optimizer: torch.optim.Optimizer, state: TrainingState, na
 # --------------------------------------------------------------------------- run identity
 
 
+def saved_config(checkpoint: str | os.PathLike[str]) -> dict[str, Any]:
+    """The config.yaml a checkpoint was saved with, as a mapping ({} when it has none that reads as one)."""
+    try:
+        config = yaml.safe_load((Path(checkpoint) / CONFIG_NAME).read_text())
+    except (OSError, yaml.YAMLError):
+        return {}
+    return config if isinstance(config, dict) else {}
+
+
 def claim_save_dir(
     save_dir: str | os.PathLike[str],
     config_dict: Mapping[str, Any],
@@ -477,6 +486,7 @@ def claim_save_dir(
     resume: str,
     mutable_keys: Collection[str] = RESUME_MUTABLE_KEYS,
     defaults: Mapping[str, Any] | None = None,
+    num_steps: int | None = None,
 ) -> None:
     """Make `save_dir` this run's directory and write `config_dict` to its config.yaml.
 
@@ -487,7 +497,9 @@ def claim_save_dir(
     A non-empty directory without config.yaml is refused even with `overwrite`: it was
     not made by nla, and overwrite must never delete someone's files. A key that the run's
     config.yaml lacks is no conflict where `config_dict` holds its value in `defaults`: that run
-    predates the key and ran as its default does.
+    predates the key and ran as its default does. A resumable run whose newest checkpoint is
+    past `num_steps` is refused too: it would resume at that step, run nothing, and report a
+    checkpoint at num_steps that does not exist.
     """
     if resume not in ("auto", "never"):
         raise ValueError(f"resume must be 'auto' or 'never', got {resume!r}")
@@ -508,7 +520,7 @@ def claim_save_dir(
             if not overwrite:
                 raise ConfigError(
                     f"config key 'save_dir' = {str(save_dir)!r} {conflict}; choose another "
-                    f"save_dir, or set overwrite=true to delete its contents and start over"
+                    f"save_dir, or set overwrite=true (--overwrite) to delete its contents and start over"
                 )
             for child in save_dir.iterdir():
                 if child.name == LOCK_NAME:
@@ -517,6 +529,14 @@ def claim_save_dir(
                     shutil.rmtree(child)
                 else:
                     child.unlink()
+        elif resume == "auto" and num_steps is not None and (newest := latest_checkpoint(save_dir)) is not None:
+            done = int(_STEP_DIR.fullmatch(newest.name).group(1))
+            if done > num_steps:
+                raise ConfigError(
+                    f"config key 'num_steps' = {num_steps} is invalid: save_dir {str(save_dir)!r} already holds "
+                    f"{newest.name} ({done} steps done); give num_steps >= {done} to continue this run, or another "
+                    f"save_dir to start over"
+                )
     save_dir.mkdir(parents=True, exist_ok=True)
     write_text_atomically(config_path, yaml.safe_dump(dict(config_dict), sort_keys=False))
 

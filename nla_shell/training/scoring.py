@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 
@@ -180,6 +181,48 @@ def _clip_and_step(
     return loss, grad_norm
 
 
+class DeviceTimer:
+    """Seconds of the spans timed with `with timer:`. On a GPU by CUDA events, read once in `seconds()`: the
+    host does not wait on the device at each span (a wall clock there would time kernel launches only)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._host_seconds = 0.0
+
+    def __enter__(self) -> DeviceTimer:
+        if self.cuda:
+            self._start = torch.cuda.Event(enable_timing=True)
+            self._start.record()
+        else:
+            self._t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self._events.append((self._start, end))
+        else:
+            self._host_seconds += time.perf_counter() - self._t0
+
+    def seconds(self) -> float:
+        if self._events:
+            self._events[-1][1].synchronize()
+        return self._host_seconds + sum(start.elapsed_time(end) for start, end in self._events) / 1000.0
+
+
+class CriticScores(NamedTuple):
+    """What `score_and_train_critic` returns."""
+
+    scores: Scores
+    loss: float
+    """The critic's loss (NaN when it did not step), as `critic_step` returns it."""
+    grad_norm: float
+    seconds: float
+    """Seconds of the critic's own work: its backward passes and its optimizer step (the forward also scores)."""
+
+
 def score_and_train_critic(
     ar: ARModel,
     optimizer: torch.optim.Optimizer,
@@ -193,7 +236,7 @@ def score_and_train_critic(
     max_tokens: int,
     micro_batch: int,
     max_grad_norm: float,
-) -> tuple[Scores, float, float]:
+) -> CriticScores:
     """`score_explanations` then `critic_step` on the valid pairs, with ONE AR forward per pair.
 
     The reward needs the pre-update prediction, and so does the critic's loss
@@ -204,12 +247,12 @@ def score_and_train_critic(
     of the whole micro-batch: the accumulated gradient is then dropped and `critic_step`
     runs on the valid pairs alone, which is today's arithmetic.
 
-    Returns (scores, critic loss, critic grad norm); the last two as `critic_step` returns them.
     Under torchrun every rank calls this (see `critic_step`).
     """
     inputs = [ar_token_ids(e, template, tokenizer, max_tokens=max_tokens) for e in explanations]
     keep = sorted((i for i, ids in enumerate(inputs) if ids is not None), key=lambda i: len(inputs[i]), reverse=True)
     device = ar.value_head.weight.device
+    timer = DeviceTimer(device)
     optimizer.zero_grad(set_to_none=True)
     mse_kept = torch.zeros(len(keep), device=device)
     for start in range(0, len(keep), micro_batch):
@@ -217,26 +260,28 @@ def score_and_train_critic(
         ids, mask = pad_right([inputs[i] for i in rows], tokenizer.pad_token_id, device)
         gold = golds[rows].to(device, torch.float32, non_blocking=True)
         mse = nla_core.reconstruction_mse(ar(ids, mask), gold, scale=mse_scale)
-        mse.sum().backward()
+        with timer:
+            mse.sum().backward()
         mse_kept[start : start + len(rows)] = mse.detach()
     mse_all = torch.full((len(inputs),), math.nan)
     mse_all[keep] = mse_kept.cpu()
     scores = _scores(inputs, mse_all, reward_kind)
     pairs = [i for i, ids in enumerate(scores.ar_inputs) if ids is not None]
     (unscored,) = distributed.all_reduce_sum([len(keep) - len(pairs)])
-    if unscored:
-        loss, grad_norm = critic_step(
-            ar, optimizer, [scores.ar_inputs[i] for i in pairs], golds[pairs], pad_id=tokenizer.pad_token_id,
-            micro_batch=micro_batch, max_grad_norm=max_grad_norm,
-        )
-        return scores, loss, grad_norm
-    (n_global,) = distributed.all_reduce_sum([len(pairs)])
-    if n_global == 0:
-        return scores, math.nan, math.nan
-    params = trainable_parameters(ar)
-    distributed.all_reduce_grads(params)
-    for p in params:
-        if p.grad is not None:
-            p.grad.div_(n_global)
-    (total,) = distributed.all_reduce_sum([float(mse_kept.sum()) / n_global])
-    return scores, *_clip_and_step(params, optimizer, total, max_grad_norm)
+    with timer:
+        if unscored:
+            loss, grad_norm = critic_step(
+                ar, optimizer, [scores.ar_inputs[i] for i in pairs], golds[pairs], pad_id=tokenizer.pad_token_id,
+                micro_batch=micro_batch, max_grad_norm=max_grad_norm,
+            )
+        elif (n_global := distributed.all_reduce_sum([len(pairs)])[0]) == 0:
+            loss, grad_norm = math.nan, math.nan
+        else:
+            params = trainable_parameters(ar)
+            distributed.all_reduce_grads(params)
+            for p in params:
+                if p.grad is not None:
+                    p.grad.div_(n_global)
+            (total,) = distributed.all_reduce_sum([float(mse_kept.sum()) / n_global])
+            loss, grad_norm = _clip_and_step(params, optimizer, total, max_grad_norm)
+    return CriticScores(scores, loss, grad_norm, timer.seconds())

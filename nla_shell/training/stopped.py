@@ -1,5 +1,5 @@
-"""The exception a signal-stopped run ends with, apart from the signal handling (nla_shell.training.preemption)
-so that the CLI can catch it without importing torch for commands that never train."""
+"""The exceptions a stopped run ends with, apart from the code that raises them (nla_shell.training.preemption,
+the steering canary) so that the CLI can catch them without importing torch for commands that never train."""
 
 from __future__ import annotations
 
@@ -25,3 +25,8 @@ class RunStopped(Exception):
     @property
     def exit_code(self) -> int:
         return 128 + self.signum
+
+
+class RunSpoiledError(RuntimeError):
+    """Going on would spoil the run silently (e.g. rollouts no longer steered); the CLI prints the message as
+    one line and exits 2."""

@@ -30,7 +30,9 @@ import nla_core
 from nla_shell import families
 from nla_shell.training import checkpoint as ckpt
 from nla_shell.training import distributed
-from nla_shell.io.config import RESUME_MUTABLE_KEYS, ConfigError, TrainConfig, config_defaults, config_to_dict
+from nla_shell.io.config import (
+    RESUME_MUTABLE_KEYS, ConfigError, TrainConfig, config_defaults, config_to_dict, save_config,
+)
 from nla_shell.io.data import (
     DataError, RLRow, build_prompt_ids, check_tokenizer, load_eval_rows, load_rows, parquet_num_rows, row_windows,
 )
@@ -39,6 +41,7 @@ from nla_shell.engines.base import RolloutEngine, RolloutRequest, held_awake, sa
 from nla_shell.training.distributed import RankInfo
 from nla_shell.training.preemption import StopSignals, boundary_save_due
 from nla_shell.training.runlock import RunDirLock
+from nla_shell.training.stopped import RunSpoiledError
 from nla_shell.io.files import write_text_atomically
 from nla_shell.io.logging import NullLogger, make_logger, read_metrics
 from nla_shell.io.paths import require_file, require_model
@@ -50,7 +53,10 @@ from nla_shell.models import (
 )
 from nla_shell.quant import require_quant
 from nla_shell.training import sampling
-from nla_shell.training.scoring import critic_step, score_and_train_critic, score_explanations, shape_rewards
+from nla_shell.training.memory import resolve_micro_batches
+from nla_shell.training.scoring import (
+    DeviceTimer, critic_step, score_and_train_critic, score_explanations, shape_rewards,
+)
 from nla_shell.training.update import LossOptions, policy_update
 
 
@@ -176,6 +182,39 @@ class DataOrder:
         return {"epoch": self.epoch, "offset": self.offset}
 
 
+CANARY_PATIENCE = 3
+"""Failed canaries in a row that stop a run under vllm_canary=stop."""
+
+
+class CanaryWatch:
+    """The per-step verdict on the steering canary: a failed reading (0: the vector changed nothing; NaN: no
+    reading) warns, and CANARY_PATIENCE of them in a row stop the run when `stop`."""
+
+    def __init__(self, *, stop: bool, patience: int = CANARY_PATIENCE) -> None:
+        self.stop, self.patience = stop, patience
+        self.failed_steps: list[int] = []
+        """Steps of the current run of failed readings."""
+
+    def check(self, step: int, reading: float) -> str | None:
+        """A warning line when `reading` failed (None when it passed); raises RunSpoiledError at the
+        patience-th failure in a row, when stopping."""
+        if reading > 0:  # False for 0 and for NaN
+            self.failed_steps = []
+            return None
+        self.failed_steps.append(step)
+        steps = ", ".join(map(str, self.failed_steps))
+        if self.stop and len(self.failed_steps) >= self.patience:
+            raise RunSpoiledError(
+                f"steering canary failed at steps {steps} (read {reading}): vLLM's rollouts are not steered, the "
+                "injected vector does not reach the model (is vllm==0.24.0 with nla's plugin installed?); stopped "
+                f"before step {step}'s update (a checkpoint after step {self.failed_steps[0]} holds updates from "
+                "unsteered rollouts); vllm_canary=warn goes on regardless"
+            )
+        return (f"[warn] step {step}: steering canary read {reading}: the engine's rollouts are unsteered "
+                f"({len(self.failed_steps)} step(s) in a row"
+                + (f"; the run stops at {self.patience})" if self.stop else "; vllm_canary=warn keeps going)"))
+
+
 def _stats(values: list[float]) -> dict[str, float]:
     if not values:
         return {"mean": math.nan, "std": math.nan, "min": math.nan, "max": math.nan}
@@ -299,7 +338,7 @@ def run_ranked(cfg: TrainConfig, rank: RankInfo, device: torch.device, dtype: to
 
     def claim() -> Path | None:
         ckpt.claim_save_dir(save_dir, config_dict, overwrite=cfg.overwrite, resume=cfg.resume, mutable_keys=mutable_keys,
-                            defaults=config_defaults(TrainConfig))
+                            defaults=config_defaults(TrainConfig), num_steps=cfg.num_steps)
         ckpt.remove_stale_entries(save_dir)  # under the lock: no other run's save is in flight
         if cfg.resume != "auto":
             return None
@@ -381,6 +420,19 @@ def run_ranked(cfg: TrainConfig, rank: RankInfo, device: torch.device, dtype: to
     elif rank.world_size > 1:
         # Ranks must not sample alike (a one-process run keeps the stream seeded above).
         seed_everything(distributed.rank_seed(cfg.seed, rank.rank))
+    # --- micro-batches: "auto" sized by the memory the models and the engine left free ---------
+    free_bytes = None
+    if device.type == "cuda":  # the tightest rank's, so that every rank runs (and records) the same
+        free_bytes = -int(distributed.all_reduce_max([-torch.cuda.mem_get_info(device)[0]])[0])
+    cfg, chosen = resolve_micro_batches(
+        cfg, inner_lm(actor).config, free_bytes=free_bytes, tokens=max(map(len, prompt_ids)) + cfg.max_new_tokens,
+        dtype_bytes=torch.finfo(dtype).bits // 8, resumed=ckpt.saved_config(resume_from) if resume_from else None,
+    )
+    if chosen is not None:
+        say(chosen)
+        config_dict = config_to_dict(cfg)
+        if rank.is_main:
+            save_config(cfg, save_dir / ckpt.CONFIG_NAME)
     logger = (
         make_logger(
             cfg.logger, save_dir=save_dir, config_dict=config_dict, project=cfg.wandb_project,
@@ -447,8 +499,9 @@ def run_ranked(cfg: TrainConfig, rank: RankInfo, device: torch.device, dtype: to
         max_tokens=cfg.max_explanation_tokens, micro_batch=cfg.critic_micro_batch,
     )
     last_record: dict[str, Any] = {}
+    canary_watch = CanaryWatch(stop=cfg.vllm_canary == "stop")
     bar = progress_bar(total=cfg.num_steps, initial=start_step, desc="train", unit="step",
-                       enabled=rank.is_main and "console" in cfg.logger)
+                       enabled=rank.is_main)
 
     def held_out(step: int, step_logger) -> dict[str, float]:
         """The held-out eval at `step` (rank 0 only)."""
@@ -490,9 +543,15 @@ def run_ranked(cfg: TrainConfig, rank: RankInfo, device: torch.device, dtype: to
             # a canary of 0 means rollouts came from an unsteered model the trainer never sees.
             canary = engine.steering_canary(requests[0]) if hasattr(engine, "steering_canary") else math.nan
         golds = torch.stack([requests[r.prompt_index].activation for r in rollouts])
-        time_rollout = time.perf_counter() - t0
-        if canary == 0.0:
-            say(f"[warn] step {step}: steering canary is 0: the engine's rollouts are unsteered", error=True)
+        # Under vllm_sleep the previous step's push is made at this wake-up: it is the sync phase's time.
+        time_pushed = getattr(engine, "last_stats", {}).get("push_s", 0.0)
+        time_rollout = time.perf_counter() - t0 - time_pushed
+        if hasattr(engine, "steering_canary"):
+            # Each rank steers with an engine of its own: the worst reading (a failed one as 0) decides for all,
+            # so that the ranks stop together.
+            (worst,) = distributed.all_reduce_max([-(canary if canary > 0 else 0.0)])
+            if (warning := canary_watch.check(step, -worst)) is not None:
+                say(warning, error=True)
 
         # --- score: extraction -> AR -> reward -> advantages (groups are whole: exact) -----
         # A co-trained critic takes its regression step here, on the same forward that scores
@@ -501,8 +560,9 @@ def run_ranked(cfg: TrainConfig, rank: RankInfo, device: torch.device, dtype: to
         t0 = time.perf_counter()
         explanations = [nla_core.extract_explanation(r.text) for r in rollouts]
         critic_loss = critic_grad_norm = math.nan
+        time_critic = 0.0
         if critic_optimizer is not None and not critic_steps_after_scoring:
-            scores, critic_loss, critic_grad_norm = score_and_train_critic(
+            scores, critic_loss, critic_grad_norm, time_critic = score_and_train_critic(
                 critic, critic_optimizer, tokenizer, explanations, golds, **score_kwargs,
                 max_grad_norm=cfg.max_grad_norm,
             )
@@ -543,16 +603,20 @@ def run_ranked(cfg: TrainConfig, rank: RankInfo, device: torch.device, dtype: to
         advantages = sampling.step_advantages(shaped.reward, group_ids, scale=cfg.advantage_scale)
         if critic_optimizer is not None and critic_steps_after_scoring:
             pairs = sampling.critic_pairs(scores, group_ids, rollouts=cfg.critic_rollouts)
-            critic_loss, critic_grad_norm = critic_step(
-                critic, critic_optimizer, [scores.ar_inputs[i] for i in pairs], golds[pairs],
-                pad_id=tokenizer.pad_token_id, micro_batch=cfg.critic_micro_batch, max_grad_norm=cfg.max_grad_norm,
-            )
+            timer = DeviceTimer(device)
+            with timer:
+                critic_loss, critic_grad_norm = critic_step(
+                    critic, critic_optimizer, [scores.ar_inputs[i] for i in pairs], golds[pairs],
+                    pad_id=tokenizer.pad_token_id, micro_batch=cfg.critic_micro_batch, max_grad_norm=cfg.max_grad_norm,
+                )
+            time_critic = timer.seconds()
             if critic_ema is not None and math.isfinite(critic_loss):
                 critic_ema.update()
         varied = nla_core.group_has_variance(shaped.reward, group_ids).tolist() if rollouts else []
         varied_groups = int(distributed.all_reduce_sum([len({g for g, v in zip(group_ids.tolist(), varied) if v})])[0])
         time_rollout += time_extra_rollouts
-        time_score = time.perf_counter() - t0 - time_extra_rollouts
+        # The critic's own backward and step are its phase; extra draws are rollout time.
+        time_score = time.perf_counter() - t0 - time_extra_rollouts - time_critic
 
         # --- policy update (global denominator, gradients summed over ranks) ----------------
         t0 = time.perf_counter()
@@ -561,7 +625,7 @@ def run_ranked(cfg: TrainConfig, rank: RankInfo, device: torch.device, dtype: to
             actor, injector, optimizer, rollouts, advantages, golds,
             loss=loss_options, micro_batch=cfg.logp_micro_batch, max_grad_norm=cfg.max_grad_norm,
             pad_id=tokenizer.pad_token_id, mismatch_threshold=cfg.mismatch_threshold,
-            prompt_block=cfg.logp_prompt_block,
+            prompt_block=cfg.logp_prompt_block, reference_micro_batch=cfg.ref_micro_batch,
         )
         if not update.stepped:  # the grad norm is global: every rank skips together
             skipped_steps += 1
@@ -570,9 +634,9 @@ def run_ranked(cfg: TrainConfig, rank: RankInfo, device: torch.device, dtype: to
         time_update = time.perf_counter() - t0
 
         # --- weight push to engines with their own copy -------------------------------------
-        time_sync = 0.0
+        time_sync = time_pushed
         if not engine.shares_actor_weights and cfg.vllm_sync_every > 0 and (step + 1) % cfg.vllm_sync_every == 0:
-            time_sync = engine.sync_weights(actor)
+            time_sync += engine.sync_weights(actor)  # 0 while vLLM sleeps: the push waits for its wake-up
             eval_engine.synced()
         else:
             eval_engine.stepped()
@@ -590,23 +654,25 @@ def run_ranked(cfg: TrainConfig, rank: RankInfo, device: torch.device, dtype: to
             "truncated": shaped.truncated,
             "length_penalty": shaped.length_penalty,
         })
-        valid_mse = samples["mse"][samples["valid"]].tolist()
+        mse_stats = _stats(samples["mse"][samples["valid"]].tolist())
         reward_stats = _stats(samples["reward"][samples["valid"]].tolist())
-        mse_mean = float(np.mean(valid_mse)) if valid_mse else math.nan
+        fve = nla_core.fve(mse_stats["mean"], rawvar)
         advantages_all, n_generated = samples["advantage"], int(samples["length"].sum())
         # The slowest rank sets the pace: times (and peak memory) are maxima over ranks.
         time_step = time.perf_counter() - t_step
-        time_rollout, time_score, time_update, time_sync, time_step, peak_mem = (
+        time_rollout, time_score, time_update, time_critic, time_sync, time_step, peak_mem = (
             distributed.all_reduce_max(
-                [time_rollout, time_score, time_update, time_sync, time_step, peak_memory_gb(device)]
+                [time_rollout, time_score, time_update, time_critic, time_sync, time_step, peak_memory_gb(device)]
             )
         )
         record: dict[str, Any] = {
             "loss": update.loss,
             **{f"reward_{k}": v for k, v in reward_stats.items()},
-            "mse_mean": mse_mean,
-            "fve": nla_core.fve(mse_mean, rawvar),
-            "fve_meannorm": nla_core.fve(mse_mean, meannorm),
+            **{f"mse_{k}": v for k, v in mse_stats.items()},
+            "fve": fve,
+            "fve_pct": 100.0 * fve,  # the reference's keys, for dashboards built on it
+            "fve_baseline": rawvar,
+            "fve_meannorm": nla_core.fve(mse_stats["mean"], meannorm),
             "advantage_mean": float(advantages_all.mean()),
             "advantage_std": float(advantages_all.std()) if advantages_all.numel() > 1 else 0.0,
             "extraction_rate": float(samples["valid"].float().mean()),
@@ -630,7 +696,7 @@ def run_ranked(cfg: TrainConfig, rank: RankInfo, device: torch.device, dtype: to
             "time_rollout": time_rollout,
             "time_score": time_score,
             "time_update": time_update,
-            "time_critic": 0.0,  # the critic steps inside the score phase
+            "time_critic": time_critic,
             "time_sync": time_sync,
             "time_step": time_step,
             "tokens_per_s": n_generated / max(time_rollout, 1e-9),
@@ -664,7 +730,7 @@ def run_ranked(cfg: TrainConfig, rank: RankInfo, device: torch.device, dtype: to
         distributed.barrier()
     finish(max(start_step, cfg.num_steps), final_eval)
     if rank.is_main:
-        say(f"[nla train] done: {cfg.num_steps} steps; checkpoint {ckpt.checkpoint_dir(save_dir, cfg.num_steps)} "
+        say(f"[nla train] done: {cfg.num_steps} step{'s' if cfg.num_steps != 1 else ''}; checkpoint {ckpt.checkpoint_dir(save_dir, cfg.num_steps)} "
             f"(adapter/ is the AV{', critic/ the AR' if cfg.train_critic else ''}); metrics {save_dir / 'metrics.jsonl'}, "
             f"summary {save_dir / 'summary.json'}; curves: nla plot {save_dir}")
     return save_dir
@@ -761,9 +827,14 @@ def evaluate_rows(
             for i in range(len(rows))
         ],
     )
+    metrics = fve_metrics(scores.mse, scores.reward, scores.valid, rawvar=rawvar, meannorm=meannorm, prefix="eval/")
     return {
-        **fve_metrics(scores.mse, scores.reward, scores.valid, rawvar=rawvar, meannorm=meannorm, prefix="eval/"),
+        **metrics,
         "eval/explanation_tokens_mean": float(np.mean(lengths)) if lengths else math.nan,
+        # The reference's keys, for dashboards built on it.
+        "eval/reward_mean_valid": float(scores.reward[scores.valid].mean()) if bool(scores.valid.any()) else math.nan,
+        "eval/mse_mean_valid": metrics["eval/mse_mean"],
+        "eval/fve_pct": 100.0 * metrics["eval/fve"],
     }
 
 

@@ -27,7 +27,7 @@ REFERENCE_DEFAULTS = {
     "num_steps": 100, "batch_prompts": 8, "group_size": 4, "max_new_tokens": 160,
     "temperature": 1.0, "lr": 5e-6, "max_grad_norm": 1.0, "lora_r": 128, "lora_alpha": 16,
     "use_rslora": True, "train_critic": False, "critic_lr": 1e-5,
-    "gradient_checkpointing": False, "critic_micro_batch": 4, "logp_micro_batch": 2,
+    "gradient_checkpointing": False, "critic_micro_batch": 4,
     "vllm_gpu_mem": 0.35, "vllm_max_len": 1024, "vllm_tp": 1,
     "tis_cap": 2.0, "save_every": 50, "resume_from_lora": None, "start_step": 0,
     "eval_every": 10, "eval_n_prompts": 20, "max_rows": None,
@@ -39,7 +39,7 @@ def make(*overrides: str) -> TrainConfig:
     return load_config(None, [*REQUIRED, *overrides])
 
 
-DELIBERATE_DEVIATIONS = {"vllm_sync_every": (20, 1)}
+DELIBERATE_DEVIATIONS = {"vllm_sync_every": (20, 1), "logp_micro_batch": (2, "auto")}
 """Reference default -> nla default, each documented in the field's docstring with its reason."""
 
 
@@ -166,8 +166,9 @@ def test_eval_rows_must_not_overlap_the_training_window():
 
 
 def test_missing_required_keys_are_named():
-    with pytest.raises(ConfigError, match="'ar_ckpt'.*'save_dir'"):
+    with pytest.raises(ConfigError, match="'ar_ckpt'.*'save_dir'") as error:
         load_config(None, ["av_ckpt=av", "rl_parquet=rl.parquet"])
+    assert "--ar-ckpt VALUE --save-dir VALUE" in str(error.value)  # the README's flag form, too
 
 
 def test_malformed_override_and_non_mapping_yaml(tmp_path):

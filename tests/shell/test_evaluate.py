@@ -122,11 +122,24 @@ def test_the_shuffled_control_collapses_and_the_length_curve_ends_at_the_fve(tmp
                     "AR on the gold explanation (ceiling)", "dataset mean (floor)"]
 
 
-def test_eval_of_an_av_writes_samples_table_and_summary(tmp_path, toy_sft, toy_datasets):
+def test_the_length_line_ends_without_a_dangling_separator():
+    from nla_shell.pipeline.evaluate import length_line
+
+    metrics = {"length/tokens_mean": 7.25, "length/tokens_p10": 3, "length/tokens_p50": 7, "length/tokens_p90": 11,
+               "length/tokens_max": 12, "length/fve_k4": 0.25}
+    assert length_line(metrics, ()) == "[eval] explanation tokens: mean 7.2, p10 3, p50 7, p90 11, max 12"
+    assert length_line(metrics, (4,)).endswith("max 12; FVE(k=4) 0.2500")
+
+
+def test_eval_of_an_av_writes_samples_table_and_summary(tmp_path, toy_sft, toy_datasets, capsys):
     av, ar = toy_sft
     argv = ["eval", "--av", str(av), "--ar", str(ar), "--parquet", str(toy_datasets / "eval.parquet"),
-            "--n-rows", "5", "--max-new-tokens", "8", "--table-rows", "3", "device=cpu"]
+            "--n-rows", "5", "--max-new-tokens", "8", "--table-rows", "3", "device=cpu", "length_ks="]
     assert cli.main([*argv, "--out-dir", str(tmp_path / "a")]) == 0
+    out = capsys.readouterr().out.splitlines()
+    # The controls table says whose it is (the demo prints three in a row); no line ends in a dangling "; ".
+    assert f"[eval] AV {av}, AR {ar}:" in out and out[out.index(f"[eval] AV {av}, AR {ar}:") + 1].startswith("Held-out")
+    assert not [line for line in out if line.rstrip().endswith(";")]
     summary = json.loads((tmp_path / "a" / "eval_summary.json").read_text())
     assert {"av/fve", "av/fve_meannorm", "av/reward_mean", "av/extraction_rate", "gold/fve"} <= set(summary)
     assert 0.0 <= summary["av/extraction_rate"] <= 1.0
@@ -153,6 +166,26 @@ def test_explain_greedy_is_seed_free_and_short_contexts_are_flagged(toy_sft, tin
     assert [r["short_context"] for r in greedy[0]] == [p < 4 for p in range(len(greedy[0]))]
     out = capsys.readouterr().out
     assert out.count("note: only") == 2 * 4 and "datagen sampled positions with >= 4, so" in out
+
+
+def test_explain_refuses_another_lm_of_the_same_width(toy_sft, tiny_av_dir, tiny_tokenizer, tmp_path, capsys):
+    """As `nla eval --model` does: another LM of the AV's width would be explained without a word (MSE ~2)."""
+    import fixtures
+    from nla_shell.toy import builders as toy
+
+    av, ar = toy_sft
+    other = tmp_path / "other_lm"
+    toy.save_av_checkpoint(toy.build_tiny_qwen3(tiny_tokenizer, hidden_size=fixtures.D_MODEL,
+                                                num_layers=fixtures.NUM_LAYERS, seed=1), tiny_tokenizer, other)
+    capsys.readouterr()
+    argv = ["explain", "--av", str(av), "--ar", str(ar), "--text", "the red cat sees a dog .", "--max-new-tokens", "4",
+            "device=cpu"]
+    assert cli.main([*argv, "--model", str(other)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith(f"nla explain: error: model: {other} does not reproduce"), err
+    assert "pass the model datagen read" in err
+    assert cli.main([*argv, "--model", str(tiny_av_dir)]) == 0  # the LM the data came from passes
+    assert "note: no training parquet" not in capsys.readouterr().out
 
 
 def test_explain_reads_positions_of_a_text(toy_sft, tiny_av_dir, capsys):

@@ -84,6 +84,50 @@ def test_a_flag_typo_gets_did_you_mean(capsys):
     _fails_in_one_line(capsys, ["sft", "--mdoe", "av"], "did you mean --mode?")
 
 
+def test_a_truncated_flag_is_refused_not_taken_for_the_whole_one(capsys):
+    """argparse would read --num-step as --num-steps (and --max as ambiguous, listing every option twice)."""
+    _fails_in_one_line(capsys, ["train", "--num-step", "3"], "unknown flag --num-step;", "did you mean --num-steps?")
+    err = _fails_in_one_line(capsys, ["train", "--max", "3"], "unknown flag --max;")
+    assert "ambiguous" not in err and err.count("--max") == 2, err  # the flag and one suggestion
+    # The suggestion is the dashed form the README uses, even for an underscore typo.
+    _fails_in_one_line(capsys, ["datagen", "--outdir", "x"], "did you mean --out-dir?")
+    _fails_in_one_line(capsys, ["datagen", "--out_dri", "x"], "did you mean --out-dir?")
+
+
+def test_nla_alone_lists_the_commands_and_version_prints_it(capsys):
+    assert cli.main([]) == 0
+    out = capsys.readouterr().out
+    assert all(name in out for name in ("train", "datagen", "sft", "eval", "explain", "demo", "plot")), out
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["--version"])
+    assert exit_.value.code == 0 and capsys.readouterr().out.strip() == "nla 0.1.0"
+
+
+def test_explainer_none_is_a_choice_not_null(tmp_path):
+    """datagen's own error recommends explainer=none: every spelling of it must reach the config as "none"."""
+    from nla_shell.io.config import load_config
+    from nla_shell.pipeline.datagen import DatagenConfig
+
+    base = ["model=m", "corpus=c.jsonl", "layer=1", "out_dir=o", "av_sft_fraction=0", "ar_sft_fraction=0",
+            "eval_fraction=0"]
+    assert load_config(None, [*base, "explainer=none"], cls=DatagenConfig).explainer == "none"
+    argv = ["datagen", "--explainer", "none", *base]
+    parser, _ = cli.build_parser(argv)
+    assert cli._load_config(DatagenConfig, parser.parse_args(argv)).explainer == "none"
+    (tmp_path / "d.yaml").write_text("explainer: none\n")
+    assert load_config(tmp_path / "d.yaml", base, cls=DatagenConfig).explainer == "none"
+    assert load_config(None, [*base, "explainer=null", "write_sites=s.jsonl"], cls=DatagenConfig).explainer is None
+
+
+def test_datagen_with_explainer_none_writes_the_rl_split(tiny_av_dir, tmp_path):
+    corpus = fixtures.write_toy_corpus(tmp_path / "c.jsonl", n_docs=4)
+    out = tmp_path / "data"
+    assert cli.main(["datagen", "--model", str(tiny_av_dir), "--corpus", str(corpus), "--layer", "1", "--out-dir",
+                     str(out), "--explainer", "none", "--av-sft-fraction", "0", "--ar-sft-fraction", "0",
+                     "--eval-fraction", "0", "device=cpu", "--no-progress"]) == 0
+    assert sorted(p.name for p in out.iterdir() if p.suffix == ".parquet") == ["rl.parquet"]
+
+
 # --------------------------------------------------------------------------- local paths
 
 
@@ -91,6 +135,8 @@ def test_a_mistyped_local_checkpoint_fails_at_once_naming_the_closest(tmp_path, 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "av" / "step_000010").mkdir(parents=True)
     (tmp_path / "ar").mkdir()
+    for model_dir in ("av/step_000010", "ar"):
+        (tmp_path / model_dir / "config.json").write_text("{}")
     (tmp_path / "rl.parquet").write_bytes(b"")
     start = time.perf_counter()
     _fails_in_one_line(
@@ -118,6 +164,37 @@ def test_a_run_dir_passed_as_a_checkpoint_names_its_newest_checkpoint(toy_sft, t
         "is an nla run directory, not a checkpoint", str(av),
     )
     assert not (tmp_path / "run").exists()
+
+
+def test_a_path_shaped_like_a_hub_id_fails_at_once_when_the_hub_cannot_be_asked(tmp_path, capsys, monkeypatch):
+    """`--model models/qwen3-tiny` with no models/ dir: offline (or with no hub answering) it is a typo, said in
+    one line at once, not ten "Retrying in Ns" lines."""
+    monkeypatch.chdir(tmp_path)
+    argv = ["datagen", "--model", "models/qwen3-tiny", "--corpus", "c.jsonl", "--layer", "1", "--out-dir", "data",
+            "--explainer", "rule"]
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    start = time.perf_counter()
+    _fails_in_one_line(capsys, argv, "'model' = 'models/qwen3-tiny': no such directory",
+                       "model hub is offline (HF_HUB_OFFLINE is set)")
+    assert time.perf_counter() - start < 5
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # the discard port: nothing answers
+    for name in ("TRANSFORMERS_OFFLINE", "HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(name, raising=False)  # (a proxy would be trusted to reach the hub)
+    _fails_in_one_line(capsys, argv, "no such directory", "model hub is unreachable (127.0.0.1:9 does not answer)")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_directory_without_a_model_says_so(tmp_path, capsys):
+    """Not "You need to have sentencepiece or tiktoken installed" or "Should have a `model_type` key"."""
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "README.txt").write_text("not a model")
+    _fails_in_one_line(
+        capsys, ["datagen", "--model", str(tmp_path / "notes"), "--corpus", "c.jsonl", "--layer", "1", "--out-dir",
+                 str(tmp_path / "data"), "--explainer", "rule"],
+        f"'model' = '{tmp_path / 'notes'}' is not a model directory (no config.json",
+    )
+    assert not (tmp_path / "data").exists()
 
 
 def test_hub_ids_are_not_mistaken_for_local_paths(tmp_path, monkeypatch):
@@ -210,6 +287,20 @@ def test_train_on_datagen_output_with_eval_parquet(toy_sft, toy_datasets, tmp_pa
     assert f"done: 2 steps; checkpoint {save_dir / summary['checkpoint']}" in out and f"nla plot {save_dir}" in out
 
 
+def test_rerunning_a_finished_run_with_fewer_steps_is_refused(nla_run_inputs, tmp_path, capsys):
+    """It would say "[resume] from step_000002", run nothing, name a step_000001 that does not exist and rewrite
+    config.yaml to num_steps 1: refused instead, with nothing written."""
+    save_dir = tmp_path / "run"
+    assert cli.main(fixtures.train_argv(nla_run_inputs, save_dir, num_steps=2, eval_every=0)) == 0
+    assert "done: 2 steps;" in capsys.readouterr().out
+    before = {p: p.read_bytes() for p in save_dir.rglob("*") if p.is_file() and p.suffix != ".lock"}
+    _fails_in_one_line(capsys, fixtures.train_argv(nla_run_inputs, save_dir, num_steps=1, eval_every=0),
+                       "'num_steps' = 1 is invalid", "already holds step_000002 (2 steps done)", "num_steps >= 2")
+    assert {p: p.read_bytes() for p in save_dir.rglob("*") if p.is_file() and p.suffix != ".lock"} == before
+    assert cli.main(fixtures.train_argv(nla_run_inputs, save_dir, num_steps=3, eval_every=0, save_every=1)) == 0
+    assert "done: 3 steps;" in capsys.readouterr().out
+
+
 # --------------------------------------------------------------------------- progress, .gitignore, the eval table
 
 
@@ -230,6 +321,44 @@ def test_progress_shows_step_total_rate_and_eta_only_on_a_terminal(monkeypatch):
     shown = terminal.getvalue().split("\r")[-1]
     assert "train" in shown and "5/10" in shown and "step/s" in shown and "<" in shown, shown  # "<" precedes the ETA
     bar.close()
+
+
+def test_train_under_a_file_only_logger_still_shows_its_bar_on_a_terminal(nla_run_inputs, tmp_path, monkeypatch):
+    terminal = _Terminal()
+    monkeypatch.setattr("sys.stderr", terminal)
+    assert cli.main(fixtures.train_argv(nla_run_inputs, tmp_path / "run", num_steps=1, eval_every=0,
+                                        logger="jsonl")) == 0
+    assert "train: 100%" in terminal.getvalue() and "1/1" in terminal.getvalue()
+
+
+def test_the_demo_lm_stage_shows_a_bar_on_a_terminal(tiny_tokenizer, monkeypatch):
+    from nla_shell.pipeline.demo import train_lm
+    from nla_shell.toy.builders import build_tiny_qwen3
+
+    terminal = _Terminal()
+    monkeypatch.setattr("sys.stderr", terminal)
+    model = build_tiny_qwen3(tiny_tokenizer, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8,
+                             intermediate_size=32, seed=0)
+    train_lm(model, tiny_tokenizer, ["a cat sat", "a dog ran"], steps=3, batch=2, lr=1e-3, seed=0)
+    assert "target LM" in terminal.getvalue() and "3/3" in terminal.getvalue()
+
+
+def test_a_bar_left_open_by_an_error_is_closed_before_the_last_line(monkeypatch):
+    """Else the garbage collector closes it after the CLI's message, redrawing the bar under that line."""
+    from nla_shell.pipeline import plot
+
+    terminal = _Terminal()
+    monkeypatch.setattr("sys.stderr", terminal)
+
+    def failing(run_dir, out):
+        bar = progress_bar(total=4, desc="work", unit="step")
+        bar.update(2)
+        raise ValueError("boom")
+
+    monkeypatch.setattr(plot, "plot_run", failing)
+    assert cli.main(["plot", "somewhere"]) == 2
+    shown = terminal.getvalue()
+    assert shown.endswith("nla plot: error: boom\n") and "work:  50%" in shown, shown
 
 
 def test_demo_run_dir_is_ignored_by_git():

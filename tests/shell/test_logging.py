@@ -110,6 +110,11 @@ def test_console_tolerates_missing_keys_and_nan(capsys):
     assert out[3:] == [f"  [eval/samples] idx={i} | explanation=x y" for i in range(3)]
 
 
+def test_console_tables_show_floats_to_four_figures(capsys):
+    ConsoleLogger().log_table("eval_samples", ["idx", "reward", "mse"], [[0, -1.2345678901, 0.000123456789]])
+    assert capsys.readouterr().out.strip() == "[eval_samples] idx=0 | reward=-1.235 | mse=0.0001235"
+
+
 def test_missing_wandb_degrades_with_one_warning_line(tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)  # makes `import wandb` raise ImportError
     logger = make_logger(

@@ -179,8 +179,8 @@ def test_one_ar_pass_scores_and_steps_like_scoring_then_critic_step(tiny_ar, bro
     kept = [i for i, ids in enumerate(scores.ar_inputs) if ids is not None]
     loss, norm = critic_step(today, adam(today), [scores.ar_inputs[i] for i in kept], golds[kept],
                              pad_id=tokenizer.pad_token_id, micro_batch=2, max_grad_norm=1.0)
-    new_scores, new_loss, new_norm = score_and_train_critic(fused, adam(fused), tokenizer, explanations, golds,
-                                                            **kwargs, micro_batch=2, max_grad_norm=1.0)
+    new_scores, new_loss, new_norm, _ = score_and_train_critic(fused, adam(fused), tokenizer, explanations, golds,
+                                                               **kwargs, micro_batch=2, max_grad_norm=1.0)
     assert scores.valid.tolist() == new_scores.valid.tolist() == [True, False, not broken_gold, False, True, True]
     assert scores.ar_inputs == new_scores.ar_inputs
     torch.testing.assert_close(new_scores.reward, scores.reward, rtol=1e-5, atol=1e-6)

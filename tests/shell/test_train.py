@@ -59,6 +59,83 @@ def test_interrupted_then_resumed_run_logs_the_same_metrics(nla_run_inputs, tmp_
     final = json.loads((whole / "summary.json").read_text())["final_eval"]
     assert final["step"] == 3 and {"eval/fve", "eval/extraction_rate"} <= set(final)
     assert any(not math.isnan(line["critic_loss"] or math.nan) for line in a)
+    # Every phase under its own key, measured: the critic's backward and step are not the score phase's.
+    rawvar = json.loads((whole / "summary.json").read_text())["baselines"]["rawvar"]
+    for line in fixtures.read_metrics(whole):
+        assert line["time_critic"] > 0 and line["time_score"] > 0
+        phases = sum(line[k] for k in ("time_rollout", "time_score", "time_critic", "time_update", "time_sync"))
+        assert phases <= line["time_step"] * 1.001
+        # The reference's keys (its dashboards): spread of the scored samples' mse, FVE in percent, its baseline.
+        if line["mse_mean"] is not None:
+            assert line["mse_min"] <= line["mse_mean"] <= line["mse_max"] and line["mse_std"] >= 0
+            assert line["fve_pct"] == pytest.approx(100 * line["fve"]) and line["fve_baseline"] == rawvar
+        if "eval/fve" in line and line["eval/fve"] is not None:
+            assert line["eval/fve_pct"] == pytest.approx(100 * line["eval/fve"])
+            assert line["eval/mse_mean_valid"] == line["eval/mse_mean"]
+            assert line["eval/reward_mean_valid"] >= line["eval/reward_mean"]  # failures score -2, the floor
+
+
+def test_auto_micro_batches_are_printed_saved_and_kept_on_resume(nla_run_inputs, tmp_path, capsys, monkeypatch):
+    """logp_micro_batch / ref_micro_batch unset (auto): on a CPU the reference's 2 and 4 x 2, printed and written
+    to config.yaml; a run resumed with them unset keeps the numbers its checkpoint recorded, so it logs exactly
+    what the uninterrupted run logged."""
+    import yaml
+
+    from nla_shell.training import train as train_module
+
+    used = []
+    update = train_module.policy_update
+    monkeypatch.setattr(train_module, "policy_update", lambda *a, **k: (
+        used.append((k["micro_batch"], k["reference_micro_batch"])), update(*a, **k))[1])
+    fresh = tmp_path / "fresh"
+    assert cli.main(fixtures.train_argv(nla_run_inputs, fresh, num_steps=1, logp_micro_batch="auto", eval_every=0)) == 0
+    out = capsys.readouterr().out
+    assert "[memory] logp_micro_batch=auto -> 2, ref_micro_batch=auto -> 8 (the reference's, on a CPU)" in out
+    assert "done: 1 step;" in out
+    saved = yaml.safe_load((fresh / "config.yaml").read_text())
+    assert (saved["logp_micro_batch"], saved["ref_micro_batch"], used) == (2, 8, [(2, 8)])
+
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    explicit = dict(num_steps=3, logp_micro_batch=4, ref_micro_batch=3, eval_every=0, save_every=1)
+    assert cli.main(fixtures.train_argv(nla_run_inputs, whole, **explicit)) == 0
+    assert cli.main(fixtures.train_argv(nla_run_inputs, split, **{**explicit, "num_steps": 2})) == 0
+    capsys.readouterr()
+    assert cli.main(fixtures.train_argv(nla_run_inputs, split, num_steps=3, logp_micro_batch="auto", eval_every=0,
+                                        save_every=1)) == 0
+    assert "logp_micro_batch=auto -> 4, ref_micro_batch=auto -> 3 (recorded by the run resumed)" in capsys.readouterr().out
+    assert used[1:] == [(4, 3)] * 6
+    strip = lambda lines: [{k: v for k, v in line.items() if k not in TIMING_KEYS} for line in lines]  # noqa: E731
+    assert strip(fixtures.read_metrics(whole)) == strip(fixtures.read_metrics(split))
+    saved = yaml.safe_load((split / "config.yaml").read_text())
+    assert (saved["logp_micro_batch"], saved["ref_micro_batch"]) == (4, 3)
+
+
+def test_auto_fits_the_largest_power_of_two_in_half_the_free_memory():
+    from types import SimpleNamespace
+
+    from nla_shell.io.config import TrainConfig
+    from nla_shell.training.memory import resolve_micro_batches, sequence_bytes
+
+    cfg = TrainConfig(av_ckpt="a", ar_ckpt="b", rl_parquet="r.parquet", save_dir="s")
+    qwen3_8b = SimpleNamespace(hidden_size=4096, num_hidden_layers=36, intermediate_size=12288,
+                               num_attention_heads=32, num_key_value_heads=8, head_dim=128)
+    smol_135m = SimpleNamespace(hidden_size=576, num_hidden_layers=30, intermediate_size=1536,
+                                num_attention_heads=9, num_key_value_heads=3, head_dim=64)
+    gib = 2**30
+
+    def chosen(model, free, **keys):
+        resolved, _ = resolve_micro_batches(
+            TrainConfig(**{**vars(cfg), **keys}) if keys else cfg, model, free_bytes=free, tokens=256, dtype_bytes=2)
+        return resolved.logp_micro_batch, resolved.ref_micro_batch
+
+    assert chosen(smol_135m, 100 * gib) == (64, 64)  # the issue's 135M model on an H200: the cap
+    train, ref = chosen(qwen3_8b, 60 * gib)
+    per_sequence = sequence_bytes(qwen3_8b, 256, grad=True, dtype_bytes=2, lora_bytes=4)
+    assert train * per_sequence <= 30 * gib < 2 * train * per_sequence and train & (train - 1) == 0
+    assert ref > train  # no autograd state to keep
+    assert chosen(qwen3_8b, gib)[0] == 1 and chosen(qwen3_8b, 2**20) == (1, 1)  # never 0
+    assert chosen(qwen3_8b, 60 * gib, gradient_checkpointing=True)[0] > train
+    assert chosen(qwen3_8b, 60 * gib, logp_micro_batch=5) == (5, ref)  # a number is kept
 
 
 def _tiny_batch(nla_run_inputs, *, n_prompts: int, group_size: int, seed: int = 0):

@@ -7,6 +7,7 @@ nothing may run or be written while the memory it needs is unmapped."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -50,7 +51,10 @@ class FakeModel:
 
 
 class FakeLLM:
-    """vllm.LLM with sleep mode: logs every call; refuses work on unmapped memory."""
+    """vllm.LLM with sleep mode: logs every call; refuses work on unmapped memory. Its top-k probes (the
+    steering canary's) read the vector: a steered probe's log-prob differs unless `steers` is False."""
+
+    steers = True
 
     def __init__(self, log: list, names: list[str], d_model: int, **kwargs) -> None:
         self.log, self.kwargs = log, kwargs
@@ -102,7 +106,8 @@ class FakeLLM:
         self.generated_with = {k: v.clone() for k, v in self.model.weights.items()}
         outputs = []
         for prompt, p in zip(prompts, params):
-            completions = [SimpleNamespace(index=i, token_ids=[11, 12], logprobs=[{11: SimpleNamespace(logprob=-1.0)},
+            first = -1.5 if self.steers and p.logprobs and p.extra_args else -1.0
+            completions = [SimpleNamespace(index=i, token_ids=[11, 12], logprobs=[{11: SimpleNamespace(logprob=first)},
                                                                                   {12: SimpleNamespace(logprob=-2.0)}])
                            for i in range(p.n)]
             outputs.append(SimpleNamespace(prompt_token_ids=prompt["prompt_token_ids"], outputs=completions))
@@ -306,6 +311,54 @@ def test_train_wakes_once_per_rollout_and_eval_and_pushes_only_while_awake(nla_r
         assert block[2 : 2 + buckets] == ["push"] * buckets
         assert block[2 + buckets] == ("wake_up", ("kv_cache",))
     assert blocks[0].count(("wake_up", ("weights",))) == 0  # awake since start-up
+    # The push made at each wake-up is the sync phase's (it was counted in the rollout's, time_sync read 0).
+    metrics = fixtures.read_metrics(tmp_path / "run")
+    assert all(line["time_sync"] > 0 for line in metrics[1:]), metrics
+    assert all(line["steering_canary"] == 0.5 for line in metrics)
+
+
+def test_a_steering_canary_failing_three_steps_in_a_row_stops_the_run(nla_run_inputs, tmp_path, monkeypatch, capsys):
+    """An engine whose vector reaches nothing (the canary reads 0): two warnings, then at the third step one
+    error line and exit 2, before that step's update (and no checkpoint); vllm_canary=warn trains on."""
+    install_fake_vllm(monkeypatch, [], None, fixtures.D_MODEL)
+    monkeypatch.setattr(FakeLLM, "steers", False)
+    save_dir = tmp_path / "run"
+    argv = fixtures.train_argv(nla_run_inputs, save_dir, engine="vllm", num_steps=5, eval_every=0, save_every=10)
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert [line.split(":")[0] for line in err[:2]] == ["[warn] step 0", "[warn] step 1"] and len(err) == 3, err
+    assert err[-1].startswith("nla train: error: steering canary failed at steps 0, 1, 2 (read 0.0)"), err
+    assert "vllm_canary=warn" in err[-1]
+    assert [line["step"] for line in fixtures.read_metrics(save_dir)] == [0, 1]  # step 2 never trained
+    assert not list(save_dir.glob("step_*"))
+    assert cli.main([*argv, "vllm_canary=warn", "num_steps=3"]) == 0  # the stopped run's save_dir takes it
+    assert [line["steering_canary"] for line in fixtures.read_metrics(save_dir)] == [0.0, 0.0, 0.0]
+
+
+def test_the_canary_watch_stops_only_on_failures_in_a_row():
+    from nla_shell.training.stopped import RunSpoiledError
+    from nla_shell.training.train import CanaryWatch
+
+    watch = CanaryWatch(stop=True)
+    assert watch.check(0, 0.0) is not None and watch.check(1, float("nan")) is not None
+    assert watch.check(2, 0.3) is None  # a steered step resets the count
+    assert watch.check(3, 0.0) and watch.check(4, 0.0)
+    with pytest.raises(RunSpoiledError, match="steps 3, 4, 5"):
+        watch.check(5, 0.0)
+    warn = CanaryWatch(stop=False)
+    assert all("keeps going" in warn.check(step, 0.0) for step in range(10))
+
+
+def test_the_canary_reading_is_finite_and_zero_only_when_nothing_moved():
+    from nla_shell.engines.vllm import canary_reading
+
+    plain = {1: -0.5, 2: -1.5, 3: -3.0}
+    assert canary_reading(plain, dict(plain)) == 0.0
+    assert canary_reading({1: -0.7, 2: -1.5, 3: -3.0}, plain) == pytest.approx(0.2)
+    # No shared token (the old canary read inf): the steered top token lies 2.5 above the plain list's floor.
+    assert canary_reading({7: -0.5, 8: -2.0}, plain) == pytest.approx(2.5)
+    assert math.isnan(canary_reading({1: float("nan"), 2: -1.0}, plain))
+    assert math.isnan(canary_reading({}, plain))
 
 
 @pytest.mark.parametrize("flag", ["true", "false"])

@@ -90,8 +90,10 @@ def play_passages(path: Path, *, max_chars: int = 1200) -> Iterator[Passage]:
         body = []
 
     for kind, text in _blocks(path.read_text(encoding="utf-8")):
-        if kind == "title":
+        if kind == "title" and title == path.stem:  # a later level-1 heading (INTERMISSION, EPILOGUE) is no title
             title = text
+        elif kind == "title":
+            yield from flush()
         elif kind in ("act", "scene"):
             yield from flush()
             number = re.match(r"(?:ACT|SCENE)\s+([IVXL]+)", text, re.IGNORECASE)

@@ -156,7 +156,7 @@ TINY: Mapping[str, Any] = {
 
 REAL: Mapping[str, Any] = {
     "device": "auto", "dtype": "auto", "threads": 4, "nla_docs": 100_000, "positions_per_doc": 8,
-    "eval_fraction": 0.1, "ar_steps": 600, "ar_batch": 64, "ar_lr": 1e-4, "av_steps": 800, "av_batch": 32,
+    "eval_fraction": 0.1, "ar_steps": 300, "ar_batch": 64, "ar_lr": 1e-4, "av_steps": 400, "av_batch": 32,
     "av_lr": 5e-4, "lora_r": 16, "rl_steps": 200, "rl_batch_prompts": 16, "rl_group_size": 8, "rl_lr": 3e-5,
     "kl_beta": 0.02, "max_new_tokens": 48, "rl_micro_batch": 128, "eval_rows": 512, "length_ks": (4, 8, 16),
 }

@@ -59,7 +59,9 @@ def test_the_readme_pipeline_commands_parse():
         return [shlex.split(line.split("  #")[0])[1:] for line in block.splitlines() if line.startswith("nla ")]
 
     pipeline, upstream_data = commands_of("## The pipeline"), commands_of("## Bring your EasyNLA / kitft data")
-    assert [c[0] for c in pipeline] == ["datagen", "datagen", "sft", "sft", "train", "eval", "plot", "explain", "export"]
+    assert [c[0] for c in pipeline] == [
+        "convert", "datagen", "datagen", "sft", "sft", "train", "eval", "plot", "explain", "export"
+    ]
     assert [c[0] for c in upstream_data] == ["train", "sft", "explain", "export"]
     for argv in pipeline + upstream_data:
         parser, _ = cli.build_parser(argv)

@@ -261,45 +261,83 @@ def engine_stats(runs: Sequence[ParityRun], engine: str) -> EngineStats:
     return EngineStats(n=len(fves), mean=statistics.fmean(fves), sd=statistics.stdev(fves) if len(fves) > 1 else math.nan)
 
 
-FVE_MARGIN = 0.005
-"""FVE gap (0.5 pp) below which engines count as learning alike, however many seeds resolve it."""
+FVE_MARGIN = 0.01
+"""The loss of held-out FVE (one point) that the parity rule must catch."""
+
+_T95 = (6.314, 2.920, 2.353, 2.132, 2.015, 1.943, 1.895, 1.860, 1.833, 1.812, 1.796, 1.782, 1.771, 1.761, 1.753,
+        1.746, 1.740, 1.734, 1.729, 1.725, 1.721, 1.717, 1.714, 1.711, 1.708, 1.706, 1.703, 1.701, 1.699, 1.697)
+"""One-sided 95 % quantiles of Student's t for 1..30 degrees of freedom (1.645, the normal's, beyond)."""
 
 
-def allowed_shortfall(engine: EngineStats, baseline: EngineStats, *, margin: float = FVE_MARGIN) -> float:
-    """How far an engine's mean FVE may fall below the baseline's: max(2 se, margin).
+def t95(df: int) -> float:
+    return _T95[df - 1] if df <= len(_T95) else 1.645
 
-    se = sqrt(sd_e^2 / n_e + sd_b^2 / n_b) is the standard error of the difference of the two
-    means (Welch), from the seed spreads measured in the same run. A shortfall beyond 2 se is
-    unlikely to be seed noise (one-sided about 2 % under a normal model; with 3 seeds per engine
-    the t distribution makes it about 6 %, so a failure there is a reason to add seeds, not yet
-    a verdict). The margin is the floor: with many seeds 2 se shrinks below any difference that
-    matters, and the old rule (mean >= the baseline's lowest seed) got stricter with every seed.
+
+@dataclass(frozen=True)
+class PairedShortfall:
+    """An engine's held-out FVE against the baseline's, paired by seed: d_s = FVE_engine(s) - FVE_base(s).
+
+    Legs of one seed share the SFT start and the data order, so d_s carries neither the SFT's nor
+    the data's seed noise: its spread is far smaller than either engine's own.
     """
-    se = math.sqrt(engine.sd**2 / engine.n + baseline.sd**2 / baseline.n)
-    return max(2 * se, margin)
+
+    n: int
+    mean: float
+    sd: float
+    """Sample standard deviation of d_s (n - 1 denominator)."""
+
+    @property
+    def lower_bound(self) -> float:
+        """One-sided 95 % lower confidence bound of the mean difference: mean - t95(n - 1) sd / sqrt(n)."""
+        return self.mean - t95(self.n - 1) * self.sd / math.sqrt(self.n)
+
+    def seeds_needed(self, margin: float = FVE_MARGIN) -> int:
+        """The fewest seeds whose bound, at this spread and a true difference of 0, sits margin / 2 above -margin:
+        t95(n - 1) sd / sqrt(n) <= margin / 2, so that equal engines pass about 19 times in 20."""
+        n = 2
+        while t95(n - 1) * self.sd / math.sqrt(n) > margin / 2 and n < 10_000:
+            n += 1
+        return n
+
+
+def paired_shortfall(runs: Sequence[ParityRun], engine: str, baseline: str) -> PairedShortfall:
+    """The paired differences over the seeds that both `engine` and `baseline` ran."""
+    base = {r.seed: r.fve for r in runs if r.engine == baseline}
+    diffs = [r.fve - base[r.seed] for r in runs if r.engine == engine and r.seed in base]
+    return PairedShortfall(n=len(diffs), mean=statistics.fmean(diffs) if diffs else math.nan,
+                           sd=statistics.stdev(diffs) if len(diffs) > 1 else math.nan)
 
 
 def parity_failures(runs: Sequence[ParityRun], *, baseline: str | None = "hf", logp_tolerance: dict[str, float],
                     margin: float = FVE_MARGIN) -> list[str]:
     """What breaks parity, one line each:
-    - an engine (or the baseline) with fewer than 2 seeds (no spread to judge by) or a non-finite FVE;
-    - an engine whose mean FVE is below the baseline's by more than `allowed_shortfall` (not
-      judged with baseline None: legs run apart from HF's, to be judged with them later);
+    - an engine with fewer than 2 seeds shared with the baseline, or a non-finite FVE;
+    - an engine that is not shown to learn within `margin` of the baseline: the one-sided 95 % lower
+      bound of its mean paired difference (`PairedShortfall`) is below -margin. A true loss of
+      margin fails 19 times in 20 whatever the seed count; equal engines pass once the seeds are as
+      many as `seeds_needed` says, which the line names (not judged with baseline None: legs run
+      apart from the baseline's, to be judged with them later);
     - a run whose mean |behaviour - trainer| log-prob exceeds its engine's tolerance at ANY step
       (an engine that samples a stale policy after some update shows there, not at step 0).
     """
     failures = []
-    stats = {engine: engine_stats(runs, engine) for engine in dict.fromkeys(r.engine for r in runs)}
-    judged = {engine for engine, s in stats.items() if s.n >= 2 and math.isfinite(s.mean)}
-    for engine in sorted(stats.keys() - judged):
-        failures.append(f"{engine}: {stats[engine].n} seed(s), mean FVE {stats[engine].mean:.3f}: "
-                        "need >= 2 seeds with a finite FVE")
-    base = stats.get(baseline)
-    for engine in sorted(judged - {baseline} if baseline in judged else set()):
-        shortfall, allowed = base.mean - stats[engine].mean, allowed_shortfall(stats[engine], base, margin=margin)
-        if shortfall > allowed:
-            failures.append(f"{engine}: mean held-out FVE {stats[engine].mean:.3f} is {shortfall:.3f} below {baseline}'s "
-                            f"{base.mean:.3f}, more than max(2 se, {margin:g}) = {allowed:.3f}")
+    engines = list(dict.fromkeys(r.engine for r in runs))
+    for engine in engines:
+        fves = [r.fve for r in runs if r.engine == engine]
+        if not all(math.isfinite(f) for f in fves):
+            failures.append(f"{engine}: a non-finite held-out FVE among its {len(fves)} seed(s)")
+    if baseline is not None:
+        for engine in sorted(set(engines) - {baseline}):
+            paired = paired_shortfall(runs, engine, baseline)
+            if paired.n < 2 or not math.isfinite(paired.sd):
+                failures.append(f"{engine}: {paired.n} seed(s) shared with {baseline}: need >= 2 paired seeds with a "
+                                "finite FVE")
+            elif paired.lower_bound < -margin:
+                failures.append(
+                    f"{engine}: paired by seed, mean held-out FVE {paired.mean:+.4f} against {baseline} (sd {paired.sd:.4f}, "
+                    f"{paired.n} seeds); its 95 % lower bound {paired.lower_bound:+.4f} is below -{margin:g}; at this "
+                    f"spread {paired.seeds_needed(margin)} seeds would resolve a difference of 0 from a {margin:g} loss"
+                )
     for r in runs:
         if not r.worst_logp_diff_mean <= logp_tolerance[r.engine]:
             step = next(i for i, v in enumerate(r.logp_diff_mean) if not v <= logp_tolerance[r.engine])

@@ -4,16 +4,17 @@ From one toy SFT checkpoint (`nla demo`'s AV and AR, built on CPU in about a min
 from NLA_PARITY_DIR when it is there), RL legs of STEPS steps (the demo's settings: 16 prompts
 x 8, lr 1e-3) with the `hf`, `native` and `vllm` engines over SEEDS seeds; each final adapter
 is scored by `nla eval` on 1024 held-out rows. Legs are separate processes and run
-concurrently in lanes. The verdict (`parity.parity_failures`): each engine's mean FVE may fall
-below HF's by at most max(2 standard errors of the difference, 0.005), the spread measured in
-this same run; and at every step of every leg the mean |behaviour - trainer| log-prob stays
-within the engine's tolerance. A second test checks that native's CUDA-graph sampler draws
+concurrently in lanes. The verdict (`parity.parity_failures`): paired with HF's leg of the same
+seed, each engine's mean FVE difference has a one-sided 95 % lower bound above -0.01 (a one-point
+loss fails 19 times in 20), a failure line naming how many seeds its spread needs; and at every
+step of every leg the mean |behaviour - trainer| log-prob stays within the engine's tolerance.
+The recorded toy legs' paired spread (sd 0.021-0.025) needs about 50 seeds, the default. A second test checks that native's CUDA-graph sampler draws
 from its policy (PIT chi-square) before and after optimizer steps.
 
 One command (prints the FVE table):
     python -m pytest tests/gpu/test_learning_parity.py -q -s
 Environment:
-  NLA_PARITY_SEEDS (default 3), NLA_PARITY_FIRST_SEED (default 1), NLA_PARITY_STEPS (default 60),
+  NLA_PARITY_SEEDS (default 50), NLA_PARITY_FIRST_SEED (default 1), NLA_PARITY_STEPS (default 60),
   NLA_PARITY_ENGINES (default "hf,native,vllm"; vllm runs only where vLLM imports);
   NLA_PARITY_LANES: GPU per concurrent leg, e.g. "0,0,0,0,0,0" (default: one leg at a time);
   NLA_PARITY_VLLM_LANES: lanes for the vLLM legs only, e.g. "1,1,1" (default: NLA_PARITY_LANES);
@@ -40,7 +41,7 @@ import nla_core  # noqa: E402
 import parity  # noqa: E402
 
 _FIRST_SEED = int(os.environ.get("NLA_PARITY_FIRST_SEED", "1"))
-SEEDS = tuple(range(_FIRST_SEED, _FIRST_SEED + int(os.environ.get("NLA_PARITY_SEEDS", "3"))))
+SEEDS = tuple(range(_FIRST_SEED, _FIRST_SEED + int(os.environ.get("NLA_PARITY_SEEDS", "50"))))
 STEPS = int(os.environ.get("NLA_PARITY_STEPS", "60"))
 ENGINES = tuple(e for e in os.environ.get("NLA_PARITY_ENGINES", "hf,native,vllm").split(",")
                 if e != "vllm" or importlib.util.find_spec("vllm") is not None)

@@ -11,6 +11,7 @@ one with the AR, and keeps the best (lowest reconstruction MSE; best-of-k) besid
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal, Mapping, Sequence
@@ -250,8 +251,9 @@ def load_reader(settings: ReaderSettings, *, model: str | None, max_batch: int =
                              f"{nla.d_model}")
         if check_model_reads_training_data(target, target_tokenizer, read_sidecar(sidecar_path)[1], nla,
                                            model_name=model, device=device_) is None:
+            # stderr: `nla serve`'s first stdout line is its address, which clients read
             print(f"[explain] note: no training parquet in the sidecar's trained_on is left to check that {model} is "
-                  "the LM this NLA was trained on", flush=True)
+                  "the LM this NLA was trained on", file=sys.stderr, flush=True)
     actor = load_av(av, dtype=dtype_, device=device_)
     style, injection_norm = injection_settings(nla, av_dir=av)
     injector = Injector(actor, marker_id=nla.injection_token_id, left_id=nla.injection_left_neighbor_id,

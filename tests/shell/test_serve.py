@@ -267,7 +267,9 @@ def test_nla_serve_runs_on_a_free_loopback_port_and_stops_on_ctrl_c(two_concept_
                             env={**os.environ, "PYTHONPATH": str(REPO)})
     try:
         line = proc.stdout.readline()
-        assert line.startswith(f"[nla serve] listening on http://{LOOPBACK}:"), (line, proc.stderr.read())
+        if not line.startswith(f"[nla serve] listening on http://{LOOPBACK}:"):
+            proc.kill()  # before reading stderr: a live server never closes it
+            pytest.fail(f"first line {line!r}; stderr: {proc.communicate(timeout=30)[1]}")
         url = line.split()[4]
         assert "bearer token required" in line
         deadline = time.monotonic() + 30

@@ -558,13 +558,13 @@ def _run_conflict(
         return f"holds a {CONFIG_NAME} that is not a mapping"
     # A YAML round trip gives ours the types theirs came back with (tuples -> lists).
     ours = yaml.safe_load(yaml.safe_dump(dict(config_dict), sort_keys=False))
-    defaults = yaml.safe_load(yaml.safe_dump(dict(defaults), sort_keys=False))
-    theirs = {**{k: v for k, v in defaults.items() if k in ours and ours[k] == v}, **theirs}
     foreign = sorted(set(theirs) - set(ours))
     if len(foreign) * 4 > len(theirs):
         # Many keys this command does not know: another command's run (e.g. `nla sft`'s, with mode, model,
         # parquet), not an older version of this one (a renamed key or two). Say so instead of a long diff.
         return f"holds a run of another nla command (its {CONFIG_NAME} has keys {', '.join(foreign[:4])})"
+    defaults = yaml.safe_load(yaml.safe_dump(dict(defaults), sort_keys=False))
+    theirs = {**{k: v for k, v in defaults.items() if k in ours and ours[k] == v}, **theirs}
     differences = [
         f"{key}: {theirs.get(key, '<unset>')!r} there, {ours.get(key, '<unset>')!r} now"
         for key in [*ours, *(k for k in theirs if k not in ours)]

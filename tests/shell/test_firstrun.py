@@ -55,7 +55,7 @@ def test_other_commands_show_defaults_and_choices(capsys):
     with pytest.raises(SystemExit):
         cli.main(["datagen", "--help"])
     out = " ".join(capsys.readouterr().out.split())
-    assert "[choices: api, local, jsonl, rule, none]" in out and "[default: null]" in out
+    assert "[choices: api, local, jsonl, rule, context, none]" in out and "[default: null]" in out
     assert "--no-progress turns it off" in out
 
 

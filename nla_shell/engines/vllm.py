@@ -33,7 +33,7 @@ import nla_core
 from nla_shell.engines import vllm_steering
 from nla_shell.engines.base import Rollout, RolloutRequest
 from nla_shell.engines.weight_sync import iter_merged_weight_buckets
-from nla_shell.models import eos_token_ids, load_generation_config
+from nla_shell.models.actor import eos_token_ids, load_generation_config
 
 STEERING_BACKENDS = ("nla", "vllm_lens")
 SLEEP_LEVELS = (0, 1, 2)

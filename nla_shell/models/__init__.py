@@ -1,19 +1,15 @@
 """The two networks of an NLA: the actor (AV + LoRA + injection hook) and the critic (AR).
 
-The actor is the AV checkpoint with a PEFT LoRA on its family's attention projections
-(`families.lora_targets`: q, k, v, o; GPT-2's c_attn, c_proj). An `Injector` puts the
-activation at the marker in every forward that sees the whole prompt (training, reference
-and generation-prefill forwards), in one of the two upstream styles: the norm-matched add
-at the output of decoder block 1, or kitft's embedding replacement; decode steps (one new
-token) pass through untouched.
-
-The critic is an `ARModel`: the LM truncated after the extraction layer, its final norm
-bypassed, and a float32 `Linear(D, D)` value head on the normalised last-token hidden state.
+The actor puts the activation at the prompt's marker (an `Injector` on its forwards) and
+explains it; the critic (an `ARModel`, the LM truncated after the extraction layer with a
+value head) reads the explanation back into an activation. One module per role:
 
     actor.py    loading the actor, its injection hook (`Injector`), the KL reference, log-probs
     critic.py   the AR (`ARModel`, `ARLora`) and batched AR predictions
     compile.py  `BackboneAutocast` and `CompiledBlockParts`: the compiled and autocast forwards
     common.py   checkpoint layouts, the LoRA config, padding, the HF LM under PEFT
+
+Every public name is re-exported here (`from nla_shell.models import ARModel`).
 """
 
 from nla_shell.models.actor import (

@@ -21,7 +21,7 @@ import urllib.parse
 from pathlib import Path
 
 from nla_shell.io.config import ConfigError
-from nla_shell.models import AR_META_FILE
+from nla_shell.models.common import AR_META_FILE
 
 __all__ = ["looks_like_hub_id", "require_file", "require_model"]
 

@@ -21,11 +21,14 @@ user chose (nla_shell.explainers: an LLM API, a local model, a JSONL file keyed 
 sites that need one, to be labelled by hand. Outputs are written to a temp dir and moved
 into place at the end, so an interrupted run leaves nothing half-written and can simply be
 run again (the api/local explainers' reply cache makes the rerun free up to where it stopped).
+
+Reading the corpus, the seeded positions and the split assignment live in
+nla_shell.pipeline.documents; the split schemas and the parquet writer in
+nla_shell.pipeline.dataset_writer (both re-exported here).
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 from itertools import islice
@@ -34,33 +37,47 @@ from pathlib import Path
 from typing import Any, Iterator, Literal, Mapping
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 import torch
 
 from nla_core import actor_content, parse_sidecar, resolve_target_scale
 from nla_shell.explainers import Site, make_explainer
-from nla_shell.explainers.jsonl import jsonl_objects, write_sites
+from nla_shell.explainers.jsonl import write_sites
 from nla_shell.io.config import ConfigError, normalize_fields, require
 from nla_shell import families
 from nla_shell.io.data import DataError, av_prompt_messages, check_tokenizer
 from nla_shell.io.injection_chars import remember_injection_char
 from nla_shell.io.paths import require_file, require_model
 from nla_shell.io.progress import progress_bar, say_line
+from nla_shell.pipeline.dataset_writer import EXTRA_COLUMNS, SPLITS, _SplitWriter, split_schema
+from nla_shell.pipeline.documents import (
+    Document, assign_split, count_documents, document_positions, read_documents, sample_positions,
+)
 from nla_shell.pipeline.markers import choose_injection_char, injection_char_candidates
 from nla_shell.io.sidecars import DEFAULT_AR_TEMPLATE, DEFAULT_AV_TEMPLATE, dataset_sidecar, write_sidecar
-from nla_shell.models import pad_right
+from nla_shell.models.common import pad_right
 from nla_shell.training.train import resolve_device, seed_everything
 
-SPLITS = ("rl", "av_sft", "ar_sft", "eval")
-"""Every split datagen can write, in file order."""
-EXTRA_COLUMNS: Mapping[str, tuple[str, ...]] = {
-    "rl": (),
-    "av_sft": ("explanation", "response"),
-    "ar_sft": ("explanation",),
-    "eval": ("explanation", "response"),
-}
-"""String columns each split adds to the columns every split has."""
+__all__ = [
+    "EXTRA_COLUMNS",
+    "SPLITS",
+    "TMP_DIR_NAME",
+    "DatagenConfig",
+    "DatagenResult",
+    "Document",
+    "assign_split",
+    "capture_activations",
+    "count_documents",
+    "datagen",
+    "datagen_sites",
+    "dataset_marker",
+    "document_positions",
+    "document_sites",
+    "read_documents",
+    "sample_positions",
+    "split_fractions",
+    "split_schema",
+    "tokenized_documents",
+]
 
 TMP_DIR_NAME = ".datagen_tmp"
 """Where a run writes under out_dir before moving its complete outputs into place."""
@@ -195,89 +212,6 @@ class DatagenConfig:
                      "set av_sft_fraction, ar_sft_fraction and eval_fraction to 0 (they need explanations)")
 
 
-# --------------------------------------------------------------------------- documents
-
-
-@dataclass(frozen=True)
-class Document:
-    doc_id: str
-    text: str
-    topic: str | None = None
-    """The corpus's `topic` field (jsonl key or parquet column) when it has one; the context explainer names it."""
-
-
-def read_documents(path: str | Path, *, text_column: str = "text", id_column: str = "id") -> Iterator[Document]:
-    """Stream documents from .jsonl/.json lines, .txt (blank-line separated) or .parquet.
-
-    A missing or non-string text is a DataError naming the line or row; ids default to
-    "doc{index:06d}" when the id key/column is absent.
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise DataError(f"corpus: {path} does not exist")
-    suffix = path.suffix.lower()
-    if suffix in (".jsonl", ".json"):
-        for line_no, obj in jsonl_objects(path, field="corpus"):
-            text = obj.get(text_column) if isinstance(obj, dict) else None
-            if not isinstance(text, str):
-                raise DataError(f"corpus: {path} line {line_no} has no string {text_column!r} (text_column)")
-            topic = obj.get("topic")
-            yield Document(str(obj.get(id_column, f"doc{line_no - 1:06d}")), text,
-                           topic if isinstance(topic, str) else None)
-    elif suffix == ".txt":
-        paragraph: list[str] = []
-        index = 0
-        with path.open(encoding="utf-8") as f:
-            for line in [*f, ""]:  # the sentinel flushes the last paragraph
-                if line.strip():
-                    paragraph.append(line.rstrip("\n"))
-                elif paragraph:
-                    yield Document(f"doc{index:06d}", "\n".join(paragraph))
-                    index, paragraph = index + 1, []
-    elif suffix == ".parquet":
-        pf = pq.ParquetFile(path)
-        if text_column not in pf.schema_arrow.names:
-            raise DataError(f"corpus: {path} has no column {text_column!r} (columns: {pf.schema_arrow.names}); set text_column")
-        columns = [c for c in (text_column, id_column, "topic") if c in pf.schema_arrow.names]
-        index = 0
-        for batch in pf.iter_batches(columns=columns):
-            texts = batch.column(text_column).to_pylist()
-            absent = [None] * len(texts)
-            ids, topics = (batch.column(c).to_pylist() if c in columns else absent for c in (id_column, "topic"))
-            for text, doc_id, topic in zip(texts, ids, topics):
-                if not isinstance(text, str):
-                    raise DataError(f"corpus: {path} row {index} has a non-string {text_column!r}")
-                yield Document(f"doc{index:06d}" if doc_id is None else str(doc_id), text,
-                               topic if isinstance(topic, str) else None)
-                index += 1
-    else:
-        raise DataError(f"corpus: {path} must end in .jsonl, .json, .txt or .parquet")
-
-
-def count_documents(path: str | Path, *, limit: int | None = None) -> int | None:
-    """How many documents read_documents will yield, counting stopped at `limit` (parquet: its
-    footer; text: one streaming pass that reads no further than the limit); None if unknown."""
-    path = Path(path)
-    if path.suffix.lower() == ".parquet":
-        try:
-            rows = pq.ParquetFile(path).metadata.num_rows
-        except (OSError, pa.ArrowException):
-            return None  # read_documents says what is wrong with it
-        return rows if limit is None else min(rows, limit)
-    if path.suffix.lower() not in (".jsonl", ".json", ".txt"):
-        return None
-    count, previous_filled = 0, False
-    with path.open(encoding="utf-8") as f:
-        for line in f:
-            filled = bool(line.strip())
-            # A .txt document is a run of non-blank lines; a JSON-lines document is one non-blank line.
-            count += filled and (path.suffix.lower() != ".txt" or not previous_filled)
-            previous_filled = filled
-            if limit is not None and count >= limit:
-                break
-    return count
-
-
 # --------------------------------------------------------------------------- activations
 
 
@@ -314,88 +248,6 @@ def capture_activations(model: torch.nn.Module, input_ids: torch.Tensor, attenti
     return out[0].float()
 
 
-def sample_positions(n_tokens: int, k: int, min_context: int, rng: np.random.Generator) -> list[int]:
-    """Up to k distinct sorted positions in [min_context, n_tokens); [] when there are none."""
-    eligible = n_tokens - min_context
-    if eligible <= 0:
-        return []
-    return sorted(int(p) for p in rng.choice(eligible, size=min(k, eligible), replace=False) + min_context)
-
-
-def _stable_hash(*parts: object) -> int:
-    """A 64-bit hash that, unlike hash(), is the same in every process."""
-    return int.from_bytes(hashlib.blake2b(repr(parts).encode(), digest_size=8).digest(), "little")
-
-
-def assign_split(doc_id: str, seed: int, fractions: Mapping[str, float]) -> str:
-    """The split of a document: a seeded hash of its id mapped onto the cumulative fractions.
-
-    Depends on nothing but (doc_id, seed, fractions), so the split is document-disjoint
-    and stable under reordering, batching and restarts. The last split takes the rest.
-    """
-    u = _stable_hash("split", seed, doc_id) / 2**64
-    total = 0.0
-    for name, share in fractions.items():
-        total += share
-        if u < total:
-            return name
-    return [name for name, share in fractions.items() if share > 0][-1]
-
-
-# --------------------------------------------------------------------------- writing
-
-
-def split_schema(split: str, d_model: int) -> pa.Schema:
-    message = pa.struct([("role", pa.string()), ("content", pa.string())])
-    return pa.schema(
-        [
-            ("prompt", pa.string() if split == "ar_sft" else pa.list_(message)),
-            ("activation_vector", pa.list_(pa.float32(), d_model)),
-            ("doc_id", pa.string()),
-            ("n_raw_tokens", pa.int64()),
-            ("activation_layer", pa.int64()),
-            ("position", pa.int64()),
-            ("context", pa.string()),
-            *[(name, pa.string()) for name in EXTRA_COLUMNS[split]],
-        ]
-    )
-
-
-class _SplitWriter:
-    """Streams one split's rows to parquet, a row group at a time."""
-
-    def __init__(self, path: Path, split: str, d_model: int, row_group_size: int) -> None:
-        self.path, self.d_model = path, d_model
-        self.schema = split_schema(split, d_model)
-        self.row_group_size = row_group_size
-        self.buffer: list[dict[str, Any]] = []
-        self.rows = 0
-        self._writer: pq.ParquetWriter | None = None
-
-    def add(self, row: dict[str, Any]) -> None:
-        self.buffer.append(row)
-        if len(self.buffer) >= self.row_group_size:
-            self.flush()
-
-    def flush(self) -> None:
-        if not self.buffer:
-            return
-        acts = np.stack([r["activation_vector"] for r in self.buffer]).astype(np.float32)
-        columns = {name: [r[name] for r in self.buffer] for name in self.schema.names if name != "activation_vector"}
-        columns["activation_vector"] = pa.FixedSizeListArray.from_arrays(pa.array(acts.reshape(-1)), self.d_model)
-        table = pa.table({name: columns[name] for name in self.schema.names}, schema=self.schema)
-        if self._writer is None:
-            self._writer = pq.ParquetWriter(self.path, self.schema)
-        self._writer.write_table(table, row_group_size=self.row_group_size)
-        self.rows += len(self.buffer)
-        self.buffer = []
-
-    def close(self) -> None:
-        self.flush()
-        if self._writer is not None:
-            self._writer.close()
-
-
 @dataclass(frozen=True)
 class DatagenResult:
     paths: dict[str, Path]
@@ -420,11 +272,6 @@ def split_fractions(cfg: DatagenConfig) -> dict[str, float]:
     shares = {"av_sft": cfg.av_sft_fraction, "ar_sft": cfg.ar_sft_fraction, "eval": cfg.eval_fraction}
     return {"rl": 1.0 - sum(shares.values()), **shares}
 
-
-def document_positions(doc_id: str, n_tokens: int, *, seed: int, k: int, min_context: int) -> list[int]:
-    """The positions datagen samples in a document: a function of (doc_id, n_tokens, seed, k, min_context) only."""
-    rng = np.random.default_rng([seed, _stable_hash("positions", doc_id)])
-    return sample_positions(n_tokens, k, min_context, rng)
 
 
 def document_sites(doc: Document, tokens: list[int], cfg: DatagenConfig, tokenizer: Any,

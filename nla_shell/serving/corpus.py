@@ -31,7 +31,7 @@ from nla_shell.io.config import ConfigError
 from nla_shell.io.data import DataError
 from nla_shell.io.files import write_text_atomically
 from nla_shell.io.progress import say_line
-from nla_shell.pipeline.datagen import count_documents, document_positions, read_documents
+from nla_shell.pipeline.documents import count_documents, document_positions, read_documents
 from nla_shell.serving.reader import NLAReader, SiteExplanation
 
 if TYPE_CHECKING:

@@ -11,12 +11,13 @@ import pytest
 import torch
 
 import fixtures
-from nla_shell import cli, families, models
+from nla_shell import cli, families
 from nla_shell.engines.base import RolloutRequest
 from nla_shell.engines.native import NativeRolloutEngine
 from nla_shell.io.data import build_prompt_ids, load_rows
 from nla_shell.io.sidecars import load_sidecar
 from nla_shell.models import BackboneAutocast, CompiledBlockParts, inner_lm, trainable_parameters
+from nla_shell.models import compile as model_compile
 from nla_shell.training.update import LossOptions, policy_update
 
 # bf16 keeps 8 significant bits (relative rounding 2^-9 = 2e-3 per product); through the tiny
@@ -135,7 +136,7 @@ def test_compiled_block_parts_are_the_norms_mlps_and_lora_layers_and_keep_the_up
     compiled = CompiledBlockParts(actor, backend="aot_eager")
     try:
         assert compiled.rotary_homes == [home] and home.apply_rotary_pos_emb is not eager_rotary
-        assert models._compiled_heads[inner_lm(actor)] == models._compiled_chunk_kernels("aot_eager")
+        assert model_compile._compiled_heads[inner_lm(actor)] == model_compile._compiled_chunk_kernels("aot_eager")
         assert {type(m).__qualname__ for m in compiled.modules} == {"Qwen3RMSNorm", "Qwen3MLP", "Linear"}
         lora = [m for m in compiled.modules if hasattr(m, "cast_input_dtype_enabled")]
         # Per block: the input, post-attention, q and k norms, the MLP, and the LoRA on q, k, v, o.
@@ -148,7 +149,7 @@ def test_compiled_block_parts_are_the_norms_mlps_and_lora_layers_and_keep_the_up
         compiled.remove()
     assert all("forward" not in vars(m) for m in compiled.modules)
     assert home.apply_rotary_pos_emb is eager_rotary
-    assert inner_lm(actor) not in models._compiled_heads
+    assert inner_lm(actor) not in model_compile._compiled_heads
     for numbers, g in ((stats, grad), (larger, larger_grad)):
         assert numbers.loss == pytest.approx(eager.loss, rel=1e-5, abs=1e-7)
         assert numbers.kl_mean == pytest.approx(eager.kl_mean, rel=1e-5, abs=1e-9)

@@ -16,9 +16,8 @@ import torch
 import nla_core
 from nla_shell.engines import vllm_steering as steer
 from nla_shell.engines.base import RolloutRequest
-from nla_shell.engines.vllm import (
-    INSTALL_HINT,
-    VLLMRolloutEngine,
+from nla_shell.engines.vllm import INSTALL_HINT, VLLMRolloutEngine
+from nla_shell.engines.vllm_requests import (
     build_request_specs,
     cache_salt,
     lens_steering_kwargs,

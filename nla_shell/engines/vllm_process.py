@@ -1,0 +1,99 @@
+"""The vLLM process around the engine: importing vLLM, the `vllm.LLM` arguments, the worker
+functions a weight push runs, torchrun's store, and which steering plugin is active."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any, Iterator
+
+import torch
+
+from nla_shell.engines import vllm_steering
+
+INSTALL_HINT = (
+    "engine=vllm needs vLLM, which is not installed: pip install 'nla[vllm]' (vllm==0.24.0, vllm-lens==1.2.1), "
+    "or choose engine=native (one GPU) or engine=hf"
+)
+
+
+def llm_kwargs_for(
+    model_dir: str | os.PathLike,
+    *,
+    dtype: str,
+    seed: int,
+    gpu_memory_utilization: float,
+    max_model_len: int,
+    tensor_parallel_size: int,
+    enforce_eager: bool,
+    enable_prefix_caching: bool,
+    load_format: str,
+) -> dict[str, Any]:
+    """The `vllm.LLM` keyword arguments every engine here uses (benchmarks reuse them for baselines)."""
+    return {
+        "model": str(model_dir),
+        # Prompts go in as token ids and text comes out through our tokenizer.
+        "skip_tokenizer_init": True,
+        # The checkpoint's generation_config must not add stop ids or sampling defaults.
+        "generation_config": "vllm",
+        "dtype": dtype,
+        "seed": seed,
+        "gpu_memory_utilization": gpu_memory_utilization,
+        "max_model_len": max_model_len,
+        "tensor_parallel_size": tensor_parallel_size,
+        "enforce_eager": enforce_eager,
+        "enable_prefix_caching": enable_prefix_caching,
+        "load_format": load_format,
+    }
+
+
+def require_vllm():
+    try:
+        import vllm
+    except ImportError as err:
+        raise ImportError(INSTALL_HINT) from err
+    return vllm
+
+
+def _load_weights(model: torch.nn.Module, weights: list[tuple[str, torch.Tensor]]) -> list[str]:
+    """Run in each worker by apply_model (module level so it pickles): names it loaded."""
+    return sorted(model.load_weights(iter(weights)))
+
+
+def _unloaded_parameters(model: torch.nn.Module, loaded: list[str]) -> list[str]:
+    done = set(loaded)
+    return sorted(name for name, _ in model.named_parameters() if name not in done)
+
+
+AGENT_STORE_VARIABLE = "TORCHELASTIC_USE_AGENT_STORE"
+"""Set by torchrun in its workers: every process group's store is then the agent's."""
+
+
+@contextlib.contextmanager
+def _own_store_under_torchrun() -> Iterator[None]:
+    """torchrun's environment hidden from a vLLM that sets up its own process group.
+
+    A process torchrun starts (one rank, say, where nla's trainer forms no group) carries
+    TORCHELASTIC_USE_AGENT_STORE: torch then connects every process group's store to the
+    agent's, as a client, whatever address it is given, and vLLM's own group (world 1 at a free
+    port, or its tensor-parallel workers, spawned with this environment) waits on a store server
+    nobody starts (seen: a 1-rank torchrun step hung 9 minutes in vLLM's start-up).
+    """
+    value = os.environ.pop(AGENT_STORE_VARIABLE, None)
+    try:
+        yield
+    finally:
+        if value is not None:
+            os.environ[AGENT_STORE_VARIABLE] = value
+
+
+def _lens_active(llm_class) -> bool:
+    """vllm-lens adds LLM.register_hooks when its plugin registers (and patches generate)."""
+    return hasattr(llm_class, "register_hooks")
+
+
+def _entry_point_installed() -> bool:
+    from importlib.metadata import entry_points
+
+    target = f"{vllm_steering.__name__}:register"
+    return any(ep.value == target for ep in entry_points(group="vllm.general_plugins"))

@@ -21,7 +21,7 @@ import unicodedata
 from typing import Any, Iterable, Iterator
 
 from nla_shell import families
-from nla_shell.io.data import DataError, av_prompt_messages, chat_prompt_ids
+from nla_shell.io.data import INJECT_PLACEHOLDER, DataError, av_prompt_messages, chat_prompt_ids
 from nla_shell.io.injection_chars import cached_injection_char
 from nla_core import canonical_neighbors
 
@@ -60,8 +60,8 @@ def injection_char_problem(tokenizer: Any, char: str, av_content: str) -> str | 
         canonical_neighbors(prompt_ids, ids[0])
     except ValueError as err:
         return f"does not sit inside the chat-templated AV prompt ({err})"
-    text = tokenizer.apply_chat_template(av_prompt_messages(av_content.replace("<INJECT>", char)), tokenize=False,
-                                         add_generation_prompt=True)
+    text = tokenizer.apply_chat_template(av_prompt_messages(av_content.replace(INJECT_PLACEHOLDER, char)),
+                                         tokenize=False, add_generation_prompt=True)
     before, after = text.split(char)
     if tokenizer.encode(before, add_special_tokens=False) + ids + tokenizer.encode(after, add_special_tokens=False) != prompt_ids:
         return "changes how its neighbours tokenize in the chat-templated AV prompt"

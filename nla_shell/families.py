@@ -91,7 +91,7 @@ FAMILIES: tuple[Family, ...] = (
     Family(name="GPT-2", model_types=("gpt2",), backbone="transformer", blocks="h", norm="ln_f",
            lora_targets=("c_attn", "c_proj"), scaled_embeddings=False, engines=("hf",)),
 )
-"""The supported families; README lists the ones the tests cover."""
+"""The supported families; docs/families.md lists the ones the tests cover."""
 
 
 def _supported() -> str:

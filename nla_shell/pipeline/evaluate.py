@@ -2,7 +2,7 @@
 
 The AV writes one explanation per held-out row (temperature 1, seeded, so two checkpoints
 evaluated with the same seed see the same random stream; or greedy); the AR reconstructs the
-activation from it. The numbers (README "What `nla eval` reports" defines each key):
+activation from it. The numbers (docs/eval.md defines each key):
 
 - FVE = 1 - mean MSE / the predict-the-mean MSE of these rows' own normalised activations
   ("rawvar", the headline) and / the MSE of the mean put back at the norm ("meannorm",

@@ -51,14 +51,15 @@ def test_the_readme_pipeline_commands_parse():
     import shlex
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    docs = Path(__file__).resolve().parents[2] / "docs"
 
-    def commands_of(title):
-        section = readme[readme.index(title) :]
+    def commands_of(title, page):
+        text = (docs / page).read_text()
+        section = text[text.index(title) :]
         block = re.search(r"```bash\n(.*?)```", section, re.DOTALL).group(1)
         return [shlex.split(line.split("  #")[0])[1:] for line in block.splitlines() if line.startswith("nla ")]
 
-    pipeline, upstream_data = commands_of("## The pipeline"), commands_of("## Bring your EasyNLA / kitft data")
+    pipeline, upstream_data = commands_of("## The pipeline", "walkthrough.md"), commands_of("## Bring your EasyNLA / kitft data", "formats.md")
     assert [c[0] for c in pipeline] == [
         "convert", "datagen", "datagen", "sft", "sft", "train", "eval", "plot", "explain", "export"
     ]
@@ -66,3 +67,18 @@ def test_the_readme_pipeline_commands_parse():
     for argv in pipeline + upstream_data:
         parser, _ = cli.build_parser(argv)
         parser.parse_args(argv)  # exits (SystemExit) on an unknown flag
+
+
+def test_the_readme_quickstart_commands_parse():
+    import re
+    import shlex
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    block = re.search(r"## Quickstart\n\n```bash\n(.*?)```", readme, re.DOTALL).group(1)
+    commands = [shlex.split(part)[1:] for line in block.splitlines() for part in line.split("  #")[0].split("&&")
+                if part.strip().startswith("nla ")]
+    assert [c[0] for c in commands] == ["demo", "demo", "convert", "datagen", "sft", "sft", "train", "eval", "explain"]
+    for argv in commands:
+        parser, _ = cli.build_parser(argv)
+        parser.parse_args(argv)

@@ -1,4 +1,5 @@
-"""The README's commands and its "Use the losses in your own RL loop" example stay honest."""
+"""The README's two commands, the walkthrough (docs/walkthrough.md) and the "Use the losses in your own RL loop"
+example (docs/api.md) stay honest."""
 
 from __future__ import annotations
 
@@ -10,17 +11,18 @@ from pathlib import Path
 import pytest
 
 README = Path(__file__).resolve().parents[2] / "README.md"
+DOCS = README.parent / "docs"
 
 
-def _section(title: str) -> str:
-    text = README.read_text()
+def _section(title: str, page: Path) -> str:
+    text = page.read_text()
     start = text.index(f"## {title}")
     end = text.find("\n## ", start + 1)
     return text[start : end if end != -1 else len(text)]
 
 
 def test_losses_example_runs_and_backpropagates(tmp_path, capsys):
-    (code,) = re.findall(r"```python\n(.*?)```", _section("Use the losses in your own RL loop"), re.DOTALL)
+    (code,) = re.findall(r"```python\n(.*?)```", _section("Use the losses in your own RL loop", DOCS / "api.md"), re.DOTALL)
     script = tmp_path / "example.py"
     script.write_text(code)
     namespace = runpy.run_path(str(script))
@@ -65,7 +67,7 @@ def test_pipeline_walkthrough_runs_as_written(tmp_path, walkthrough_lm, monkeypa
 
     from nla_shell import cli
 
-    block = re.search(r"```bash\n(.*?)```", _section("The pipeline: a walkthrough on real text"), re.DOTALL).group(1)
+    block = re.search(r"```bash\n(.*?)```", _section("The pipeline: a walkthrough on real text", DOCS / "walkthrough.md"), re.DOTALL).group(1)
     lines = block.strip().splitlines()
     assert lines[:3] == ["source .venv/bin/activate", "nla convert smollm2 smollm2", "LM=smollm2"]
     env = {"LM": str(walkthrough_lm), "CORPUS": str(README.parent / "docs/examples/walkthrough_corpus.jsonl")}
@@ -129,3 +131,17 @@ def test_pipeline_walkthrough_runs_as_written(tmp_path, walkthrough_lm, monkeypa
 
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "release" / "av") is not None
     assert AutoTokenizer.from_pretrained(tmp_path / "release" / "av").encode("The river") != []
+
+
+def test_readme_is_a_front_page_whose_links_resolve():
+    text = README.read_text()
+    assert len(text.splitlines()) <= 150
+    links = re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", text)
+    assert "docs/walkthrough.md" in links and "bench/RESULTS.md" in links
+    for link in links:
+        if not link.startswith("http"):
+            assert (README.parent / link).exists(), link
+    for page in DOCS.glob("*.md"):
+        for link in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", page.read_text()):
+            if not link.startswith("http"):
+                assert (page.parent / link).exists(), (page.name, link)

@@ -135,7 +135,7 @@ def run_ar_mode(mode: str, model_dir: Path, tokens: dict, args, device: torch.de
 
     from nla_core import resolve_target_scale
     from nla_shell.models import ARModel, trainable_parameters
-    from nla_shell.training.train import make_optimizer
+    from nla_shell.training.setup import make_optimizer
 
     torch.manual_seed(0)
     synthetic.free_memory(device)

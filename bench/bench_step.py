@@ -155,7 +155,7 @@ class Context:
 
     def __init__(self, args, device: torch.device, dtype: torch.dtype, defaults: dict) -> None:
         from nla_shell.models import trainable_parameters
-        from nla_shell.training.train import make_optimizer
+        from nla_shell.training.setup import make_optimizer
 
         self.device, self.defaults = device, defaults
         self.tokenizer, tokens = syn.toy_tokenizer()

@@ -16,7 +16,7 @@ import fixtures
 import nla_core
 from nla_shell import cli
 from nla_shell.io.config import ConfigError, TrainConfig, load_dataclass
-from nla_shell.training import sampling, scoring, setup as setup_module, step as step_module
+from nla_shell.training import sampling, scoring, setup as trainer_setup, step as step_module
 
 NEW_KEYS = ("policy_loss", "aggregation", "advantage_scale", "token_mask", "dynamic_sampling",
             "dynamic_sampling_max_draws", "critic_rollouts", "critic_ema")
@@ -205,7 +205,7 @@ def test_critic_ema_averages_the_trained_weights_and_is_checkpointed(nla_run_inp
     _, ar, _ = nla_run_inputs
     run(nla_run_inputs, tmp_path, train_critic="true", critic_ema=0.5, critic_lr=1e-2)
     step = tmp_path / "run" / "step_000001"
-    ema = load_file(str(step / setup_module.CRITIC_EMA_FILE))
+    ema = load_file(str(step / trainer_setup.CRITIC_EMA_FILE))
     before = load_file(str(ar / "value_head.safetensors"))["weight"]
     after = load_file(str(step / "critic" / "value_head.safetensors"))["weight"]
     assert not torch.equal(before, after)
@@ -240,14 +240,14 @@ def test_two_ranks_match_one_process_with_the_new_keys(nla_run_inputs, tmp_path,
                   aggregation="prompt_mean", policy_loss="gspo", token_mask="0.5,2", critic_rollouts="best",
                   critic_ema=0.5)
     one, two = tmp_path / "one", tmp_path / "two"
-    monkeypatch.setattr(setup_module, "make_engine", dist_tests.seeded_make_engine)
+    monkeypatch.setattr(trainer_setup, "make_engine", dist_tests.seeded_make_engine)
     assert cli.main(["train", *dist_tests._settings(nla_run_inputs, one, **common)]) == 0
     dist_tests._run_job([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                          dist_tests.__file__, "train", *dist_tests._settings(nla_run_inputs, two, **common)])
     dist_tests._assert_metrics_close(dist_tests._metrics(two), dist_tests._metrics(one))
     for step in ("step_000001", "step_000002"):
-        a = load_file(str(two / step / setup_module.CRITIC_EMA_FILE))
-        b = load_file(str(one / step / setup_module.CRITIC_EMA_FILE))
+        a = load_file(str(two / step / trainer_setup.CRITIC_EMA_FILE))
+        b = load_file(str(one / step / trainer_setup.CRITIC_EMA_FILE))
         for name in b:
             torch.testing.assert_close(a[name], b[name], rtol=1e-4, atol=1e-6)
 

@@ -1,10 +1,13 @@
 """One full GRPO step at the Qwen3-8B shape: seconds, TFLOP/s and peak memory per phase,
 the step before and after the throughput work (issue 12) on the same rollouts.
 
-The trainer's own functions on random bf16 weights: the actor (PEFT LoRA r128 on q, k, v, o,
-rsLoRA alpha 16, with the injection hook), rollouts from the chosen engine, scoring by an AR
-truncated after layer 24 (25 blocks, identity value head), group advantages, the policy
-update, and the critic step when the critic is co-trained. Hyper-parameters are
+The trainer's own step on random bf16 weights: a RunState (`trainer_state`) holds the actor
+(PEFT LoRA r128 on q, k, v, o, rsLoRA alpha 16, with the injection hook), the chosen engine, an
+AR truncated after layer 24 (25 blocks, identity value head) and the optimisers, and each phase
+is the trainer's function (`nla_shell.training.step`): `rollout_phase` (this rank's share of the
+batch, the steering canary), `score_phase` (scoring, group advantages, the critic step when the
+critic is co-trained) and `update_phase` (the policy update); `train_step` runs the same three
+(tests/shell/test_bench_step.py checks that both give the same numbers). Hyper-parameters are
 TrainConfig's defaults (the reference's), except the shapes and micro-batches set here.
 
 Two paths per step, on the same rollouts:
@@ -24,15 +27,15 @@ Two paths per step, on the same rollouts:
           the AR's blocks compiled (`compile_blocks`); compilation happens in the path's warm-up step.
   after_all   after_bf16 and after_compile together.
 Paths run in the order given on the same rollouts; every path but the last leaves the
-weights as they were (its optimizer steps are skipped: the update with step_optimizer=False,
-the critic with an lr-0 SGD), so each sees the same weights; the step prints each path's
-loss, grad norm, KL, rewards and critic loss beside "before"'s ("after"'s for the after_* paths). A non-stepping path's
-times exclude its optimizer steps (milliseconds for the LoRA; ~0.1 s for the AR's AdamW).
+weights as they were (its optimisers are lr-0 SGDs), so each sees the same weights; the step
+prints each path's loss, grad norm, KL, rewards and critic loss beside "before"'s ("after"'s for
+the after_* paths). A non-stepping path's times hold an lr-0 SGD step instead of AdamW's
+(milliseconds for the LoRA; ~0.1 s less for the AR).
 
-A random model writes no <explanation> tags, so each rollout's explanation is stood in by
-text the AR reads as exactly as many tokens as it generated (its ids mapped onto the toy
-vocabulary's words, `stand_in_explanation`): the AR then reads inputs of realistic length. Prompts:
-random tokens with one marker.
+A random model writes no <explanation> tags, so each rollout's text is made an <explanation>
+(`StandInEngine`) of text the AR reads as exactly as many tokens as it generated (its ids mapped
+onto the toy vocabulary's words, `stand_in_explanation`), which the trainer's extraction reads: the AR then reads inputs of
+realistic length. Prompts: random tokens with one marker.
 
 TFLOP/s counts the matrix arithmetic each path executes (`path_flops`), and % of peak is
 against 790 TFLOP/s (bf16 dense, measured on this H200). The rollout's TFLOP/s is shown for

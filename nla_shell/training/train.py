@@ -9,7 +9,13 @@ Under torchrun every rank runs this same story on its own device with its own en
 on its share of each global batch (see nla_shell.training.distributed); the update, the critic
 step and the metrics reduce over ranks, and rank 0 alone claims the run directory,
 evaluates, logs and saves.
+
+Where each part lives: `training.setup` builds the run's state (`setup(cfg) -> RunState`, resumed
+from a checkpoint when there is one), `training.step` runs a step's phases (`train_step`), and
+this module is the loop around them: preemption, the held-out eval, logging, checkpoints and the
+summary.
 """
+
 from __future__ import annotations
 
 import json

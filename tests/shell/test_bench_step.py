@@ -1,4 +1,5 @@
-"""bench/bench_step.py's stand-in explanations: what a random model's rollout gives the AR to read."""
+"""bench/bench_step.py: its stand-in explanations (what a random model's rollout gives the AR to read), and its
+step being the trainer's."""
 
 from __future__ import annotations
 

@@ -87,16 +87,16 @@ def train(cfg: TrainConfig) -> Path:
     distributed.check_divisible("batch_prompts", cfg.batch_prompts, rank.world_size)
     # Rank 0 holds the run dir's lock for the whole run; a signal stops every rank at one step.
     with distributed.process_group(rank, device), RunDirLock(cfg.save_dir), StopSignals(cfg.save_dir) as stop:
-        return run_ranked(cfg, rank, device, dtype, stop)
+        return loop(setup(cfg, rank, device, dtype), stop)
 
-def run_ranked(cfg: TrainConfig, rank: distributed.RankInfo, device: torch.device, dtype: torch.dtype,
-               stop: StopSignals) -> Path:
-    """The training run as seen by one rank (the only one, outside torchrun): setup, then the loop.
+
+def loop(state: RunState, stop: StopSignals) -> Path:
+    """The steps left to run, as one rank sees them (the only one, outside torchrun): preemption,
+    the step, the held-out eval, logging, checkpoints; then the final eval and the summary.
 
     Raises preemption.RunStopped when a signal stops it (after saving, if save_on_signal).
     """
-    state = setup(cfg, rank, device, dtype)
-    cfg, save_dir = state.cfg, state.save_dir
+    cfg, rank, device, save_dir = state.cfg, state.rank, state.device, state.save_dir
     bar = progress_bar(total=cfg.num_steps, initial=state.start_step, desc="train", unit="step", enabled=rank.is_main)
     for step in range(state.start_step, cfg.num_steps):
         # A signal ends the run here, between steps, on every rank at once.

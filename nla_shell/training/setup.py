@@ -267,8 +267,8 @@ class RunState:
     """Everything a step reads and moves, built once by `setup` (from a checkpoint when resuming).
 
     The config is frozen; the state is not: the optimisers, the data order, the RNG streams, the
-    critic's EMA, the canary's count and the skipped steps advance with every step, and a
-    checkpoint saves exactly them.
+    critic's EMA and the skipped steps advance with every step, and a checkpoint saves them (the
+    canary's count of failures in a row starts afresh on resume).
     """
 
     cfg: TrainConfig

@@ -1,10 +1,13 @@
 """One full GRPO step at the Qwen3-8B shape: seconds, TFLOP/s and peak memory per phase,
 the step before and after the throughput work (issue 12) on the same rollouts.
 
-The trainer's own functions on random bf16 weights: the actor (PEFT LoRA r128 on q, k, v, o,
-rsLoRA alpha 16, with the injection hook), rollouts from the chosen engine, scoring by an AR
-truncated after layer 24 (25 blocks, identity value head), group advantages, the policy
-update, and the critic step when the critic is co-trained. Hyper-parameters are
+The trainer's own step on random bf16 weights: a RunState (`trainer_state`) holds the actor
+(PEFT LoRA r128 on q, k, v, o, rsLoRA alpha 16, with the injection hook), the chosen engine, an
+AR truncated after layer 24 (25 blocks, identity value head) and the optimisers, and each phase
+is the trainer's function (`nla_shell.training.step`): `rollout_phase` (this rank's share of the
+batch, the steering canary), `score_phase` (scoring, group advantages, the critic step when the
+critic is co-trained) and `update_phase` (the policy update); `train_step` runs the same three
+(tests/shell/test_bench_step.py checks that both give the same numbers). Hyper-parameters are
 TrainConfig's defaults (the reference's), except the shapes and micro-batches set here.
 
 Two paths per step, on the same rollouts:
@@ -24,15 +27,15 @@ Two paths per step, on the same rollouts:
           the AR's blocks compiled (`compile_blocks`); compilation happens in the path's warm-up step.
   after_all   after_bf16 and after_compile together.
 Paths run in the order given on the same rollouts; every path but the last leaves the
-weights as they were (its optimizer steps are skipped: the update with step_optimizer=False,
-the critic with an lr-0 SGD), so each sees the same weights; the step prints each path's
-loss, grad norm, KL, rewards and critic loss beside "before"'s ("after"'s for the after_* paths). A non-stepping path's
-times exclude its optimizer steps (milliseconds for the LoRA; ~0.1 s for the AR's AdamW).
+weights as they were (its optimisers are lr-0 SGDs), so each sees the same weights; the step
+prints each path's loss, grad norm, KL, rewards and critic loss beside "before"'s ("after"'s for
+the after_* paths). A non-stepping path's times hold an lr-0 SGD step instead of AdamW's
+(milliseconds for the LoRA; ~0.1 s less for the AR).
 
-A random model writes no <explanation> tags, so each rollout's explanation is stood in by
-text the AR reads as exactly as many tokens as it generated (its ids mapped onto the toy
-vocabulary's words, `stand_in_explanation`): the AR then reads inputs of realistic length. Prompts:
-random tokens with one marker.
+A random model writes no <explanation> tags, so each rollout's text is made an <explanation>
+(`StandInEngine`) of text the AR reads as exactly as many tokens as it generated (its ids mapped
+onto the toy vocabulary's words, `stand_in_explanation`), which the trainer's extraction reads: the AR then reads inputs of
+realistic length. Prompts: random tokens with one marker.
 
 TFLOP/s counts the matrix arithmetic each path executes (`path_flops`), and % of peak is
 against 790 TFLOP/s (bf16 dense, measured on this H200). The rollout's TFLOP/s is shown for
@@ -155,7 +158,7 @@ class Context:
 
     def __init__(self, args, device: torch.device, dtype: torch.dtype, defaults: dict) -> None:
         from nla_shell.models import trainable_parameters
-        from nla_shell.training.train import make_optimizer
+        from nla_shell.training.setup import make_optimizer
 
         self.device, self.defaults = device, defaults
         self.tokenizer, tokens = syn.toy_tokenizer()
@@ -304,61 +307,86 @@ def path_flops(config, rollouts, *, shared_prefix: bool, ar_tokens: list[int], c
 # --------------------------------------------------------------------------- one step
 
 
-def score_inputs(ctx: Context, rollouts):
-    """Extracted explanations, stood in where a random model wrote none; the golds; the group ids."""
+def trainer_state(ctx: Context, args, requests, group: int):
+    """The trainer's run state (`nla_shell.training.setup.RunState`) over one case's synthetic prompts:
+    the context's models, engine and optimisers, TrainConfig's defaults but the shapes and micro-batches
+    set here; a step's phases are then the trainer's own functions (`nla_shell.training.step`)."""
     import nla_core
+    from nla_shell.io.config import TrainConfig
+    from nla_shell.io.data import RLRow
+    from nla_shell.io.logging import NullLogger
+    from nla_shell.training import distributed
+    from nla_shell.training.canary import CanaryWatch
+    from nla_shell.training.setup import DataOrder, EvalEngine, RunState
 
-    extracted = [nla_core.extract_explanation(r.text) for r in rollouts]
-    explanations = [e if e else stand_in_explanation(ctx.tokenizer, r) for e, r in zip(extracted, rollouts)]
-    return explanations, torch.tensor([r.prompt_index for r in rollouts])
+    cfg = TrainConfig(
+        av_ckpt="<random weights>", ar_ckpt="<random weights>", rl_parquet="<synthetic>", save_dir=os.devnull,
+        batch_prompts=len(requests), group_size=group, max_new_tokens=args.new_tokens, train_critic=args.critic,
+        logp_micro_batch=args.micro_batch, ref_micro_batch=args.reference_micro_batch or 4 * args.micro_batch,
+        critic_micro_batch=args.critic_micro_batch, logp_prompt_block=args.prompt_block or ctx.defaults["logp_prompt_block"],
+        vllm_canary="warn",  # random weights: a canary is read (its cost is the trainer's), never a reason to stop
+    )
+    t = ctx.tokens
+    nla = nla_core.NLAConfig(
+        kind="synthetic", d_model=ctx.config.hidden_size, injection_char="", injection_token_id=t["injection_token_id"],
+        injection_left_neighbor_id=t["injection_left_neighbor_id"], injection_right_neighbor_id=t["injection_right_neighbor_id"],
+        actor_prompt_template="", critic_prompt_template="Text: {explanation}", extraction_layer_index=ctx.extraction_layer,
+        mse_scale=ctx.critic.mse_scale,
+    )
+    rows = [RLRow(prompt="", activation=r.activation, doc_id=str(i), index=i) for i, r in enumerate(requests)]
+    engine = StandInEngine(ctx)
+    return RunState(
+        cfg=cfg, rank=distributed.rank_info(), device=ctx.device, nla=nla, tokenizer=ctx.tokenizer, rows=rows,
+        prompt_ids=[list(r.prompt_ids) for r in requests], eval_rows=[], eval_prompt_ids=[], actor=ctx.actor,
+        injector=ctx.injector, critic=ctx.critic, engine=engine,
+        eval_engine=EvalEngine(engine, ctx.actor, ctx.injector, ctx.tokenizer), optimizer=ctx.optimizer,
+        critic_optimizer=ctx.critic_optimizer, critic_ema=None, eos_ids=(ctx.tokenizer.eos_token_id,),
+        mse_scale=ctx.critic.mse_scale, rawvar=1.0, meannorm=1.0, order=DataOrder(len(rows), cfg.seed), start_step=0,
+        skipped_steps=0, logger=NullLogger(), save_dir=Path(os.devnull), canary_watch=CanaryWatch(stop=False),
+    )
 
 
-def run_path(ctx: Context, path: str, rollouts, golds, args, *, critic_on: bool, keep_weights: bool):
-    """One path's score / update / critic phases. Returns ({phase: {"s", "peak_gib"}}, numbers, ar_tokens)."""
-    import nla_core
-    from nla_shell.models import trainable_parameters
-    from nla_shell.training.scoring import critic_step, score_and_train_critic, score_explanations
-    from nla_shell.training.update import LossOptions, policy_update
+class StandInEngine:
+    """The context's engine (whichever it is now: `recapture` replaces it), each rollout's text an
+    <explanation> of its stand-in, so that the trainer's own extraction reads it."""
 
-    d, device, pad = ctx.defaults, ctx.device, ctx.tokenizer.pad_token_id
-    before = path == "before"
+    def __init__(self, ctx: Context) -> None:
+        self.ctx = ctx
+
+    def __getattr__(self, name: str):
+        return getattr(self.ctx.engine, name)
+
+    def generate(self, requests, *, group_size: int, max_new_tokens: int):
+        rollouts = self.ctx.engine.generate(requests, group_size=group_size, max_new_tokens=max_new_tokens)
+        return [dataclasses.replace(r, text=f"<explanation>{stand_in_explanation(self.ctx.tokenizer, r)}</explanation>")
+                for r in rollouts]
+
+
+def run_path(ctx: Context, path: str, state, rolled, args, *, keep_weights: bool):
+    """One path's score / update / critic phases. Returns ({phase: {"s", "peak_gib"}}, numbers, ar_tokens).
+
+    Every path but "before" runs the trainer's own phases (`step.score_phase`, `step.update_phase`).
+    """
+    from nla_shell.training import step
+
     phases: dict[str, dict[str, float]] = {}
     profile_dir, ctx.profile_dir = ctx.profile_dir, None  # one profile per path: its first (warm-up) step
-    explanations, groups = score_inputs(ctx, rollouts)
-    score_kwargs = dict(template="Text: {explanation}", mse_scale=ctx.critic.mse_scale, reward_kind=d["reward"],
-                        max_tokens=d["max_explanation_tokens"])
-    critic_micro = (args.before_critic_micro_batch or d["critic_micro_batch"]) if before else args.critic_micro_batch
-    # A path that another follows on the same rollouts leaves every weight as it was.
-    critic_optimizer = (torch.optim.SGD(trainable_parameters(ctx.critic), lr=0.0) if keep_weights
-                        else ctx.critic_optimizer)
 
     def phase(name, fn):
-        with profiled(profile_dir, f"{path}_{name}", device):
-            seconds, out, memory = syn.measured(fn, device)
+        with profiled(profile_dir, f"{path}_{name}", ctx.device):
+            seconds, out, memory = syn.measured(fn, ctx.device)
         phases[name] = {"s": seconds, **memory}
         return out
 
-    critic_loss = critic_norm = math.nan
-    if critic_on and not before:
-        scores, critic_loss, critic_norm, _ = phase("score", lambda: score_and_train_critic(
-            ctx.critic, critic_optimizer, ctx.tokenizer, explanations, golds, **score_kwargs,
-            micro_batch=critic_micro, max_grad_norm=d["max_grad_norm"]))
+    if keep_weights:  # another path follows on the same rollouts: leave every weight as it was
+        state = dataclasses.replace(state, optimizer=lr0_sgd(ctx.actor),
+                                    critic_optimizer=lr0_sgd(ctx.critic) if args.critic else None)
+    if path == "before":
+        update, critic_loss, critic_norm, scores = before_phases(ctx, state, rolled, args, phase)
     else:
-        scores = phase("score", lambda: score_explanations(ctx.critic, ctx.tokenizer, explanations, golds,
-                                                           **score_kwargs, micro_batch=critic_micro))
-    advantages = nla_core.group_advantages(scores.reward, groups, scale=d["advantage_scale"])
-    ctx.actor.train()
-    update = phase("update", lambda: policy_update(
-        ctx.actor, ctx.injector, ctx.optimizer, rollouts, advantages, golds, loss=LossOptions(),
-        micro_batch=args.before_micro_batch if before else args.micro_batch, max_grad_norm=d["max_grad_norm"],
-        pad_id=pad, share_prefix=not before,
-        reference_micro_batch=args.before_micro_batch if before else args.reference_micro_batch,
-        step_optimizer=not keep_weights, prompt_block=args.prompt_block or d["logp_prompt_block"]))
-    if critic_on and before:
-        kept = [i for i, ids in enumerate(scores.ar_inputs) if ids is not None]
-        critic_loss, critic_norm = phase("critic", lambda: critic_step(
-            ctx.critic, critic_optimizer, [scores.ar_inputs[i] for i in kept], golds[kept], pad_id=pad,
-            micro_batch=critic_micro, max_grad_norm=d["max_grad_norm"]))
+        scored = phase("score", lambda: step.score_phase(state, rolled))
+        update = phase("update", lambda: step.update_phase(state, 0, scored))
+        critic_loss, critic_norm, scores = scored.critic_loss, scored.critic_grad_norm, scored.scores
     ctx.optimizer.zero_grad(set_to_none=True)
     numbers = {"loss": update.loss, "grad_norm": update.grad_norm, "kl_mean": update.kl_mean,
                "clip_frac": update.clip_frac, "logp_diff_mean": update.logp_diff_mean,
@@ -368,23 +396,62 @@ def run_path(ctx: Context, path: str, rollouts, golds, args, *, critic_on: bool,
     return phases, numbers, ar_tokens
 
 
-def grpo_step(ctx: Context, requests, group: int, new_tokens: int, args, *, paths: list[str]):
-    """Rollouts once, then each path on them. Returns {path: (phases, numbers, flops)}, rollout phase, extra."""
+def lr0_sgd(model) -> torch.optim.Optimizer:
+    """An optimiser whose steps change nothing (lr 0): a path's update and critic step run, its weights stay."""
+    from nla_shell.models import trainable_parameters
+
+    return torch.optim.SGD(trainable_parameters(model), lr=0.0)
+
+
+def before_phases(ctx: Context, state, rolled, args, phase):
+    """The arithmetic of the trainer before issue 12: full sequences per sample, the reference at the
+    policy's micro-batch, scoring and the critic step as two AR passes. (update, critic loss, grad norm, scores)"""
+    import nla_core
+    from nla_shell.training.scoring import critic_step, score_explanations
+    from nla_shell.training.update import policy_update
+
+    d, cfg, pad = ctx.defaults, state.cfg, ctx.tokenizer.pad_token_id
+    rollouts = rolled.rollouts
+    golds = torch.stack([rolled.requests[r.prompt_index].activation for r in rollouts])
+    explanations = [nla_core.extract_explanation(r.text) for r in rollouts]
+    critic_micro = args.before_critic_micro_batch or d["critic_micro_batch"]
+    score_kwargs = {**state.score_kwargs, "micro_batch": critic_micro}
+    scores = phase("score", lambda: score_explanations(ctx.critic, ctx.tokenizer, explanations, golds, **score_kwargs))
+    groups = torch.tensor([r.prompt_index for r in rollouts])
+    advantages = nla_core.group_advantages(scores.reward, groups, scale=cfg.advantage_scale)
+    ctx.actor.train()
+    update = phase("update", lambda: policy_update(
+        ctx.actor, ctx.injector, state.optimizer, rollouts, advantages, golds, loss=state.loss_options,
+        micro_batch=args.before_micro_batch, max_grad_norm=cfg.max_grad_norm, pad_id=pad, share_prefix=False,
+        reference_micro_batch=args.before_micro_batch, prompt_block=cfg.logp_prompt_block))
+    critic_loss = critic_norm = math.nan
+    if args.critic:
+        kept = [i for i, ids in enumerate(scores.ar_inputs) if ids is not None]
+        critic_loss, critic_norm = phase("critic", lambda: critic_step(
+            ctx.critic, state.critic_optimizer, [scores.ar_inputs[i] for i in kept], golds[kept], pad_id=pad,
+            micro_batch=critic_micro, max_grad_norm=cfg.max_grad_norm))
+    return update, critic_loss, critic_norm, scores
+
+
+def grpo_step(ctx: Context, requests, group: int, args, *, paths: list[str]):
+    """The trainer's rollout phase once (this rank's share of `requests`), then each path on those rollouts.
+    Returns {path: (phases, numbers, flops)}, extra."""
     device = ctx.device
+    state = trainer_state(ctx, args, requests, group)
     resident = torch.cuda.memory_allocated(device) / 2**30 if device.type == "cuda" else math.nan
-    rollout, rollouts = timed_rollout(ctx, requests, group, new_tokens)
-    golds = torch.stack([requests[r.prompt_index].activation for r in rollouts])
+    rollout, rolled = timed_rollout(ctx, state)
     results = {}
     for position, path in enumerate(paths):
         path_rollout = rollout
         with path_arithmetic(ctx, path, args):
             if path in AUTOCAST_PATHS:
-                path_rollout, own = timed_rollout(ctx, requests, group, new_tokens)
-            phases, numbers, ar_tokens = run_path(ctx, path, rollouts, golds, args, critic_on=args.critic,
+                path_rollout, own = timed_rollout(ctx, state)
+            phases, numbers, ar_tokens = run_path(ctx, path, state, rolled, args,
                                                   keep_weights=position < len(paths) - 1)
             if path in AUTOCAST_PATHS:
-                numbers["own_logp_gap"] = behaviour_gap(ctx, own, requests, args.reference_micro_batch or 4 * args.micro_batch)
-        flops = path_flops(ctx.config, rollouts, shared_prefix=path != "before", ar_tokens=ar_tokens,
+                numbers["own_logp_gap"] = behaviour_gap(ctx, own.rollouts, own.requests,
+                                                        args.reference_micro_batch or 4 * args.micro_batch)
+        flops = path_flops(ctx.config, rolled.rollouts, shared_prefix=path != "before", ar_tokens=ar_tokens,
                            critic_layers=ctx.extraction_layer + 1)
         critic_flops = flops.pop("critic")
         if "critic" in phases:
@@ -393,19 +460,20 @@ def grpo_step(ctx: Context, requests, group: int, new_tokens: int, args, *, path
             flops["score"] = critic_flops  # one AR forward + backward scored and trained
         results[path] = ({"rollout": path_rollout, **phases}, numbers, flops)
         print(f"[path] {path}: " + ", ".join(f"{k} {v['s']:.2f}s" for k, v in results[path][0].items()), flush=True)
-    extra = {"generated_tokens": sum(r.response_len for r in rollouts),
+    extra = {"generated_tokens": sum(r.response_len for r in rolled.rollouts),
              "resident_gib_before_rollout": resident,
              "engine_stats": dict(getattr(ctx.engine, "last_stats", {}))}
     return results, extra
 
 
-def timed_rollout(ctx: Context, requests, group: int, new_tokens: int):
-    """({"s", "capture_s", "peak_gib", "in_use_gib"}, rollouts): seconds without the CUDA-graph captures (a fresh
-    engine captures on first use of a shape, see `recapture`)."""
-    seconds, rollouts, memory = syn.measured(
-        lambda: ctx.engine.generate(requests, group_size=group, max_new_tokens=new_tokens), ctx.device)
+def timed_rollout(ctx: Context, state):
+    """({"s", "capture_s", "peak_gib", "in_use_gib"}, the trainer's rollout phase's output): seconds without
+    the CUDA-graph captures (a fresh engine captures on first use of a shape, see `recapture`)."""
+    from nla_shell.training import step
+
+    seconds, rolled, memory = syn.measured(lambda: step.rollout_phase(state, 0), ctx.device)
     capture = getattr(ctx.engine, "last_stats", {}).get("capture_s", 0.0)
-    return {"s": seconds - capture, "capture_s": capture, **memory}, rollouts
+    return {"s": seconds - capture, "capture_s": capture, **memory}, rolled
 
 
 def compare_numbers(a: dict, b: dict) -> dict[str, float]:
@@ -535,28 +603,28 @@ def run(args, rank, device: torch.device) -> None:
           + (f" (each of {rank.world_size} ranks)" if rank.world_size > 1 else ""), flush=True)
 
     for index, (prompts, group) in enumerate(args.cases):
-        requests = distributed.shard(
-            syn.make_requests(prompts, args.prompt_len, ctx.config.hidden_size, ctx.tokens,
-                              vocab=min(ctx.config.vocab_size, len(ctx.tokenizer)), seed=prompts * group),
-            rank)
+        # The global batch: the trainer's rollout phase takes this rank's share.
+        requests = syn.make_requests(prompts, args.prompt_len, ctx.config.hidden_size, ctx.tokens,
+                                     vocab=min(ctx.config.vocab_size, len(ctx.tokenizer)), seed=prompts * group)
         label = f"{prompts}x{group} critic {'on' if args.critic else 'off'}"
         syn.free_memory(device)
         try:
             # This shape's rollout graphs, then every phase's first-use costs on one prompt's group.
             print(f"[warm-up] {label}", flush=True)
-            ctx.engine.generate(requests, group_size=group, max_new_tokens=new_tokens)
+            ctx.engine.generate(distributed.shard(requests, rank), group_size=group, max_new_tokens=new_tokens)
+            warm_prompts = min(prompts, max(1, args.micro_batch // group) * rank.world_size)
             paths = []
             for path in args.paths:
                 ctx.profile_dir = args.profile if index == 0 and rank.is_main else None
                 try:
-                    grpo_step(ctx, requests[: max(1, args.micro_batch // group)], group, new_tokens, args, paths=[path])
+                    grpo_step(ctx, requests[:warm_prompts], group, args, paths=[path])
                     paths.append(path)
                 except Exception as err:  # noqa: BLE001 - a path that fails its warm-up is left out of the step
                     if rank.world_size > 1:
                         raise  # the other ranks may not have failed: their collectives would wait forever
                     traceback.print_exc()
                     record.error(f"{label} {path} warm-up", err)
-            results, extra = grpo_step(ctx, requests, group, new_tokens, args, paths=paths)
+            results, extra = grpo_step(ctx, requests, group, args, paths=paths)
             across_ranks(results)
         except Exception as err:  # noqa: BLE001 - report, free, go on
             traceback.print_exc()

@@ -28,7 +28,7 @@ from nla_shell.models import ARModel, Injector, ar_predict, base_model_dir, pad_
 from nla_shell.pipeline.datagen import DatagenConfig, capture_activations
 from nla_shell.pipeline.evaluate import check_model_reads_training_data, load_av, tokenizer_dir
 from nla_shell.training.scoring import ar_token_ids, score_explanations
-from nla_shell.training.train import resolve_device
+from nla_shell.training.setup import resolve_device
 
 EngineName = Literal["hf", "native", "vllm"]
 

@@ -1,4 +1,5 @@
-"""bench/bench_step.py's stand-in explanations: what a random model's rollout gives the AR to read."""
+"""bench/bench_step.py: its stand-in explanations (what a random model's rollout gives the AR to read), and its
+step being the trainer's."""
 
 from __future__ import annotations
 
@@ -45,3 +46,34 @@ def test_stand_in_of_a_full_rollout_keeps_its_length(toy_tokenizer):
     assert len(toy_tokenizer.encode(plain, add_special_tokens=False)) > 200
     text = bench_step.stand_in_explanation(toy_tokenizer, _rollout(generated))
     assert len(toy_tokenizer.encode("Text: " + text, add_special_tokens=False)) == 165
+
+
+def test_the_benchmarks_step_is_the_trainers(monkeypatch):
+    """From the same state, the benchmark's step (its "after" path: the trainer's rollout, score and
+    update phases on a synthetic RunState) and the trainer's `train_step` give the same numbers."""
+    import dataclasses
+
+    from nla_shell.io.config import TrainConfig
+    from nla_shell.training import step
+
+    monkeypatch.setattr(sys, "argv", ["bench_step.py", "--tiny", "--paths", "after"])
+    args = bench_step.parse_args()
+    args.new_tokens = 8
+    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+
+    def same_start():
+        torch.manual_seed(0)
+        ctx = bench_step.Context(args, torch.device("cpu"), torch.float32, defaults)
+        requests = synthetic.make_requests(2, args.prompt_len, ctx.config.hidden_size, ctx.tokens,
+                                           vocab=min(ctx.config.vocab_size, len(ctx.tokenizer)), seed=4)
+        return ctx, requests
+
+    ctx, requests = same_start()
+    results, _ = bench_step.grpo_step(ctx, requests, 2, args, paths=["after"])
+    bench = results["after"][1]
+    ctx, requests = same_start()
+    record = step.train_step(bench_step.trainer_state(ctx, args, requests, 2), 0)
+    for key in ("loss", "grad_norm", "kl_mean", "clip_frac", "logp_diff_mean", "critic_loss", "critic_grad_norm"):
+        assert bench[key] == record[key], key
+    assert record["extraction_rate"] == 1.0  # every stand-in explanation was extracted and scored
+    assert sum(bench["reward"]) / len(bench["reward"]) == pytest.approx(record["reward_mean"], rel=1e-12)

@@ -27,7 +27,7 @@ from safetensors.torch import load_file
 
 from nla_shell import cli
 from nla_shell.training import distributed
-from nla_shell.training import train as train_module
+from nla_shell.training import setup as trainer_setup
 from nla_shell.io.config import ConfigError
 from nla_shell.training.distributed import RankInfo
 from nla_shell.engines.base import Rollout, RolloutRequest
@@ -80,7 +80,7 @@ class PreemptedEngine(PerRequestSeededEngine):
 
 
 def seeded_make_engine(cfg, actor, injector, tokenizer, **_) -> PerRequestSeededEngine:
-    """Stands in for nla_shell.training.train.make_engine; the rank named by $PREEMPT_RANK gets SIGTERM."""
+    """Stands in for nla_shell.training.setup.make_engine; the rank named by $PREEMPT_RANK gets SIGTERM."""
     preempted = os.environ.get("PREEMPT_RANK") == os.environ.get("RANK")
     return (PreemptedEngine if preempted else PerRequestSeededEngine)(actor, injector, tokenizer)
 
@@ -214,7 +214,7 @@ def test_two_ranks_make_the_same_update_as_one_process(nla_run_inputs, tmp_path,
                   resume_from_lora=tmp_path / "init")
 
     one, two = tmp_path / "one", tmp_path / "two"
-    monkeypatch.setattr(train_module, "make_engine", seeded_make_engine)
+    monkeypatch.setattr(trainer_setup, "make_engine", seeded_make_engine)
     assert cli.main(["train", *_settings(nla_run_inputs, one, **common)]) == 0
     _run_job([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
               __file__, "train", *_settings(nla_run_inputs, two, **common)])
@@ -283,5 +283,5 @@ def test_sigterm_on_one_rank_stops_every_rank_at_the_same_step_and_saves_once(nl
 if __name__ == "__main__":
     # A torchrun rank of the exactness test: `nla train` with the per-request seeded engine.
     torch.set_num_threads(1)
-    train_module.make_engine = seeded_make_engine
+    trainer_setup.make_engine = seeded_make_engine
     sys.exit(cli.main(sys.argv[1:]))

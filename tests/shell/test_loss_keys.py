@@ -16,7 +16,7 @@ import fixtures
 import nla_core
 from nla_shell import cli
 from nla_shell.io.config import ConfigError, TrainConfig, load_dataclass
-from nla_shell.training import sampling, scoring, train as train_module
+from nla_shell.training import sampling, scoring, setup as trainer_setup, step as step_module
 
 NEW_KEYS = ("policy_loss", "aggregation", "advantage_scale", "token_mask", "dynamic_sampling",
             "dynamic_sampling_max_draws", "critic_rollouts", "critic_ema")
@@ -133,13 +133,13 @@ def test_dynamic_sampling_draws_are_bounded_and_counted(nla_run_inputs, tmp_path
     # No group ever varies: every step draws its dynamic_sampling_max_draws extra batches, then trains on B groups.
     monkeypatch.setattr(nla_core, "group_has_variance", lambda rewards, group_ids: torch.zeros_like(rewards, dtype=torch.bool))
     sizes = []
-    real = train_module.policy_update
+    real = step_module.policy_update
 
     def recording(actor, injector, optimizer, rollouts, advantages, activations, **kw):
         sizes.append(len(rollouts))
         return real(actor, injector, optimizer, rollouts, advantages, activations, **kw)
 
-    monkeypatch.setattr(train_module, "policy_update", recording)
+    monkeypatch.setattr(step_module, "policy_update", recording)
     lines = run(nla_run_inputs, tmp_path, num_steps=2, dynamic_sampling="true", dynamic_sampling_max_draws=2)
     assert [line["dynamic_sampling_draws"] for line in lines] == [2, 2]
     assert [line["varied_groups"] for line in lines] == [0, 0]
@@ -190,13 +190,13 @@ def test_dynamic_sampling_keeps_the_varied_groups():
 
 def test_critic_rollouts_best_trains_on_one_pair_per_group(nla_run_inputs, tmp_path, monkeypatch):
     pairs = []
-    real = train_module.critic_step
+    real = step_module.critic_step
 
     def recording(critic, optimizer, ar_inputs, golds, **kw):
         pairs.append(len(ar_inputs))
         return real(critic, optimizer, ar_inputs, golds, **kw)
 
-    monkeypatch.setattr(train_module, "critic_step", recording)
+    monkeypatch.setattr(step_module, "critic_step", recording)
     run(nla_run_inputs, tmp_path, num_steps=2, train_critic="true", critic_rollouts="best")
     assert len(pairs) == 2 and all(n <= 2 for n in pairs)  # at most one per prompt group (B = 2)
 
@@ -205,7 +205,7 @@ def test_critic_ema_averages_the_trained_weights_and_is_checkpointed(nla_run_inp
     _, ar, _ = nla_run_inputs
     run(nla_run_inputs, tmp_path, train_critic="true", critic_ema=0.5, critic_lr=1e-2)
     step = tmp_path / "run" / "step_000001"
-    ema = load_file(str(step / train_module.CRITIC_EMA_FILE))
+    ema = load_file(str(step / trainer_setup.CRITIC_EMA_FILE))
     before = load_file(str(ar / "value_head.safetensors"))["weight"]
     after = load_file(str(step / "critic" / "value_head.safetensors"))["weight"]
     assert not torch.equal(before, after)
@@ -240,14 +240,14 @@ def test_two_ranks_match_one_process_with_the_new_keys(nla_run_inputs, tmp_path,
                   aggregation="prompt_mean", policy_loss="gspo", token_mask="0.5,2", critic_rollouts="best",
                   critic_ema=0.5)
     one, two = tmp_path / "one", tmp_path / "two"
-    monkeypatch.setattr(train_module, "make_engine", dist_tests.seeded_make_engine)
+    monkeypatch.setattr(trainer_setup, "make_engine", dist_tests.seeded_make_engine)
     assert cli.main(["train", *dist_tests._settings(nla_run_inputs, one, **common)]) == 0
     dist_tests._run_job([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                          dist_tests.__file__, "train", *dist_tests._settings(nla_run_inputs, two, **common)])
     dist_tests._assert_metrics_close(dist_tests._metrics(two), dist_tests._metrics(one))
     for step in ("step_000001", "step_000002"):
-        a = load_file(str(two / step / train_module.CRITIC_EMA_FILE))
-        b = load_file(str(one / step / train_module.CRITIC_EMA_FILE))
+        a = load_file(str(two / step / trainer_setup.CRITIC_EMA_FILE))
+        b = load_file(str(one / step / trainer_setup.CRITIC_EMA_FILE))
         for name in b:
             torch.testing.assert_close(a[name], b[name], rtol=1e-4, atol=1e-6)
 

@@ -27,7 +27,7 @@ from nla_shell.models import (
     Injector, eos_token_ids, inner_lm, load_actor, load_generation_config, response_logprobs,
 )
 from nla_shell.toy import builders as toy
-from nla_shell.training import train as train_module
+from nla_shell.training import setup as trainer_setup, train as train_module
 from nla_shell.training.scoring import Scores, shape_rewards
 from nla_shell.training.update import response_batch
 
@@ -167,7 +167,7 @@ def test_eval_scores_the_current_actor_even_when_the_engine_copy_is_stale(nla_ru
                           float((stale - current)[mask].abs().max())))
         return result
 
-    monkeypatch.setattr(train_module, "make_engine", make_engine)
+    monkeypatch.setattr(trainer_setup, "make_engine", make_engine)
     monkeypatch.setattr(train_module, "evaluate_rows", recording_eval)
     assert cli.main(_train_args(nla_run_inputs, tmp_path / "run", vllm_sync_every=sync_every)) == 0
     # Two steps: the initial push, then one after each step whose number is a multiple of sync_every (0: never).

@@ -81,11 +81,11 @@ def test_auto_micro_batches_are_printed_saved_and_kept_on_resume(nla_run_inputs,
     what the uninterrupted run logged."""
     import yaml
 
-    from nla_shell.training import train as train_module
+    from nla_shell.training import step as step_module
 
     used = []
-    update = train_module.policy_update
-    monkeypatch.setattr(train_module, "policy_update", lambda *a, **k: (
+    update = step_module.policy_update
+    monkeypatch.setattr(step_module, "policy_update", lambda *a, **k: (
         used.append((k["micro_batch"], k["reference_micro_batch"])), update(*a, **k))[1])
     fresh = tmp_path / "fresh"
     assert cli.main(fixtures.train_argv(nla_run_inputs, fresh, num_steps=1, logp_micro_batch="auto", eval_every=0)) == 0

@@ -337,7 +337,7 @@ def test_a_steering_canary_failing_three_steps_in_a_row_stops_the_run(nla_run_in
 
 def test_the_canary_watch_stops_only_on_failures_in_a_row():
     from nla_shell.training.stopped import RunSpoiledError
-    from nla_shell.training.train import CanaryWatch
+    from nla_shell.training.canary import CanaryWatch
 
     watch = CanaryWatch(stop=True)
     assert watch.check(0, 0.0) is not None and watch.check(1, float("nan")) is not None

@@ -1,0 +1,507 @@
+"""The run before its first step: `setup(cfg, ...) -> RunState` and the pieces it is built from.
+
+`setup` validates the inputs, claims the run directory (rank 0), loads the actor (LoRA and
+injection hook) and the critic, starts the rollout engine, makes the optimisers, computes the FVE
+baselines and, when a verified checkpoint is there, restores the data cursor, the optimiser
+moments and every rank's RNG stream from it: a resumed run goes on exactly where it stopped.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file
+
+import nla_core
+from nla_shell import families
+from nla_shell.engines.base import RolloutEngine
+from nla_shell.io.config import (
+    RESUME_MUTABLE_KEYS, ConfigError, TrainConfig, config_defaults, config_to_dict, save_config,
+)
+from nla_shell.io.data import (
+    DataError, RLRow, build_prompt_ids, check_tokenizer, load_eval_rows, load_rows, parquet_num_rows, row_windows,
+)
+from nla_shell.io.logging import NullLogger, make_logger
+from nla_shell.io.progress import say_line
+from nla_shell.io.sidecars import injection_settings, load_sidecar
+from nla_shell.models import (
+    ARModel, BackboneAutocast, CompiledBlockParts, Injector, base_model_dir, eos_token_ids, inner_lm, is_adapter_dir,
+    load_actor, trainable_parameters,
+)
+from nla_shell.training import checkpoint as ckpt
+from nla_shell.training import distributed, sampling
+from nla_shell.training.canary import CanaryWatch
+from nla_shell.training.distributed import RankInfo
+from nla_shell.training.memory import resolve_micro_batches
+from nla_shell.training.update import LossOptions
+
+
+CRITIC_EMA_FILE = "critic_ema.safetensors"
+"""A checkpoint's EMA of the critic's trained weights (critic_ema), in trainable_parameters order."""
+
+# --------------------------------------------------------------------------- small pieces
+
+
+def resolve_device(device: str, dtype: str, rank: RankInfo = RankInfo()) -> tuple[torch.device, torch.dtype]:
+    """"auto" -> cuda when available, else cpu; dtype "auto" -> bf16 on cuda, fp32 on cpu.
+
+    Under torchrun each rank takes its own GPU: "auto" and "cuda" become cuda:LOCAL_RANK.
+    """
+    dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device))
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r} but CUDA is not available; use device=cpu or device=auto")
+    if dev.type == "cuda" and rank.world_size > 1:
+        if dev.index is not None:
+            raise ConfigError(
+                f"config key 'device' = {device!r} is invalid under torchrun: every rank uses the GPU "
+                "of its LOCAL_RANK; use device=cuda or device=auto"
+            )
+        if rank.local_rank >= torch.cuda.device_count():
+            raise ConfigError(
+                f"rank {rank.rank} has LOCAL_RANK {rank.local_rank} but only {torch.cuda.device_count()} GPU(s) "
+                "are visible: launch at most one rank per GPU (--nproc / --nproc_per_node)"
+            )
+        dev = torch.device("cuda", rank.local_rank)
+    if dtype == "auto":
+        return dev, torch.bfloat16 if dev.type == "cuda" else torch.float32
+    return dev, {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+
+
+def make_optimizer(params: list[torch.nn.Parameter], lr: float, *, device: torch.device, label: str) -> torch.optim.Optimizer:
+    """8-bit AdamW (bitsandbytes) on CUDA when installed, else torch AdamW; says which."""
+    if device.type == "cuda":
+        try:
+            import bitsandbytes as bnb
+
+            say(f"[optim] {label}: bitsandbytes AdamW8bit")
+            return bnb.optim.AdamW8bit(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+        except ImportError:
+            pass
+    say(f"[optim] {label}: torch AdamW (fp32 moments)")
+    return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+
+
+def make_engine(cfg: TrainConfig, actor, injector: Injector, tokenizer, *, layer_index: int,
+                eos_ids: tuple[int, ...]) -> RolloutEngine:
+    if cfg.engine == "hf":
+        from nla_shell.engines.hf import HFRolloutEngine
+
+        return HFRolloutEngine(actor, injector, tokenizer)
+    if cfg.engine == "native":
+        from nla_shell.engines.native import NativeRolloutEngine
+
+        return NativeRolloutEngine(actor, injector, tokenizer)
+    from nla_shell.engines.vllm import VLLMRolloutEngine
+
+    # vLLM loads the base weights; the trainer's first sync pushes the LoRA-merged actor.
+    return VLLMRolloutEngine(
+        base_model_dir(cfg.av_ckpt),
+        tokenizer,
+        marker_id=injector.marker_id,
+        left_id=injector.left_id,
+        right_id=injector.right_id,
+        injection_layer=layer_index,
+        injection_style=injector.style,
+        injection_norm=injector.injection_norm,
+        gpu_memory_utilization=cfg.vllm_gpu_mem,
+        max_model_len=cfg.vllm_max_len,
+        tensor_parallel_size=cfg.vllm_tp,
+        enable_prefix_caching=cfg.vllm_prefix_caching,
+        max_num_seqs=cfg.vllm_max_seqs,
+        kv_cache_gib=cfg.vllm_kv_cache_gib,
+        sleep_level=cfg.vllm_sleep,
+        eos_ids=eos_ids,
+        # Under torchrun each rank's engine runs on the rank's GPU and samples from a stream of its own.
+        seed=distributed.rank_seed(cfg.seed, distributed.rank_info().rank) if distributed.active() else cfg.seed,
+        per_rank=distributed.active(),
+    )
+
+
+def say(message: str, *, error: bool = False) -> None:
+    """Print on rank 0 only: every rank runs the same story, one voice tells it (above the progress bar)."""
+    if distributed.is_main():
+        say_line(message, error=error)
+
+
+def seed_everything(seed: int) -> None:
+    """Seed python's, numpy's and torch's (CPU and CUDA) global RNGs."""
+    random.seed(seed)
+    torch.manual_seed(seed)
+    np.random.seed(seed)
+
+
+@dataclass
+class DataOrder:
+    """Epoch-wise seeded permutations of the training rows; the cursor is (epoch, offset)."""
+
+    n_rows: int
+    seed: int
+    epoch: int = 0
+    offset: int = 0
+
+    def next_batch(self, size: int) -> list[int]:
+        if self.offset + size > self.n_rows:
+            self.epoch, self.offset = self.epoch + 1, 0
+        order = np.random.default_rng([self.seed, self.epoch]).permutation(self.n_rows)
+        picked = order[self.offset : self.offset + size].tolist()
+        self.offset += size
+        return picked
+
+    def state(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "offset": self.offset}
+
+
+def load_train_and_eval_rows(cfg: TrainConfig, nla: nla_core.NLAConfig) -> tuple[list[RLRow], list[RLRow]]:
+    """The training rows and the held-out eval rows (none when eval is off), as `cfg` windows them.
+
+    Held-out rows come from eval_parquet when given, else from rl_parquet past the training
+    window (data.row_windows); either way only rows of documents unseen in training.
+    """
+    eval_on = cfg.eval_every > 0 and cfg.eval_n_prompts > 0
+    windows = row_windows(
+        parquet_num_rows(cfg.rl_parquet), max_rows=cfg.max_rows, eval_skip_rows=cfg.eval_skip_rows,
+        n_eval=cfg.eval_n_prompts if eval_on and cfg.eval_parquet is None else 0,
+    )
+    rows = load_rows(cfg.rl_parquet, nla, max_rows=windows.train_stop, min_rows=cfg.batch_prompts)
+    if not eval_on:
+        return rows, []
+    train_docs = [r.doc_id for r in rows]
+    if cfg.eval_parquet is not None:
+        check_same_geometry(nla, cfg.eval_parquet)
+        eval_rows = load_eval_rows(cfg.eval_parquet, nla, skip_rows=0, n=cfg.eval_n_prompts, train_doc_ids=train_docs,
+                                   key="eval_parquet")
+        where = cfg.eval_parquet
+    else:
+        eval_rows = load_eval_rows(cfg.rl_parquet, nla, skip_rows=windows.eval_start, n=cfg.eval_n_prompts,
+                                   train_doc_ids=train_docs)
+        where = f"{cfg.rl_parquet} rows {windows.eval_start}+ (training reads rows [0, {windows.train_stop}))"
+    say(f"[data] {len(rows)} training rows; held-out eval: {len(eval_rows)} rows of unseen documents from {where}")
+    return rows, eval_rows
+
+
+def check_same_geometry(nla: nla_core.NLAConfig, parquet: str) -> None:
+    """A second parquet (the eval split) whose own sidecar, if any, agrees with `nla` on D, layer and marker."""
+    try:
+        other = load_sidecar(parquet)
+    except DataError:
+        return  # no sidecar of its own: the schema check still holds it to nla's D
+    for name in ("d_model", "extraction_layer_index", "injection_char", "injection_token_id"):
+        if getattr(other, name) != getattr(nla, name):
+            raise DataError(
+                f"eval_parquet: {parquet}'s sidecar has {name} {getattr(other, name)!r}, rl_parquet's has "
+                f"{getattr(nla, name)!r}; give the eval split written by the same nla datagen run"
+            )
+
+
+def say_actor_start(cfg: TrainConfig, actor, *, continues_sft: bool) -> None:
+    """Say which LoRA RL trains, and what the lora_* keys mean for it."""
+    if not is_adapter_dir(cfg.av_ckpt):
+        return
+    adapter = actor.peft_config["default"]
+    if continues_sft:
+        say(f"[actor] continuing the SFT adapter {cfg.av_ckpt} (r={adapter.r}, alpha={adapter.lora_alpha}, "
+            f"rsLoRA={adapter.use_rslora}); lora_r/lora_alpha/use_rslora are unused and left out of the run identity. "
+            "sft_adapter=merge trains a fresh LoRA on the merged SFT model instead (the reference's path)")
+    else:
+        say(f"[actor] merged the SFT adapter {cfg.av_ckpt} into the base; training a fresh LoRA r={adapter.r}, "
+            f"alpha={adapter.lora_alpha}, rsLoRA={adapter.use_rslora}; the KL reference is the merged SFT model")
+
+
+class EvalEngine:
+    """Which engine the held-out eval samples from, so that it always scores the actor as it is now.
+
+    An engine that shares the actor's weights is always current; one with its own copy is
+    current only right after a push. Otherwise the eval samples from the trainer's actor with
+    HF generate rather than pushing outside the sync schedule: a push there would make the
+    next rollouts fresher than vllm_sync_every says, so eval_every would change training.
+    """
+
+    def __init__(self, engine: RolloutEngine, actor, injector: Injector, tokenizer) -> None:
+        self.engine, self.actor, self.injector, self.tokenizer = engine, actor, injector, tokenizer
+        self.engine_is_current = True  # the initial push (or shared weights)
+        self._hf: RolloutEngine | None = None
+
+    def synced(self) -> None:
+        """The engine just received the actor's weights."""
+        self.engine_is_current = True
+
+    def stepped(self) -> None:
+        """The actor moved without a push (a no-op for engines that share its weights)."""
+        self.engine_is_current = self.engine.shares_actor_weights
+
+    def current(self) -> RolloutEngine:
+        if self.engine_is_current:
+            return self.engine
+        if self._hf is None:
+            from nla_shell.engines.hf import HFRolloutEngine
+
+            self._hf = HFRolloutEngine(self.actor, self.injector, self.tokenizer)
+        return self._hf
+
+
+def restore_rank_rng(state: ckpt.TrainingState, rank: RankInfo, *, seed: int, step: int) -> None:
+    """Give this rank back its own RNG stream from a checkpoint.
+
+    A torchrun checkpoint holds every rank's state (extra["rank_rng"], in rank order); a
+    one-process checkpoint holds one. Resuming with another number of ranks cannot be
+    exact: each rank then starts a fresh stream of its own, and says so.
+    """
+    states = state.extra.get("rank_rng") or [state.rng]
+    if len(states) == rank.world_size:
+        ckpt.set_rng_state(states[rank.rank])
+        return
+    say(f"[warn] the checkpoint holds RNG states of {len(states)} rank(s), this run has {rank.world_size}: "
+        "fresh per-rank RNG streams, so the resumed run is not bit-exact", error=True)
+    seed_everything(distributed.rank_seed(seed, rank.rank, step))
+
+# --------------------------------------------------------------------------- the run's state
+
+
+@dataclass
+class RunState:
+    """Everything a step reads and moves, built once by `setup` (from a checkpoint when resuming).
+
+    The config is frozen; the state is not: the optimisers, the data order, the RNG streams, the
+    critic's EMA and the skipped steps advance with every step, and a checkpoint saves them (the
+    canary's count of failures in a row starts afresh on resume).
+    """
+
+    cfg: TrainConfig
+    """As run: micro-batches that were `auto` are numbers here (and in config.yaml)."""
+    rank: RankInfo
+    device: torch.device
+    nla: nla_core.NLAConfig
+    tokenizer: Any
+    rows: list[RLRow]
+    prompt_ids: list[list[int]]
+    eval_rows: list[RLRow]
+    """Held-out rows of unseen documents; none when eval is off."""
+    eval_prompt_ids: list[list[int]]
+    actor: Any
+    injector: Injector
+    critic: ARModel
+    engine: RolloutEngine
+    eval_engine: EvalEngine
+    optimizer: torch.optim.Optimizer
+    critic_optimizer: torch.optim.Optimizer | None
+    critic_ema: sampling.CriticEMA | None
+    eos_ids: tuple[int, ...]
+    mse_scale: float | None
+    rawvar: float
+    meannorm: float
+    order: DataOrder
+    start_step: int
+    skipped_steps: int
+    logger: Any
+    save_dir: Path
+    canary_watch: CanaryWatch
+    last_record: dict[str, Any] = field(default_factory=dict)
+    """The latest step's metrics (with "step"): the checkpoint keeps its eval/fve for keep_last."""
+
+    @property
+    def eval_on(self) -> bool:
+        return bool(self.eval_rows)
+
+    @property
+    def loss_options(self) -> LossOptions:
+        cfg = self.cfg
+        return LossOptions(
+            policy_loss=cfg.policy_loss, clip_eps=cfg.clip_eps, clip_eps_high=cfg.clip_eps_high, kl_beta=cfg.kl_beta,
+            kl_clamp=cfg.kl_clamp, tis=None if cfg.tis == "none" else cfg.tis, tis_cap=cfg.tis_cap,
+            aggregation=cfg.aggregation, max_len=cfg.max_new_tokens,
+            token_mask=None if cfg.token_mask is None else (cfg.token_mask[0], cfg.token_mask[1]),
+            kl_metric=cfg.kl_metric,
+        )
+
+    @property
+    def score_kwargs(self) -> dict[str, Any]:
+        """How the AR scores: the sidecar's template and target scale, the config's reward and micro-batch."""
+        return dict(
+            template=self.nla.critic_prompt_template, mse_scale=self.mse_scale, reward_kind=self.cfg.reward,
+            max_tokens=self.cfg.max_explanation_tokens, micro_batch=self.cfg.critic_micro_batch,
+        )
+
+    @property
+    def critic_steps_after_scoring(self) -> bool:
+        """The critic steps in the scoring forward (reference), unless it learns from chosen pairs, scores
+        with an EMA or the step may draw again."""
+        cfg = self.cfg
+        return cfg.critic_rollouts != "all" or cfg.critic_ema is not None or cfg.dynamic_sampling
+
+
+def setup(cfg: TrainConfig, rank: RankInfo, device: torch.device, dtype: torch.dtype) -> RunState:
+    """Validate every input, claim the run directory, build the models, engine and optimisers, and
+    resume from the latest verified checkpoint when there is one: the run's state before its first step.
+
+    Each part runs in the order the run has always run them: the RNG draws (the LoRA's init, the
+    engine's seed) and the printed lines stay the same.
+    """
+    if cfg.bf16_autocast and dtype != torch.bfloat16:
+        raise ConfigError(
+            f"config key 'bf16_autocast' = true needs the models in bfloat16 but dtype resolves to {dtype}: "
+            "set dtype=bfloat16 (auto is bfloat16 on a GPU) or bf16_autocast=false"
+        )
+    tokenizer = families.load_tokenizer(cfg.av_ckpt)
+    nla = load_sidecar(cfg.sidecar or cfg.rl_parquet)
+    style, injection_norm = injection_settings(nla, style=cfg.injection_style, scale=cfg.injection_scale,
+                                               av_dir=cfg.av_ckpt)
+    check_tokenizer(nla, tokenizer)
+    mse_scale = nla_core.resolve_target_scale(nla.mse_scale, nla.d_model)
+    rows, eval_rows = load_train_and_eval_rows(cfg, nla)
+    prompt_ids = [build_prompt_ids(r.prompt, nla, tokenizer, row=r.index) for r in rows]
+    eval_prompt_ids = [build_prompt_ids(r.prompt, nla, tokenizer, row=r.index) for r in eval_rows]
+    critic = ARModel.from_pretrained(cfg.ar_ckpt, mse_scale=mse_scale, dtype=dtype, device=device, quant=cfg.quant)
+    if critic.lm.config.hidden_size != nla.d_model:
+        raise ValueError(f"ar_ckpt has hidden size {critic.lm.config.hidden_size}, the sidecar's d_model is {nla.d_model}")
+    continues_sft = is_adapter_dir(cfg.av_ckpt) and cfg.sft_adapter == "continue"
+    # Rank 0 claims the directory and picks the checkpoint; every rank resumes from that one.
+    resume_from = distributed.on_main(lambda: claim_run_dir(cfg, continues_sft=continues_sft))
+
+    actor, injector, critic = load_models(cfg, nla, critic, resume_from, style=style, injection_norm=injection_norm,
+                                          continues_sft=continues_sft, mse_scale=mse_scale, device=device, dtype=dtype)
+    eos_ids = eos_token_ids(inner_lm(actor).generation_config, tokenizer)  # every one stops a rollout
+    engine = make_engine(cfg, actor, injector, tokenizer, layer_index=1, eos_ids=eos_ids)
+    optimizer, critic_optimizer, critic_ema = make_optimizers(cfg, actor, critic, resume_from, device=device)
+    baselines = nla_core.predict_mean_baselines(torch.stack([r.activation for r in rows[:4000]]), scale=mse_scale)
+    rawvar, meannorm = float(baselines.rawvar), float(baselines.meannorm)
+    say(f"[fve] predict-the-mean mse: rawvar {rawvar:.4f} (paper), meannorm {meannorm:.4f}")
+
+    # The data order is global: every rank draws the same batch, then takes its share.
+    order = DataOrder(len(rows), cfg.seed)
+    start_step, skipped_steps = resume_progress(cfg, rank, order, optimizer, critic_optimizer, resume_from)
+    cfg, config_dict = choose_micro_batches(cfg, rank, actor, resume_from, device=device, dtype=dtype,
+                                            tokens=max(map(len, prompt_ids)) + cfg.max_new_tokens)
+    logger = (
+        make_logger(cfg.logger, save_dir=Path(cfg.save_dir), config_dict=config_dict, project=cfg.wandb_project,
+                    run_name=cfg.wandb_name, start_step=start_step)
+        if rank.is_main
+        else NullLogger()
+    )
+    if not engine.shares_actor_weights:
+        say(f"[sync] initial weight push: {engine.sync_weights(actor):.2f}s")
+        if eval_rows and cfg.vllm_sync_every != 1:
+            say(f"[eval] vllm_sync_every={cfg.vllm_sync_every}: at eval steps whose update was not pushed to "
+                f"{cfg.engine}, the held-out eval samples from the trainer's actor (HF generate) instead")
+    return RunState(
+        cfg=cfg, rank=rank, device=device, nla=nla, tokenizer=tokenizer, rows=rows, prompt_ids=prompt_ids,
+        eval_rows=eval_rows, eval_prompt_ids=eval_prompt_ids, actor=actor, injector=injector, critic=critic,
+        engine=engine, eval_engine=EvalEngine(engine, actor, injector, tokenizer), optimizer=optimizer,
+        critic_optimizer=critic_optimizer, critic_ema=critic_ema, eos_ids=eos_ids, mse_scale=mse_scale, rawvar=rawvar, meannorm=meannorm,
+        order=order, start_step=start_step, skipped_steps=skipped_steps, logger=logger, save_dir=Path(cfg.save_dir),
+        canary_watch=CanaryWatch(stop=cfg.vllm_canary == "stop"),
+    )
+
+
+def claim_run_dir(cfg: TrainConfig, *, continues_sft: bool) -> Path | None:
+    """Claim save_dir for this config (rank 0, under the run lock); the checkpoint to resume from, if any."""
+    save_dir = Path(cfg.save_dir)
+    # A continued SFT adapter keeps its own rank and alpha: the lora_* keys decide nothing then.
+    mutable_keys = RESUME_MUTABLE_KEYS | ({"lora_r", "lora_alpha", "use_rslora"} if continues_sft else set())
+    ckpt.claim_save_dir(save_dir, config_to_dict(cfg), overwrite=cfg.overwrite, resume=cfg.resume,
+                        mutable_keys=mutable_keys, defaults=config_defaults(TrainConfig), num_steps=cfg.num_steps)
+    ckpt.remove_stale_entries(save_dir)  # under the lock: no other run's save is in flight
+    if cfg.resume != "auto":
+        return None
+    needed = ("adapter", ckpt.TRAINING_STATE_NAME, *(("critic",) if cfg.train_critic else ()),
+              *((CRITIC_EMA_FILE,) if cfg.critic_ema is not None else ()))
+    return ckpt.latest_verified_checkpoint(save_dir, required=needed)
+
+
+def load_models(cfg: TrainConfig, nla: nla_core.NLAConfig, critic: ARModel, resume_from: Path | None, *,
+                style: str, injection_norm: float | None, continues_sft: bool, mse_scale: float | None, device: torch.device,
+                dtype: torch.dtype) -> tuple[Any, Injector, ARModel]:
+    """The actor (a fresh or resumed LoRA; the same seed on every rank: identical initial LoRA), its
+    injector, and the critic (the checkpoint's when resuming a co-trained one)."""
+    seed_everything(cfg.seed)
+    actor = load_actor(
+        cfg.av_ckpt,
+        lora_r=cfg.lora_r,
+        lora_alpha=cfg.lora_alpha,
+        use_rslora=cfg.use_rslora,
+        resume_adapter=(resume_from / "adapter") if resume_from else cfg.resume_from_lora,
+        dtype=dtype,
+        device=device,
+        gradient_checkpointing=cfg.gradient_checkpointing,
+        merge_sft_adapter=cfg.sft_adapter == "merge",
+        quant=cfg.quant,
+    )
+    if cfg.bf16_autocast:
+        BackboneAutocast(actor, torch.bfloat16)  # for the actor's lifetime: engines see it too
+    say_actor_start(cfg, actor, continues_sft=continues_sft)
+    if nla.injection_token_id >= actor.get_base_model().config.vocab_size:
+        raise ValueError(f"sidecar's injection_token_id {nla.injection_token_id} is outside the AV's vocabulary")
+    injector = Injector(
+        actor,
+        marker_id=nla.injection_token_id,
+        left_id=nla.injection_left_neighbor_id,
+        right_id=nla.injection_right_neighbor_id,
+        style=style,
+        injection_norm=injection_norm,
+    )
+    if resume_from is not None and cfg.train_critic:
+        critic = ARModel.from_pretrained(resume_from / "critic", mse_scale=mse_scale, dtype=dtype, device=device)
+    critic.requires_grad_(cfg.train_critic)
+    critic.eval()  # Qwen3 has no dropout: eval mode serves the gradient steps too
+    if cfg.compile_blocks:  # for the run
+        CompiledBlockParts(actor)
+        CompiledBlockParts(critic.lm)
+    distributed.broadcast_parameters(trainable_parameters(actor))
+    return actor, injector, critic
+
+
+def make_optimizers(cfg: TrainConfig, actor, critic: ARModel, resume_from: Path | None, *,
+                    device: torch.device) -> tuple[torch.optim.Optimizer, torch.optim.Optimizer | None,
+                                                   sampling.CriticEMA | None]:
+    """The actor's optimiser, the critic's (when co-trained) and the critic's EMA (the checkpoint's when resuming)."""
+    optimizer = make_optimizer(trainable_parameters(actor), cfg.lr, device=device, label="actor")
+    critic_optimizer = (
+        make_optimizer(trainable_parameters(critic), cfg.critic_lr, device=device, label="critic")
+        if cfg.train_critic
+        else None
+    )
+    critic_ema = sampling.CriticEMA(critic, cfg.critic_ema) if cfg.critic_ema is not None else None
+    if critic_ema is not None and resume_from is not None:
+        critic_ema.load_state_dict(load_file(str(resume_from / CRITIC_EMA_FILE)))
+    return optimizer, critic_optimizer, critic_ema
+
+
+def resume_progress(cfg: TrainConfig, rank: RankInfo, order: DataOrder, optimizer: torch.optim.Optimizer,
+                    critic_optimizer: torch.optim.Optimizer | None, resume_from: Path | None) -> tuple[int, int]:
+    """(start step, skipped steps): the checkpoint's, with its data cursor, optimiser moments and this
+    rank's RNG stream restored; else the config's start, with one sampling RNG stream per rank."""
+    if resume_from is None:
+        if rank.world_size > 1:
+            # Ranks must not sample alike (a one-process run keeps the stream seeded above).
+            seed_everything(distributed.rank_seed(cfg.seed, rank.rank))
+        return cfg.start_step, 0
+    state = ckpt.load_training_state(resume_from)
+    order.epoch, order.offset = state.data_cursor["epoch"], state.data_cursor["offset"]
+    ckpt.restore_optimizer(optimizer, state, "actor", resume_from)
+    if critic_optimizer is not None:
+        ckpt.restore_optimizer(critic_optimizer, state, "critic", resume_from)
+    restore_rank_rng(state, rank, seed=cfg.seed, step=state.step)
+    say(f"[resume] from {resume_from} at step {state.step}")
+    return state.step, int(state.extra.get("skipped_steps", 0))
+
+
+def choose_micro_batches(cfg: TrainConfig, rank: RankInfo, actor, resume_from: Path | None, *, device: torch.device,
+                         dtype: torch.dtype, tokens: int) -> tuple[TrainConfig, dict[str, Any]]:
+    """`cfg` with "auto" micro-batches sized by the memory the models and the engine left free (the
+    checkpoint's choice when resuming), saved in config.yaml; and the config as the logger records it."""
+    free_bytes = None
+    if device.type == "cuda":  # the tightest rank's, so that every rank runs (and records) the same
+        free_bytes = -int(distributed.all_reduce_max([-torch.cuda.mem_get_info(device)[0]])[0])
+    cfg, chosen = resolve_micro_batches(
+        cfg, inner_lm(actor).config, free_bytes=free_bytes, tokens=tokens, dtype_bytes=torch.finfo(dtype).bits // 8,
+        resumed=ckpt.saved_config(resume_from) if resume_from else None,
+    )
+    if chosen is not None:
+        say(chosen)
+        if rank.is_main:
+            save_config(cfg, Path(cfg.save_dir) / ckpt.CONFIG_NAME)
+    return cfg, config_to_dict(cfg)

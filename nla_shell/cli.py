@@ -114,7 +114,7 @@ def _eval(args: argparse.Namespace) -> None:
 
 
 def _explain(args: argparse.Namespace) -> None:
-    from nla_shell.pipeline.explain import ExplainConfig, explain
+    from nla_shell.serving.explain import ExplainConfig, explain
 
     explain(_load_config(ExplainConfig, args))
 
@@ -169,7 +169,7 @@ CONFIG_COMMANDS: dict[str, tuple[Callable[[argparse.Namespace], None], str, str,
     "eval": (_eval, "nla_shell.pipeline.evaluate", "EvalConfig",
              "held-out FVE of an AV+AR beside its controls (shuffled vector, gold, mean), FVE by length, "
              "splice-KL (--model)"),
-    "explain": (_explain, "nla_shell.pipeline.explain", "ExplainConfig",
+    "explain": (_explain, "nla_shell.serving.explain", "ExplainConfig",
                 "explain the activations of a text at one position (--position) or all (--all), or every site of a "
                 "--corpus / --parquet into --out (batched, resumable)"),
     "serve": (_serve, "nla_shell.serving.server", "ServeConfig",

@@ -1,1 +1,1 @@
-"""Reading activations at scale: the activation reader, the batched corpus explainer, the HTTP server."""
+"""Reading activations at scale: the activation reader, `nla explain` (one text or a corpus), the HTTP server."""

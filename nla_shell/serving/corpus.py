@@ -35,7 +35,7 @@ from nla_shell.pipeline.documents import count_documents, document_positions, re
 from nla_shell.serving.reader import NLAReader, SiteExplanation
 
 if TYPE_CHECKING:
-    from nla_shell.pipeline.explain import ExplainConfig
+    from nla_shell.serving.explain import ExplainConfig
 
 RESULT_SCHEMA = pa.schema([
     ("site", pa.int64()), ("doc_id", pa.string()), ("position", pa.int64()), ("token", pa.string()),

@@ -16,7 +16,7 @@ from transformers import AutoTokenizer
 from nla_core import resolve_target_scale
 from nla_shell import cli
 from nla_shell.io.sidecars import load_sidecar
-from nla_shell.pipeline.explain import ExplainConfig, explain
+from nla_shell.serving.explain import ExplainConfig, explain
 from nla_shell.models import ARModel, ar_predict
 from nla_shell.pipeline.plot import heldout_series, panels, plot_run, read_metrics
 from nla_shell.training.scoring import ar_token_ids

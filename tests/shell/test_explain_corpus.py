@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from nla_shell import cli
-from nla_shell.pipeline.explain import ExplainConfig, explain
+from nla_shell.serving.explain import ExplainConfig, explain
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -23,7 +23,7 @@ pytest.importorskip("uvicorn")
 
 import nla_core  # noqa: E402
 from nla_shell import cli  # noqa: E402
-from nla_shell.pipeline.explain import ExplainConfig, explain  # noqa: E402
+from nla_shell.serving.explain import ExplainConfig, explain  # noqa: E402
 from nla_shell.serving.app import build_app  # noqa: E402
 from nla_shell.serving.reader import load_reader  # noqa: E402
 from nla_shell.serving.server import ServeConfig, bind, uvicorn_server  # noqa: E402

@@ -31,6 +31,7 @@ __all__ = [
     "av_prompt_messages",
     "build_prompt_ids",
     "chat_prompt_ids",
+    "chat_prompt_text",
     "check_tokenizer",
     "RowWindows",
     "load_eval_rows",
@@ -57,12 +58,10 @@ def av_prompt_messages(template: str) -> list[dict[str, str]]:
     return [{"role": "user", "content": template}]
 
 
-def chat_prompt_ids(messages: Sequence[Mapping[str, Any]], injection_char: str, tokenizer: Any) -> list[int]:
-    """Token ids of the chat-templated prompt with `<INJECT>` replaced by `injection_char`.
+def chat_prompt_text(messages: Sequence[Mapping[str, Any]], injection_char: str, tokenizer: Any) -> str:
+    """The chat-templated prompt (generation prompt added) with `<INJECT>` replaced by `injection_char`.
 
-    Templated as text (generation prompt added), then encoded without special tokens: the
-    template already writes them, and a second pass would add a BOS on tokenizers that have
-    one. Non-string contents pass through untouched, as in the reference.
+    Non-string contents pass through untouched, as in the reference.
     """
     msgs = [
         {**m, "content": m["content"].replace(INJECT_PLACEHOLDER, injection_char)}
@@ -70,8 +69,13 @@ def chat_prompt_ids(messages: Sequence[Mapping[str, Any]], injection_char: str, 
         else dict(m)
         for m in messages
     ]
-    text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-    return list(tokenizer.encode(text, add_special_tokens=False))
+    return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+
+
+def chat_prompt_ids(messages: Sequence[Mapping[str, Any]], injection_char: str, tokenizer: Any) -> list[int]:
+    """Token ids of `chat_prompt_text`, encoded without special tokens: the template already
+    writes them, and a second pass would add a BOS on tokenizers that have one."""
+    return list(tokenizer.encode(chat_prompt_text(messages, injection_char, tokenizer), add_special_tokens=False))
 
 
 def _row_label(row: int | None, doc_id: str | None = None) -> str:

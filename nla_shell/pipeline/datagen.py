@@ -314,6 +314,8 @@ def datagen_sites(cfg: DatagenConfig, tokenizer: Any) -> Path:
         )
     from transformers import AutoConfig
 
+    # The marker is chosen from the corpus's characters before any site is written, so a run the
+    # labelled pass would refuse writes nothing: one cheap read of the texts, untokenized.
     corpus_chars = set().union(*(doc.text for doc in islice(
         read_documents(cfg.corpus, text_column=cfg.text_column, id_column=cfg.id_column), cfg.max_docs)))
     char = dataset_marker(cfg, tokenizer, AutoConfig.from_pretrained(cfg.model), corpus_chars)

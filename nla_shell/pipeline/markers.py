@@ -21,7 +21,7 @@ import unicodedata
 from typing import Any, Iterable, Iterator
 
 from nla_shell import families
-from nla_shell.io.data import INJECT_PLACEHOLDER, DataError, av_prompt_messages, chat_prompt_ids
+from nla_shell.io.data import DataError, av_prompt_messages, chat_prompt_text
 from nla_shell.io.injection_chars import cached_injection_char
 from nla_core import canonical_neighbors
 
@@ -53,15 +53,14 @@ def injection_char_problem(tokenizer: Any, char: str, av_content: str) -> str | 
     ids = tokenizer.encode(char, add_special_tokens=False)
     if len(ids) != 1 or tokenizer.decode(ids) != char:
         return f"is {len(ids)} tokens on its own"
-    prompt_ids = chat_prompt_ids(av_prompt_messages(av_content), char, tokenizer)
+    text = chat_prompt_text(av_prompt_messages(av_content), char, tokenizer)
+    prompt_ids = tokenizer.encode(text, add_special_tokens=False)
     if prompt_ids.count(ids[0]) != 1:
         return f"merges with its neighbours in the chat-templated AV prompt (token {ids[0]} occurs {prompt_ids.count(ids[0])} times)"
     try:
         canonical_neighbors(prompt_ids, ids[0])
     except ValueError as err:
         return f"does not sit inside the chat-templated AV prompt ({err})"
-    text = tokenizer.apply_chat_template(av_prompt_messages(av_content.replace(INJECT_PLACEHOLDER, char)),
-                                         tokenize=False, add_generation_prompt=True)
     before, after = text.split(char)
     if tokenizer.encode(before, add_special_tokens=False) + ids + tokenizer.encode(after, add_special_tokens=False) != prompt_ids:
         return "changes how its neighbours tokenize in the chat-templated AV prompt"

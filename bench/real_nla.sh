@@ -8,14 +8,27 @@
 #                   `nla demo --model FILE.gguf` (the REAL settings) for each (seed, engine) at once;
 #                   then bench/real_nla.py table
 # SEEDS and ENGINES (env) choose the runs (default 0 1 2 and hf native); EXTRA adds demo overrides.
+#
+# The variants round (2026-12-01: other policy losses and engine=vllm from each seed's SFT checkpoints,
+# bench/rl_variants.py), one device call each, back to back on one machine:
+#   part DIR        carry .device-carry/DIR (gguf/p1, gguf/p2, vllm/p1 ... vllm/p4): its files into /tmp/parts
+#   launch          (after gguf/p1, gguf/p2; carry .device-carry/gguf/meta) join the GGUF, snapshot the code into
+#                   /tmp/nla_src and start `job` in the background (it outlives the call); returns at once
+#   job             the native demo of every seed, then, as soon as a seed's SFT checkpoints exist, its
+#                   VARIANTS (native) and, once /tmp/vllm_ready exists, its engine=vllm variant; then the table
+#   vllm-smoke      (after `bash bench/gpu_session.sh install-vllm` in the same call) two vLLM RL steps from
+#                   seed 0's SFT; on success /tmp/vllm_ready lets the job's vLLM variants start
+#   wait N          up to N seconds until the job is done, printing each run's last step
+#   collect         the table, curves and every report into $OUT
 set -euo pipefail
 cd "$(dirname "$0")/.."
-stage=${1:?usage: real_nla.sh prepare|calibrate|run}
+stage=${1:?usage: real_nla.sh prepare|calibrate|run|part DIR|launch|job|vllm-smoke|wait N|collect}
 OUT=${OUT:-/tmp/real_nla_out}
 mkdir -p "$OUT"
 SEEDS=${SEEDS:-"0 1 2"}
 ENGINES=${ENGINES:-"hf native"}
 GGUF=SmolLM2-135M-Instruct.Q4_1.gguf
+VLLM_KEYS=${VLLM_KEYS:-"engine=vllm vllm_gpu_mem=0.08 vllm_kv_cache_gib=2 vllm_max_len=512 vllm_max_seqs=256"}
 
 device_env() {
   mkdir -p /tmp/parts
@@ -78,6 +91,71 @@ case "$stage" in
     for log in /tmp/real.*.log; do echo "== $log"; grep -v "it/s\]" "$log" | tail -n 4; done
     tar -czf "$OUT/runs.tgz" /tmp/real/*/report.md /tmp/real/*/report.json /tmp/real/*/rl/metrics.jsonl \
       /tmp/real/*/eval/*/eval_summary.json /tmp/real.*.log 2>/dev/null || true
+    ;;
+  part)
+    mkdir -p /tmp/parts && cp ".device-carry/${2:?usage: real_nla.sh part gguf/p1}"/* /tmp/parts/ && ls /tmp/parts
+    ;;
+  launch)
+    device_env
+    cat /tmp/parts/part.00 /tmp/parts/part.01 > "/tmp/parts/$GGUF"
+    [ "$(sha256sum "/tmp/parts/$GGUF" | cut -c1-64)" = "$(cat .device-carry/gguf/meta/sha256)" ] || { echo "sha256 mismatch"; exit 1; }
+    rm -rf /tmp/nla_src && mkdir -p /tmp/nla_src && cp -r nla_core nla_shell bench /tmp/nla_src/
+    (cd /tmp/nla_src && setsid nohup bash bench/real_nla.sh job > /tmp/job.log 2>&1 < /dev/null &)
+    sleep 20; cat /tmp/job.log
+    ;;
+  job)  # in the background, from /tmp/nla_src; every run of a seed shares its SFT checkpoints
+    export PYTHONPATH="$PWD:/tmp/site" NLA_MODEL_CACHE=/tmp/nla_models NLA_INJECTION_CACHE=/tmp/nla_inj.yaml
+    export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+    root=/tmp/variants; mkdir -p $root
+    pids=()
+    for seed in $SEEDS; do
+      python3 -m nla_shell.cli demo --model "/tmp/parts/$GGUF" --run-dir $root/seed$seed --seed $seed --engine native \
+        --threads 1 ${EXTRA:-} > $root/seed$seed.log 2>&1 &
+      pids+=($!)
+      sleep 25  # the first demo converts the GGUF into the model cache; the others then find it there
+    done
+    variant() {  # seed name overrides...: from the seed's SFT checkpoints, once its gold eval shows they exist
+      local seed=$1 name=$2; shift 2
+      for _ in $(seq 180); do [ -f $root/seed$seed/eval/gold/eval_summary.json ] && break; sleep 5; done
+      python3 bench/rl_variants.py variant $root/seed$seed $name "$@" > $root/seed$seed.$name.log 2>&1
+    }
+    for seed in $SEEDS; do
+      variant $seed gspo policy_loss=gspo clip_eps=0.0003 clip_eps_high=0.0004 & pids+=($!)
+      variant $seed cispo policy_loss=cispo clip_eps=1.0 clip_eps_high=4.0 tis=none & pids+=($!)
+      variant $seed onpolicy policy_loss=onpolicy tis=none kl_clamp=12 & pids+=($!)
+      (for _ in $(seq 180); do [ -f /tmp/vllm_ready ] && break; sleep 5; done; [ -f /tmp/vllm_ready ] || exit 0; source /tmp/vllm_env.sh; export VLLM_LOGGING_LEVEL=WARNING
+       variant $seed vllm $VLLM_KEYS) & pids+=($!)
+    done
+    for pid in "${pids[@]}"; do wait "$pid" || true; done
+    python3 bench/rl_variants.py table $root/seed* --out /tmp/variants_out > /tmp/variants_table.log 2>&1
+    touch /tmp/job_done
+    ;;
+  vllm-smoke)
+    export PYTHONPATH="/tmp/nla_src:/tmp/site" NLA_MODEL_CACHE=/tmp/nla_models NLA_INJECTION_CACHE=/tmp/nla_inj.yaml
+    export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false VLLM_LOGGING_LEVEL=WARNING
+    source /tmp/vllm_env.sh
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .device-carry/serve/*.whl || true
+    for _ in $(seq 60); do [ -f /tmp/variants/seed0/eval/gold/eval_summary.json ] && break; sleep 5; done
+    timeout -k 10 240 python3 /tmp/nla_src/bench/rl_variants.py variant /tmp/variants/seed0 vllm_smoke $VLLM_KEYS \
+      num_steps=2 eval_every=0 save_every=2 > "$OUT/vllm_smoke.log" 2>&1 && touch /tmp/vllm_ready
+    rm -rf /tmp/variants/seed0/variants/vllm_smoke
+    grep -v "it/s\]\|^INFO\|^WARNING" "$OUT/vllm_smoke.log" | tail -n 25
+    [ -f /tmp/vllm_ready ] && echo "[real_nla] vLLM smoke passed: the job's vLLM variants start"
+    ;;
+  wait)
+    for _ in $(seq $(( ${2:-500} / 10 ))); do [ -f /tmp/job_done ] && break; sleep 10; done
+    for m in /tmp/variants/seed*/rl/metrics.jsonl /tmp/variants/seed*/variants/*/rl/metrics.jsonl; do
+      [ -f "$m" ] && echo "$m step $(tail -n 1 "$m" | python3 -c 'import json,sys; r=json.loads(sys.stdin.read()); print(r["step"], "s/step", round(r.get("time_step") or 0, 2))')"
+    done
+    [ -f /tmp/job_done ] && echo "[real_nla] job done" || tail -n 3 /tmp/job.log
+    ;;
+  collect)
+    cp /tmp/variants_out/* "$OUT/" 2>/dev/null; cat /tmp/variants_table.log 2>/dev/null
+    tar -czf "$OUT/variants.tgz" /tmp/variants/seed*/report.* /tmp/variants/seed*/variants/*/report.json \
+      /tmp/variants/seed*/rl/metrics.jsonl /tmp/variants/seed*/variants/*/rl/metrics.jsonl \
+      /tmp/variants/seed*/eval/*/eval_summary.json /tmp/variants/seed*/variants/*/eval/*/eval_summary.json \
+      /tmp/variants/seed*/eval/*/eval_samples.jsonl /tmp/variants/seed*/variants/*/eval/*/eval_samples.jsonl \
+      /tmp/variants/*.log /tmp/job.log 2>/dev/null || true
     ;;
   *) echo "unknown stage $stage"; exit 2 ;;
 esac

@@ -33,15 +33,18 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Literal, Mapping
+from typing import TYPE_CHECKING, Any, Iterator, Literal, Mapping, Sequence
 
 import numpy as np
 import torch
 
 from nla_shell.toy import corpus as toy_corpus
-from nla_shell.io.config import ConfigError, TrainConfig, normalize_fields
+from nla_shell.io.config import ConfigError, TrainConfig, load_dataclass, normalize_fields
 from nla_shell.io.progress import progress_bar
 from nla_shell.toy.builders import DEFAULT_AV_TEMPLATE, build_tiny_qwen3, save_av_checkpoint, train_tokenizer
+
+if TYPE_CHECKING:
+    from nla_shell.pipeline.evaluate import EvalConfig
 
 RUN_MARKER = "demo_config.json"
 SAMPLES_SHOWN = 12
@@ -313,12 +316,48 @@ def held_out_samples(after_sft: list[dict[str, Any]], after_rl: list[dict[str, A
             for a, b in zip(after_sft[:SAMPLES_SHOWN], after_rl[:SAMPLES_SHOWN])]
 
 
+def eval_config(cfg: DemoConfig, target: Path, data_paths: Mapping[str, Path], ar: Path, out_dir: Path,
+                av_dir: Path | None, *, controls: bool) -> "EvalConfig":
+    """The held-out eval of one stage (av_dir None: the AR on gold text); with controls, also the
+    shuffled-vector control, FVE(k) and splice-KL. Every stage scores the same rows with the same seed."""
+    from nla_shell.pipeline.evaluate import EvalConfig
+
+    return EvalConfig(
+        av=None if av_dir is None else str(av_dir), ar=str(ar), parquet=str(data_paths["eval"]),
+        tokenizer=str(target), out_dir=str(out_dir), n_rows=cfg.eval_rows, max_new_tokens=cfg.max_new_tokens,
+        seed=cfg.seed, device=cfg.device, dtype=cfg.dtype, shuffled_control=controls,
+        length_ks=cfg.length_ks if controls else (), model=str(target) if controls else None,
+    )
+
+
+def rl_config(cfg: DemoConfig, data_paths: Mapping[str, Path], data_rows: Mapping[str, int], av: Path, ar: Path,
+              save_dir: Path, overrides: Sequence[str] = ()) -> TrainConfig:
+    """The RL stage's `nla train` config, from the SFT checkpoints; `overrides` (key=value) change any
+    TrainConfig key (bench/rl_variants.py trains other losses or engines from the same SFT this way)."""
+    if cfg.model is None:  # the toy holds out the last fifth of rl.parquet, as it always has
+        n_rl = data_rows["rl"]
+        train_rows = max(cfg.rl_batch_prompts, int(0.8 * n_rl))
+        held_out = dict(max_rows=train_rows, eval_skip_rows=train_rows,
+                        eval_n_prompts=min(128, max(1, n_rl - train_rows)))
+    else:  # datagen's document-disjoint eval split
+        held_out = dict(eval_parquet=str(data_paths["eval"]), eval_n_prompts=min(128, data_rows["eval"]))
+    settings = dict(
+        av_ckpt=str(av), ar_ckpt=str(ar), rl_parquet=str(data_paths["rl"]), save_dir=str(save_dir),
+        num_steps=cfg.rl_steps, batch_prompts=cfg.rl_batch_prompts, group_size=cfg.rl_group_size,
+        max_new_tokens=cfg.max_new_tokens, lr=cfg.rl_lr, kl_beta=cfg.kl_beta, logp_micro_batch=cfg.rl_micro_batch,
+        critic_micro_batch=cfg.rl_micro_batch, engine=cfg.engine, eval_every=max(1, cfg.rl_steps // 3),
+        save_every=cfg.rl_steps, logger=("console",), seed=cfg.seed, device=cfg.device, dtype=cfg.dtype,
+        **held_out,
+    )
+    return load_dataclass(TrainConfig, settings, overrides)
+
+
 def demo(cfg: DemoConfig) -> dict[str, Any]:
     """Run the whole demo; prints and returns the report (FVE per stage, wall time per stage)."""
     import transformers
 
     from nla_shell.pipeline.datagen import DatagenConfig, datagen
-    from nla_shell.pipeline.evaluate import EvalConfig, evaluate
+    from nla_shell.pipeline.evaluate import evaluate
     from nla_shell.pipeline.sft import SFTConfig, sft
     from nla_shell.training.train import train
 
@@ -357,13 +396,7 @@ def demo(cfg: DemoConfig) -> dict[str, Any]:
         ))
 
     def run_eval(name: str, av_dir: Path | None, *, controls: bool = False) -> Any:
-        """Held-out eval; with controls, also the shuffled-vector control, FVE(k) and splice-KL."""
-        return evaluate(EvalConfig(
-            av=None if av_dir is None else str(av_dir), ar=str(ar), parquet=str(data.paths["eval"]),
-            tokenizer=str(target), out_dir=str(run_dir / "eval" / name), n_rows=cfg.eval_rows,
-            max_new_tokens=cfg.max_new_tokens, seed=cfg.seed, device=cfg.device, dtype=cfg.dtype,
-            shuffled_control=controls, length_ks=cfg.length_ks if controls else (), model=str(target) if controls else None,
-        ))
+        return evaluate(eval_config(cfg, target, data.paths, ar, run_dir / "eval" / name, av_dir, controls=controls))
 
     with _timed("eval before RL", times):
         gold = run_eval("gold", None).metrics
@@ -372,21 +405,7 @@ def demo(cfg: DemoConfig) -> dict[str, Any]:
         after_sft = sft_eval.metrics
 
     with _timed("RL", times):
-        if cfg.model is None:  # the toy holds out the last fifth of rl.parquet, as it always has
-            n_rl = data.rows["rl"]
-            train_rows = max(cfg.rl_batch_prompts, int(0.8 * n_rl))
-            held_out = dict(max_rows=train_rows, eval_skip_rows=train_rows,
-                            eval_n_prompts=min(128, max(1, n_rl - train_rows)))
-        else:  # datagen's document-disjoint eval split
-            held_out = dict(eval_parquet=str(data.paths["eval"]), eval_n_prompts=min(128, data.rows["eval"]))
-        rl_dir = train(TrainConfig(
-            av_ckpt=str(av), ar_ckpt=str(ar), rl_parquet=str(data.paths["rl"]), save_dir=str(run_dir / "rl"),
-            num_steps=cfg.rl_steps, batch_prompts=cfg.rl_batch_prompts, group_size=cfg.rl_group_size,
-            max_new_tokens=cfg.max_new_tokens, lr=cfg.rl_lr, kl_beta=cfg.kl_beta, logp_micro_batch=cfg.rl_micro_batch,
-            critic_micro_batch=cfg.rl_micro_batch, engine=cfg.engine, eval_every=max(1, cfg.rl_steps // 3),
-            save_every=cfg.rl_steps, logger=("console",), seed=cfg.seed, device=cfg.device, dtype=cfg.dtype,
-            **held_out,
-        ))
+        rl_dir = train(rl_config(cfg, data.paths, data.rows, av, ar, run_dir / "rl"))
     with _timed("eval after RL", times):
         rl_eval = run_eval("after_rl", rl_dir / f"step_{cfg.rl_steps:06d}" / "adapter", controls=True)
         after_rl = rl_eval.metrics

@@ -1,0 +1,220 @@
+"""RL variants from one demo's SFT checkpoints: other policy losses or engines, paired by seed.
+
+An `nla demo` run dir holds its data, its AR and AV SFT checkpoints and its own RL (GRPO at the
+demo's settings). `variant` trains RL again from the same SFT checkpoints with `nla train` keys
+changed (`policy_loss=gspo`, `engine=vllm`, ...) and evaluates it on the same held-out rows with
+the same sampling seed and controls as the demo's eval after RL; `table` gathers every variant
+of several seeds beside the demo's own RL, as mean ± se over seeds and paired differences
+against it, and plots the KL and length curves.
+
+    python3 bench/rl_variants.py variant RUN_DIR gspo policy_loss=gspo
+    python3 bench/rl_variants.py variant RUN_DIR vllm engine=vllm vllm_gpu_mem=0.08
+    python3 bench/rl_variants.py table RUN_DIR_SEED0 RUN_DIR_SEED1 ... --out DIR
+
+Each variant writes RUN_DIR/variants/NAME/{rl/, eval/after_rl/, report.json}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from nla_shell.pipeline import demo as demo_mod  # noqa: E402
+
+BASE = "demo"
+"""The name the table gives the demo's own RL (its TrainConfig, no overrides)."""
+SUMMARY_KEYS = {
+    "fve": "av/fve", "shuffled_fve": "shuffled/fve", "splice_kl": "splice/kl_av",
+    "extraction_rate": "av/extraction_rate", "tokens": "length/tokens_mean",
+}
+"""Report field -> the after-RL eval metric it copies."""
+CURVES = (("kl_mean", "KL to the reference (k3)"), ("response_len_mean", "response tokens"),
+          ("eval/fve", "held-out FVE (trainer's eval)"), ("reward_mean", "reward"))
+
+
+def demo_inputs(run_dir: Path) -> dict[str, Any]:
+    """What a finished demo left: its config, target LM, data splits and SFT checkpoints."""
+    import pyarrow.parquet as pq
+
+    cfg = demo_mod.DemoConfig(**json.loads((run_dir / demo_mod.RUN_MARKER).read_text()))
+    target = run_dir / "target_lm" if cfg.model is None else demo_mod.real_target(cfg.model)
+    paths = {p.stem: p for p in sorted((run_dir / "data").glob("*.parquet"))}
+    rows = {split: pq.ParquetFile(path).metadata.num_rows for split, path in paths.items()}
+    return dict(cfg=cfg, target=target, paths=paths, rows=rows,
+                av=run_dir / "av_sft" / f"step_{cfg.av_steps:06d}", ar=run_dir / "ar_sft" / f"step_{cfg.ar_steps:06d}")
+
+
+def summary(metrics: dict[str, Any], rl_dir: Path) -> dict[str, Any]:
+    """The after-RL numbers the table compares, and the seconds per RL step."""
+    out = {key: metrics.get(metric) for key, metric in SUMMARY_KEYS.items()}
+    out["seconds_per_rl_step"] = demo_mod.rl_step_seconds(rl_dir)
+    return out
+
+
+def run_variant(run_dir: Path, name: str, overrides: list[str]) -> dict[str, Any]:
+    """Train RL from run_dir's SFT checkpoints with overrides, evaluate it, write its report.json."""
+    from nla_shell.pipeline.evaluate import evaluate
+    from nla_shell.training.train import train
+
+    import torch
+
+    inputs = demo_inputs(run_dir)
+    cfg, out = inputs["cfg"], run_dir / "variants" / name
+    torch.set_num_threads(cfg.threads)  # the demo's: several variants share the machine's cores
+    t0 = time.perf_counter()
+    rl_cfg = demo_mod.rl_config(cfg, inputs["paths"], inputs["rows"], inputs["av"], inputs["ar"], out / "rl",
+                                overrides)
+    rl_dir = train(rl_cfg)
+    t_rl = time.perf_counter() - t0
+    adapter = rl_dir / f"step_{rl_cfg.num_steps:06d}" / "adapter"
+    metrics = evaluate(demo_mod.eval_config(cfg, inputs["target"], inputs["paths"], inputs["ar"],
+                                            out / "eval" / "after_rl", adapter, controls=True)).metrics
+    report = {"name": name, "overrides": overrides, "seed": cfg.seed, **summary(metrics, rl_dir),
+              "seconds": {"RL": t_rl, "eval after RL": time.perf_counter() - t0 - t_rl}}
+    (out / "report.json").write_text(json.dumps(report, indent=2))
+    print(json.dumps(report), flush=True)
+    return report
+
+
+def base_report(run_dir: Path) -> dict[str, Any]:
+    """The demo's own RL in the variants' terms, read from its eval after RL."""
+    metrics = json.loads((run_dir / "eval" / "after_rl" / "eval_summary.json").read_text())
+    cfg = json.loads((run_dir / demo_mod.RUN_MARKER).read_text())
+    return {"name": BASE, "overrides": [], "seed": cfg["seed"], **summary(metrics, run_dir / "rl")}
+
+
+def after_sft_fve(run_dir: Path) -> float:
+    return _number(json.loads((run_dir / "eval" / "after_sft" / "eval_summary.json").read_text())["av/fve"])
+
+
+def _number(value: float | None) -> float:
+    """A metric as a float; a missing one (no explanation extracted) is NaN, so it spoils its mean visibly."""
+    return float("nan") if value is None else float(value)
+
+
+def mean_se(values: list[float]) -> tuple[float, float]:
+    n = len(values)
+    mean = sum(values) / n
+    se = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1) / n) if n > 1 else float("nan")
+    return mean, se
+
+
+def table(run_dirs: list[Path], out: Path) -> dict[str, Any]:
+    """Every variant over seeds: mean ± se, and the paired difference against the demo's RL and its SFT."""
+    reports: dict[str, dict[int, dict[str, Any]]] = {}
+    sft: dict[int, float] = {}
+    for run_dir in run_dirs:
+        base = base_report(run_dir)
+        sft[base["seed"]] = after_sft_fve(run_dir)
+        reports.setdefault(BASE, {})[base["seed"]] = base | {"rl_dir": str(run_dir / "rl")}
+        for path in sorted((run_dir / "variants").glob("*/report.json")):
+            r = json.loads(path.read_text())
+            reports.setdefault(r["name"], {})[r["seed"]] = r | {"rl_dir": str(path.parent / "rl")}
+    rows = []
+    for name, by_seed in reports.items():
+        seeds = sorted(by_seed)
+        row: dict[str, Any] = {"name": name, "overrides": by_seed[seeds[0]]["overrides"], "seeds": seeds}
+        for key in (*SUMMARY_KEYS, "seconds_per_rl_step"):
+            vals = [by_seed[s][key] for s in seeds if by_seed[s].get(key) is not None]
+            row[key] = mean_se(vals) if vals else None
+        fve = {s: _number(by_seed[s]["fve"]) for s in seeds}
+        row["fve_per_seed"] = [fve[s] for s in seeds]
+        row["minus_sft"] = mean_se([fve[s] - sft[s] for s in seeds])
+        row["rl_beats_sft_in"] = f"{sum(fve[s] > sft[s] for s in seeds)}/{len(seeds)}"
+        paired = [s for s in seeds if s in reports[BASE]]
+        if name != BASE and paired:
+            row["minus_demo_rl"] = mean_se([fve[s] - _number(reports[BASE][s]["fve"]) for s in paired])
+        rows.append(row)
+    result = {"after_sft_fve": sft, "variants": rows}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "rl_variants.json").write_text(json.dumps(result, indent=2))
+    text = markdown(rows)
+    (out / "rl_variants.md").write_text(text)
+    print(text)
+    plot_curves(reports, out / "rl_variants_curves.png")
+    return result
+
+
+def _cell(pair: tuple[float, float] | None, spec: str = ".3f") -> str:
+    if pair is None:
+        return "–"
+    mean, se = pair
+    return f"{mean:{spec}}" if math.isnan(se) else f"{mean:{spec}} ± {se:{spec}}"
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    head = ("| variant | keys | seeds | held-out FVE after RL | per seed | RL − SFT (paired) | RL > SFT | "
+            f"− {BASE} RL (paired) | shuffled control | splice-KL | extraction | tokens | s / RL step |")
+    lines = [head, "|" + " --- |" * (head.count("|") - 1)]
+    for r in rows:
+        lines.append(" | ".join([
+            f"| {r['name']}", " ".join(r["overrides"]) or "(demo's)", str(len(r["seeds"])), _cell(r["fve"]),
+            ", ".join(f"{v:.3f}" for v in r["fve_per_seed"]), _cell(r["minus_sft"]), r["rl_beats_sft_in"],
+            _cell(r.get("minus_demo_rl")), _cell(r["shuffled_fve"]), _cell(r["splice_kl"], ".2f"),
+            _cell(r["extraction_rate"], ".2f"), _cell(r["tokens"], ".1f"), _cell(r["seconds_per_rl_step"], ".2f"),
+        ]) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_curves(reports: dict[str, dict[int, dict[str, Any]]], path: Path) -> None:
+    """KL, length, trainer-eval FVE and reward against step: one line per variant (mean over seeds)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ModuleNotFoundError:
+        print("[rl_variants] matplotlib missing: no curves", flush=True)
+        return
+    fig, axes = plt.subplots(1, len(CURVES), figsize=(4.2 * len(CURVES), 3.4))
+    for name, by_seed in reports.items():
+        series = [read_curves(Path(r["rl_dir"]) / "metrics.jsonl") for r in by_seed.values()]
+        for ax, (key, title) in zip(axes, CURVES):
+            steps = sorted(set.intersection(*(set(s[key]) for s in series))) if series else []
+            if steps:
+                ax.plot(steps, [sum(s[key][t] for s in series) / len(series) for t in steps], label=name)
+            ax.set_title(title, fontsize=9)
+            ax.set_xlabel("step", fontsize=8)
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"[rl_variants] curves: {path}", flush=True)
+
+
+def read_curves(metrics: Path) -> dict[str, dict[int, float]]:
+    curves: dict[str, dict[int, float]] = {key: {} for key, _ in CURVES}
+    for line in metrics.read_text().splitlines():
+        row = json.loads(line)
+        for key in curves:
+            if row.get(key) is not None:
+                curves[key][row["step"]] = row[key]
+    return curves
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    v = sub.add_parser("variant", help="RL from a demo's SFT checkpoints with nla train keys changed")
+    v.add_argument("run_dir", type=Path)
+    v.add_argument("name")
+    v.add_argument("overrides", nargs="*", help="nla train key=value")
+    t = sub.add_parser("table", help="every variant over seeds beside the demo's own RL")
+    t.add_argument("run_dirs", type=Path, nargs="+")
+    t.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args(argv)
+    if args.command == "variant":
+        run_variant(args.run_dir, args.name, args.overrides)
+    else:
+        table(args.run_dirs, args.out)
+
+
+if __name__ == "__main__":
+    main()

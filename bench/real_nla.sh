@@ -123,11 +123,11 @@ case "$stage" in
       variant $seed gspo policy_loss=gspo clip_eps=0.0003 clip_eps_high=0.0004 & pids+=($!)
       variant $seed cispo policy_loss=cispo clip_eps=1.0 clip_eps_high=4.0 tis=none & pids+=($!)
       variant $seed onpolicy policy_loss=onpolicy tis=none kl_clamp=12 & pids+=($!)
-      (for _ in $(seq 180); do [ -f /tmp/vllm_ready ] && break; sleep 5; done; [ -f /tmp/vllm_ready ] || exit 0; source /tmp/vllm_env.sh; export VLLM_LOGGING_LEVEL=WARNING
+      (for _ in $(seq $(( ${VLLM_WAIT:-900} / 5 ))); do [ -f /tmp/vllm_ready ] && break; sleep 5; done; [ -f /tmp/vllm_ready ] || exit 0; source /tmp/vllm_env.sh; export VLLM_LOGGING_LEVEL=WARNING
        variant $seed vllm $VLLM_KEYS) & pids+=($!)
     done
     for pid in "${pids[@]}"; do wait "$pid" || true; done
-    python3 bench/rl_variants.py table $root/seed* --out /tmp/variants_out > /tmp/variants_table.log 2>&1
+    python3 bench/rl_variants.py table $root/seed*/ --out /tmp/variants_out > /tmp/variants_table.log 2>&1 || true
     touch /tmp/job_done
     ;;
   vllm-smoke)

@@ -39,7 +39,8 @@ class NLAConfig:
     d_model: int
     """Width D of the activation vectors (the model's hidden size)."""
     injection_char: str
-    """Character that replaces <INJECT> in the AV prompt; encodes to one token."""
+    """Text that replaces <INJECT> in the AV prompt, encoding to one token: one character, or a
+    space and one character (a token that carries its leading space; see marker_content)."""
     injection_token_id: int
     """Token id of injection_char."""
     injection_left_neighbor_id: int
@@ -99,6 +100,31 @@ def actor_content(template: str, *, key: str = "prompt_templates.actor") -> str:
     if INJECT_PLACEHOLDER in template:
         return template
     raise ValueError(f"sidecar key `{key}` must contain the placeholder {{injection_char}} (upstream) or <INJECT>")
+
+
+def marker_char(injection_char: str) -> str | None:
+    """The visible character of a marker text: `X` for "X" and for " X" (a token that carries its
+    leading space), None when the text is neither one non-space character nor a space and one."""
+    char = injection_char[1:] if len(injection_char) == 2 and injection_char[0] == " " else injection_char
+    return char if len(char) == 1 and not char.isspace() else None
+
+
+def marker_content(content: str, injection_char: str) -> str:
+    """The AV content as stored for this marker: `content` itself, or, for a marker that carries
+    its leading space (" X"), `content` with the space before <INJECT> taken into the marker.
+
+    Upstream fills the placeholder with tokens.injection_char by plain replacement (nla/schema.py,
+    nla/data_source.py), so a stored "...:<INJECT>" with injection_char " X" gives every reader
+    the text "...: X" that the template was written as. ValueError when the marker carries a
+    space and `content` has none before <INJECT>.
+    """
+    if not injection_char.startswith(" "):
+        return content
+    spaced = " " + INJECT_PLACEHOLDER
+    if spaced not in content:
+        raise ValueError(f"injection_char {injection_char!r} carries a leading space, but the AV template has no space "
+                         f"before {INJECT_PLACEHOLDER}; write one there, or choose a marker without the space")
+    return content.replace(spaced, INJECT_PLACEHOLDER)
 
 
 def upstream_actor_template(content: str) -> str:
@@ -178,8 +204,9 @@ def parse_sidecar(mapping: Mapping[str, Any]) -> NLAConfig:
         raise ValueError(f"sidecar key `{d_path}` must be a positive integer, got {d_model}")
 
     char = _typed("tokens.injection_char", _get(mapping, "tokens.injection_char"), str, "a string")
-    if len(char) != 1:
-        raise ValueError(f"sidecar key `tokens.injection_char` must be one character, got {char!r}")
+    if marker_char(char) is None:
+        raise ValueError(f"sidecar key `tokens.injection_char` must be one non-space character, or a space and one "
+                         f"(a token that carries its leading space), got {char!r}")
     ids = {
         key: _typed(f"tokens.{key}", _get(mapping, f"tokens.{key}"), int, "an integer token id")
         for key in ("injection_token_id", "injection_left_neighbor_id", "injection_right_neighbor_id")

@@ -39,7 +39,7 @@ from typing import Any, Iterator, Literal, Mapping
 import numpy as np
 import torch
 
-from nla_core import actor_content, parse_sidecar, resolve_target_scale
+from nla_core import actor_content, marker_content, parse_sidecar, resolve_target_scale
 from nla_shell.explainers import Site, make_explainer
 from nla_shell.explainers.jsonl import write_sites
 from nla_shell.io.config import ConfigError, normalize_fields, require
@@ -153,8 +153,9 @@ class DatagenConfig:
     mse_scale: str = "sqrt_d_model"
     """Sidecar extraction.mse_scale: "sqrt_d_model", "none", or a number."""
     injection_char: str | None = None
-    """The injection char (used as given, or a DataError says why it cannot be); None lets datagen choose
-    (`㈎` first for Qwen, see INJECTION_CHAR_CANDIDATES)."""
+    """The injection char (used as given, or a DataError says why it cannot be): one character, or a space and
+    one for a token that carries its leading space (it then covers the space before <INJECT>); None lets
+    datagen choose (`㈎` first for Qwen, see INJECTION_CHAR_CANDIDATES and nla_shell.pipeline.markers)."""
     batch_size: int = 16
     """Documents per forward pass."""
     row_group_size: int = 1024
@@ -293,15 +294,21 @@ def tokenized_documents(cfg: DatagenConfig, tokenizer: Any) -> Iterator[tuple[Do
         yield doc, tokenizer.encode(doc.text, add_special_tokens=False)[: cfg.max_seq_len]
 
 
-def dataset_marker(cfg: DatagenConfig, tokenizer: Any, model_config: Any, corpus_chars: set[str]) -> str:
+def dataset_marker(cfg: DatagenConfig, tokenizer: Any, model_config: Any) -> str:
     """The injection char of this run: cfg.injection_char when it can serve, else the first usable candidate.
 
-    The sites pass (write_sites) and the labelled run both call it on the same documents, so
-    they agree or fail alike.
+    It must be absent from the corpus's documents (the first max_docs, one cheap read of the
+    texts, untokenized) and the templates. The sites pass (write_sites) and the labelled run
+    both call it before anything is written, so they agree or fail alike, and a run that would
+    be refused writes nothing. A marker that carries its leading space (" X") is stored with
+    the AV template through nla_core.marker_content.
     """
+    corpus_chars = set().union(*(doc.text for doc in islice(
+        read_documents(cfg.corpus, text_column=cfg.text_column, id_column=cfg.id_column), cfg.max_docs)))
+    av_content = actor_content(cfg.av_template)
     return choose_injection_char(tokenizer, corpus_chars | set(cfg.av_template) | set(cfg.ar_template),
-                                 av_content=actor_content(cfg.av_template),
-                                 candidates=injection_char_candidates(model_config, tokenizer),
+                                 av_content=av_content,
+                                 candidates=injection_char_candidates(model_config, tokenizer, av_content=av_content),
                                  requested=cfg.injection_char)
 
 
@@ -314,11 +321,7 @@ def datagen_sites(cfg: DatagenConfig, tokenizer: Any) -> Path:
         )
     from transformers import AutoConfig
 
-    # The marker is chosen from the corpus's characters before any site is written, so a run the
-    # labelled pass would refuse writes nothing: one cheap read of the texts, untokenized.
-    corpus_chars = set().union(*(doc.text for doc in islice(
-        read_documents(cfg.corpus, text_column=cfg.text_column, id_column=cfg.id_column), cfg.max_docs)))
-    char = dataset_marker(cfg, tokenizer, AutoConfig.from_pretrained(cfg.model), corpus_chars)
+    char = dataset_marker(cfg, tokenizer, AutoConfig.from_pretrained(cfg.model))
     fractions = split_fractions(cfg)
 
     def to_label() -> Iterator[tuple[str, Site]]:
@@ -372,9 +375,8 @@ def _write_datasets(cfg: DatagenConfig) -> DatagenResult | Path:
             f"0..{n_layers - 1}"
         )
     d_model = model.config.hidden_size
-    av_content = actor_content(cfg.av_template)
-    if cfg.injection_char is not None:  # a requested char that cannot work fails before the forward passes
-        dataset_marker(cfg, tokenizer, model.config, set())
+    char = dataset_marker(cfg, tokenizer, model.config)  # before the forward passes, as the sites pass does
+    av_content = marker_content(actor_content(cfg.av_template), char)
     explainer = make_explainer(cfg, tokenizer)
     fractions = split_fractions(cfg)
     active = [s for s in SPLITS if fractions[s] > 0]
@@ -394,7 +396,6 @@ def _write_datasets(cfg: DatagenConfig) -> DatagenResult | Path:
 
     # --- stream documents in batches; rows that need an explanation wait for a full explainer batch ---
     prompt = av_prompt_messages(av_content)
-    corpus_chars: set[str] = set()
     n_docs = skipped = 0
     bar = progress_bar(total=count_documents(cfg.corpus, limit=cfg.max_docs), desc="datagen", unit="doc",
                        enabled=cfg.progress)
@@ -440,7 +441,6 @@ def _write_datasets(cfg: DatagenConfig) -> DatagenResult | Path:
     for doc, tokens in tokenized_documents(cfg, tokenizer):
         n_docs += 1
         bar.update()
-        corpus_chars.update(doc.text)
         if len(tokens) <= cfg.min_context:
             skipped += 1
             continue
@@ -473,7 +473,6 @@ def _write_datasets(cfg: DatagenConfig) -> DatagenResult | Path:
             "add documents, or set " + " ".join(f"{s}_fraction=0" for s in empty if s != "rl")
             + (" (rl takes the rest: lower the other fractions)" if "rl" in empty else "")
         )
-    char = dataset_marker(cfg, tokenizer, model.config, corpus_chars)
     for split in active:
         mapping = dataset_sidecar(
             tokenizer, stage="av_sft" if split == "eval" else split, row_count=writers[split].rows,

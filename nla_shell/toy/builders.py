@@ -20,6 +20,7 @@ import torch
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
+from nla_core import marker_char
 from nla_shell.io.data import av_prompt_messages
 from nla_shell.io.sidecars import DEFAULT_AR_TEMPLATE, DEFAULT_AV_TEMPLATE, dataset_sidecar, write_sidecar
 
@@ -92,12 +93,15 @@ def train_tokenizer(
     the learned merges (up to vocab_size in all), then the injection char's token and the
     `<explanation>` / `</explanation>` tags, so len(tokenizer) is vocab_size + 3 at most.
     `injection_char` is removed from the training texts and then made a single token that
-    never merges with its neighbours and decodes back to itself; the tags are single added
-    tokens, not special ones.
+    never merges with its neighbours and decodes back to itself; given as a space and one
+    character (" X"), both "X" and " X" become single tokens, as in a byte-level BPE whose
+    vocabulary fuses the space with the character (GPT-2's 'Ġ' + X). The tags are single
+    added tokens, not special ones.
     Raises ValueError when the injection char still fails to round-trip as one token.
     """
-    if len(injection_char) != 1 or injection_char.isspace():
-        raise ValueError(f"injection_char must be one non-space character, got {injection_char!r}")
+    char = marker_char(injection_char)
+    if char is None:
+        raise ValueError(f"injection_char must be one non-space character, or a space and one, got {injection_char!r}")
     backend = Tokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
@@ -107,8 +111,9 @@ def train_tokenizer(
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    backend.train_from_iterator((t.replace(injection_char, "") for t in texts), trainer=trainer)
-    backend = _force_single_token(backend, injection_char)
+    backend.train_from_iterator((t.replace(char, "") for t in texts), trainer=trainer)
+    for text in dict.fromkeys((char, injection_char)):  # the spaced token's merges rank first
+        backend = _force_single_token(backend, text)
     backend.add_tokens([AddedToken(t, special=False, normalized=False) for t in EXPLANATION_TOKENS])
 
     tokenizer = PreTrainedTokenizerFast(

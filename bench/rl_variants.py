@@ -37,7 +37,8 @@ SUMMARY_KEYS = {
 }
 """Report field -> the after-RL eval metric it copies."""
 CURVES = (("kl_mean", "KL to the reference (k3)"), ("response_len_mean", "response tokens"),
-          ("eval/fve", "held-out FVE (trainer's eval)"), ("reward_mean", "reward"))
+          ("entropy_mean", "policy entropy (nats / token)"), ("eval/fve", "held-out FVE (trainer's eval)"),
+          ("reward_mean", "reward"))
 
 
 def demo_inputs(run_dir: Path) -> dict[str, Any]:

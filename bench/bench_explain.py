@@ -1,0 +1,414 @@
+"""Explanation throughput of `nla explain` and `nla serve`, per engine (hf, native, vllm).
+
+What is timed, for every engine of --engines on the same N vectors (--sites):
+  offline   `NLAReader.explain` batch by batch (--batch sites a call, samples=1, sampled at
+            temperature 1, --new-tokens), the AR's scoring of every explanation (its
+            reconstruction and MSE) inside the timed region; one warm-up batch before, untimed.
+            sites/s, generated tokens/s, mean generated tokens (random weights rarely draw EOS,
+            so a sample usually runs the full length), peak GPU memory.
+  server    (--server-engine E) the `nla serve` app (`build_app` + uvicorn, as `nla serve` runs
+            them) on a free 127.0.0.1 port in this process, on E's reader; --clients threads POST
+            /v1/explain_vectors with --vectors-per-request vectors each until the N sites are
+            done: sites/s, p50/p99 request latency, and a check that every site was answered
+            exactly once (per request and by the batcher's counters).
+  corpus    (with server) `nla explain --parquet` mode (`explain_corpus`) on the same reader over
+            a parquet of the same N vectors: sites/s and generated tokens/s, beside the server.
+
+Inputs: --make-8b DIR (builds bench/make_8b_run.py's random Qwen3-8B-shape AV, AR and data there,
+unless DIR/av exists), --run DIR (one already built), or --av/--ar [--sidecar] of a trained NLA.
+Vectors: --parquet's activation_vector rows (cycled when fewer than --sites), else Gaussian
+vectors of the sidecar's d_model scaled to the mean norm of the run's data (sqrt(d_model)
+without one). hf and native run in this process one after the other, freeing the GPU between
+them; vLLM (only when it imports; else recorded as skipped) runs this script again in a
+subprocess after them, since a vLLM engine is created cleanly once per process, with
+--vllm-gpu-mem (0.5: the actor and the AR are on the GPU beside it; KV for 256 x ~100
+tokens at 8B is ~4 GB). The JSON is rewritten after every case; a failed case goes
+under `errors` and the run goes on. The table is printed last.
+
+On the H200 (install vLLM first as bench/README.md says; without it the vllm rows are skipped):
+
+    source /tmp/vllm_env.sh && PYTHONUNBUFFERED=1 python3 bench/bench_explain.py --make-8b /tmp/nla8b \\
+        --label qwen3-8b-random --server-engine vllm --out $OUT/explain_8b.json
+    source /tmp/vllm_env.sh && PYTHONUNBUFFERED=1 python3 bench/bench_explain.py --label smollm2-real \\
+        --av RUN/rl/step_000200/adapter --ar RUN/ar_sft/step_000300 --parquet RUN/data/eval.parquet \\
+        --server-engine vllm --out $OUT/explain_smollm2.json
+
+CPU smoke run (tiny random run in a temp dir, hf and native, server leg with hf; ~30 s):
+
+    .venv/bin/python bench/bench_explain.py --tiny --out /tmp/explain.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import itertools
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
+
+import torch  # noqa: E402
+
+import synthetic as syn  # noqa: E402
+
+VLLM_HINT = "vllm does not import here: pip install 'nla[vllm]' (bench/README.md: install it on the H200)"
+RUN_SIDECAR = "data/rl.parquet.nla_meta.yaml"
+"""make_8b_run.py's dataset sidecar: it names the extraction layer that the AV and AR dirs do not."""
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="bench/explain.json", help="JSON written after every case")
+    parser.add_argument("--label", default=None, help="names the NLA in the table (default: random / tiny-random)")
+    parser.add_argument("--tiny", action="store_true",
+                        help="CPU smoke run: a tiny random run in a temp dir (unless inputs are given), few sites")
+    inputs = parser.add_argument_group("inputs")
+    inputs.add_argument("--make-8b", metavar="DIR", help="build make_8b_run.py's run in DIR (kept if DIR/av exists)")
+    inputs.add_argument("--run", metavar="DIR", help="a run make_8b_run.py wrote: DIR/av, DIR/ar, DIR/data")
+    inputs.add_argument("--av", help="a trained AV (adapter dir or full checkpoint)")
+    inputs.add_argument("--ar", help="a trained AR dir")
+    inputs.add_argument("--sidecar", help="sidecar naming the extraction layer (default: the AV's or AR's)")
+    inputs.add_argument("--parquet", help="take the vectors from this parquet's activation_vector column")
+    parser.add_argument("--engines", default=None,
+                        help="offline engines in order (default hf,native,vllm; tiny hf,native)")
+    parser.add_argument("--sites", type=int, default=None, help="vectors explained per engine (default 1024; tiny 12)")
+    parser.add_argument("--batch", type=int, default=None, help="sites per engine call (default 256; tiny 4)")
+    parser.add_argument("--new-tokens", type=int, default=None, help="explanation length (default 64; tiny 8)")
+    parser.add_argument("--server-engine", choices=("hf", "native", "vllm"), default=None,
+                        help="also time `nla serve` and the corpus mode with this engine (off by default; tiny hf)")
+    parser.add_argument("--clients", type=int, default=None, help="concurrent HTTP clients (default 16; tiny 3)")
+    parser.add_argument("--vectors-per-request", type=int, default=None, help="vectors per POST (default 16; tiny 2)")
+    parser.add_argument("--vllm-gpu-mem", type=float, default=0.5, help="vLLM's share of the GPU (see above)")
+    parser.add_argument("--vllm-timeout", type=int, default=420, help="seconds allowed for the vLLM subprocess")
+    parser.add_argument("--device", default="auto", help="ReaderSettings.device: auto, cpu, cuda")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # the vLLM subprocess
+    args = parser.parse_args(argv)
+    tiny = args.tiny
+    args.engines = [e for e in (args.engines or ("hf,native" if tiny else "hf,native,vllm")).split(",") if e]
+    args.sites = args.sites or (12 if tiny else 1024)
+    args.batch = args.batch or (4 if tiny else 256)
+    args.new_tokens = args.new_tokens or (8 if tiny else 64)
+    args.server_engine = args.server_engine or ("hf" if tiny else None)
+    args.clients = args.clients or (3 if tiny else 16)
+    args.vectors_per_request = args.vectors_per_request or (2 if tiny else 16)
+    if args.server_engine and args.server_engine not in args.engines:
+        args.engines.append(args.server_engine)  # the server leg runs on that engine's offline reader
+    if bad := [e for e in args.engines if e not in ("hf", "native", "vllm")]:
+        parser.error(f"--engines: unknown {bad}; use hf, native, vllm")
+    if sum(x is not None for x in (args.make_8b, args.run, args.av)) > 1:
+        parser.error("give one of --make-8b, --run, --av/--ar")
+    if (args.av is None) != (args.ar is None):
+        parser.error("--av and --ar go together")
+    return args
+
+
+# --------------------------------------------------------------------------- inputs
+
+
+def resolve_inputs(args: argparse.Namespace) -> None:
+    """Fill args.av, args.ar, args.sidecar (building the run first when asked) and args.label."""
+    run = args.make_8b or args.run
+    if run is None and args.av is None:
+        if not args.tiny:
+            raise SystemExit("give --make-8b DIR, --run DIR or --av/--ar (or --tiny)")
+        run = args.make_8b = tempfile.mkdtemp(prefix="bench_explain_tiny_")
+    if args.make_8b and not (Path(args.make_8b) / "av").is_dir():
+        import make_8b_run
+
+        make_8b_run.main(Path(args.make_8b), tiny=args.tiny)
+    if run is not None:
+        args.av, args.ar = str(Path(run) / "av"), str(Path(run) / "ar")
+        args.sidecar = args.sidecar or str(Path(run) / RUN_SIDECAR)
+        args.norm_parquet = str(Path(run) / "data" / "rl.parquet")
+    else:
+        args.norm_parquet = None
+    args.label = args.label or ("tiny-random" if args.tiny else "random" if run else Path(args.av).name)
+
+
+def bench_vectors(args: argparse.Namespace, d_model: int) -> tuple[torch.Tensor, str]:
+    """[sites, D] float32 and where they came from: --parquet's rows (cycled), else scaled Gaussians."""
+    from nla_shell.serving.corpus import parquet_sites
+
+    if args.parquet:
+        rows = [s.vector for s in itertools.islice(parquet_sites(args.parquet, d_model, chunk=1024), args.sites)]
+        vectors = torch.stack([rows[i % len(rows)] for i in range(args.sites)])
+        return vectors, f"{args.parquet} ({len(rows)} distinct rows)"
+    norm, source = math.sqrt(d_model), "sqrt(d_model)"
+    if args.norm_parquet and Path(args.norm_parquet).is_file():
+        stored = [s.vector for s in itertools.islice(parquet_sites(args.norm_parquet, d_model, chunk=1024), 1024)]
+        norm, source = float(torch.stack(stored).norm(dim=1).mean()), f"mean norm of {args.norm_parquet}"
+    vectors = torch.randn(args.sites, d_model, generator=torch.Generator().manual_seed(0))
+    return vectors * (norm / vectors.norm(dim=1, keepdim=True)), f"gaussian, norm {norm:.1f} ({source})"
+
+
+def write_vectors(vectors: torch.Tensor, path: Path) -> Path:
+    """The vectors as a parquet of activation_vector rows: the corpus mode's input and the vLLM subprocess's."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"activation_vector": pa.array(vectors.tolist(), type=pa.list_(pa.float32()))}), path)
+    return path
+
+
+# --------------------------------------------------------------------------- the legs
+
+
+def reader_settings(args: argparse.Namespace, engine: str):
+    from nla_shell.serving.reader import ReaderSettings
+
+    return ReaderSettings(av=args.av, ar=args.ar, sidecar=args.sidecar, engine=engine,
+                          vllm_gpu_mem=args.vllm_gpu_mem, device=args.device)
+
+
+def time_offline(reader, vectors: torch.Tensor, args: argparse.Namespace, device: torch.device) -> dict:
+    """NLAReader.explain over the vectors batch by batch, after one untimed warm-up batch."""
+    def explain(index: int, batch: torch.Tensor):
+        torch.manual_seed(index)  # sampled, seeded per batch as the corpus mode seeds its batches
+        return reader.explain(batch, samples=1, greedy=False, max_new_tokens=args.new_tokens)
+
+    warm_s, _ = syn.timed(lambda: explain(-1, vectors[: args.batch]), device)
+    seconds, results, memory = syn.measured(
+        lambda: [site for i, start in enumerate(range(0, len(vectors), args.batch))
+                 for site in explain(i, vectors[start : start + args.batch])], device)
+    tokens = sum(r.generated_tokens for r in results)
+    return {"seconds": seconds, "warmup_s": warm_s, "sites_per_s": len(results) / seconds,
+            "tokens_per_s": tokens / seconds, "mean_generated_tokens": tokens / len(results),
+            "explained": sum(r.explanation is not None for r in results), **memory}
+
+
+def time_server(reader, vectors: torch.Tensor, args: argparse.Namespace, engine: str, device: torch.device) -> dict:
+    """The `nla serve` app on a free loopback port, driven by --clients threads until every site is answered."""
+    import httpx
+
+    from nla_shell.serving.app import build_app
+    from nla_shell.serving.server import ServeConfig, bind, uvicorn_server
+
+    k = args.vectors_per_request
+    # model= is required by ServeConfig but only /v1/explain reads it; the reader was loaded without a target LM
+    cfg = ServeConfig(av=args.av, ar=args.ar, sidecar=args.sidecar, engine=engine, model=args.av, port=0,
+                      max_batch=args.batch, max_sites=k, max_new_tokens=args.new_tokens,
+                      max_new_tokens_limit=max(args.new_tokens, 256), device=args.device)
+    app = build_app(reader, cfg)
+    sock = bind("127.0.0.1", 0)
+    server = uvicorn_server(app)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    # bodies serialised before the clock starts: the clients' JSON encoding is not the server's cost
+    starts = list(range(0, len(vectors), k))
+    bodies = [json.dumps({"vectors": vectors[s : s + k].tolist(), "samples": 1, "greedy": False,
+                          "max_new_tokens": args.new_tokens}).encode() for s in starts]
+    answered = [0] * len(vectors)
+    latencies: list[float] = []
+    failures: list[str] = []
+    next_request = itertools.count()
+    lock = threading.Lock()
+
+    def client() -> None:
+        with httpx.Client(base_url=url, timeout=600, headers={"Content-Type": "application/json"}) as http:
+            while (i := next(next_request)) < len(bodies):  # itertools.count's next() is atomic under the GIL
+                t0 = time.perf_counter()
+                try:
+                    answer = http.post("/v1/explain_vectors", content=bodies[i])
+                    results, problem = answer.json().get("results"), f"HTTP {answer.status_code} {answer.text[:200]}"
+                except Exception as err:  # noqa: BLE001 - a lost request shows as unanswered sites
+                    results, problem = None, f"{type(err).__name__}: {err}"
+                latency = time.perf_counter() - t0
+                with lock:
+                    latencies.append(latency)
+                    if results is None or len(results) != min(k, len(vectors) - starts[i]):
+                        failures.append(f"request {i}: {problem}")
+                        continue
+                    for j in range(len(results)):
+                        answered[starts[i] + j] += 1
+
+    try:
+        deadline = time.monotonic() + 60
+        while not server.started:
+            if not thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the server did not start")
+            time.sleep(0.02)
+        warm = httpx.post(f"{url}/v1/explain_vectors", content=bodies[0], timeout=600,
+                          headers={"Content-Type": "application/json"})
+        warm.raise_for_status()
+        before = httpx.get(f"{url}/v1/info").json()["batching"]
+        syn.reset_peak(device)
+        t0 = time.perf_counter()
+        threads = [threading.Thread(target=client) for _ in range(args.clients)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        seconds = time.perf_counter() - t0
+        peak = syn.peak_gib(device)
+        after = httpx.get(f"{url}/v1/info").json()["batching"]
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        app.state.batcher.close()
+        sock.close()
+    latencies.sort()
+    batcher = {key: after[key] - before[key] for key in ("batches", "sites", "jobs")}
+    return {"seconds": seconds, "sites_per_s": sum(answered) / seconds, "requests": len(bodies),
+            "clients": args.clients, "vectors_per_request": k, "peak_gib": peak, "failed_requests": failures,
+            "sites_answered_once": sum(a == 1 for a in answered),
+            "sites_answered_twice_or_more": sum(a > 1 for a in answered),
+            "p50_ms": 1000 * statistics.median(latencies), "p99_ms": 1000 * percentile(latencies, 0.99),
+            "batcher": {**batcher, "largest_batch_sites": after["largest_batch_sites"],
+                        "mean_batch_sites": batcher["sites"] / max(batcher["batches"], 1)}}
+
+
+def percentile(sorted_values: list[float], q: float) -> float:
+    """Nearest-rank percentile of sorted values."""
+    return sorted_values[min(len(sorted_values) - 1, math.ceil(q * len(sorted_values)) - 1)]
+
+
+def time_corpus(reader, vectors_parquet: Path, args: argparse.Namespace, engine: str, workdir: Path,
+                device: torch.device) -> dict:
+    """`nla explain --parquet` (explain_corpus) on the already-loaded reader over the same vectors."""
+    import pyarrow.parquet as pq
+
+    from nla_shell.serving.corpus import explain_corpus
+    from nla_shell.serving.explain import ExplainConfig
+
+    out = workdir / f"corpus_{engine}.parquet"
+    cfg = ExplainConfig(av=args.av, ar=args.ar, sidecar=args.sidecar, engine=engine, parquet=str(vectors_parquet),
+                        out=str(out), batch_size=args.batch, max_new_tokens=args.new_tokens, overwrite=True,
+                        device=args.device, vllm_gpu_mem=args.vllm_gpu_mem, progress_every_s=3600)
+    seconds, _, memory = syn.measured(lambda: explain_corpus(cfg, reader), device)
+    tokens = pq.read_table(out, columns=["generated_tokens"]).column(0).to_pylist()
+    return {"seconds": seconds, **memory, "sites": len(tokens), "sites_per_s": len(tokens) / seconds,
+            "tokens_per_s": sum(tokens) / seconds, "mean_generated_tokens": sum(tokens) / len(tokens)}
+
+
+def run_engine(engine: str, vectors: torch.Tensor, vectors_parquet: Path, args, record: syn.Record,
+               workdir: Path) -> None:
+    """Load `engine`'s reader, time it offline, and (when it is the server engine) the server and corpus legs."""
+    from nla_shell.serving.reader import load_reader
+    from nla_shell.training.setup import resolve_device
+
+    device = resolve_device(args.device, "auto")[0]
+    base = {"engine": engine, "label": args.label, "sites": len(vectors), "batch": args.batch,
+            "new_tokens": args.new_tokens}
+    syn.free_memory(device)
+    print(f"[{engine}] loading the reader", flush=True)
+    try:
+        load_s, reader = syn.timed(lambda: load_reader(reader_settings(args, engine), model=None,
+                                                       max_batch=args.batch), device)
+    except Exception as err:  # noqa: BLE001 - report and go on with the next engine
+        record.error(f"{engine} load", err)
+        return
+    legs = [("offline", lambda: time_offline(reader, vectors, args, device))]
+    if engine == args.server_engine:
+        legs += [("server", lambda: time_server(reader, vectors, args, engine, device)),
+                 ("corpus", lambda: time_corpus(reader, vectors_parquet, args, engine, workdir, device))]
+    for mode, leg in legs:
+        print(f"[{engine}] {mode}", flush=True)
+        try:
+            case = {"mode": mode, **base, "load_s": load_s, **leg()}
+        except Exception as err:  # noqa: BLE001
+            record.error(f"{engine} {mode}", err)
+            continue
+        if mode == "offline" and engine != "hf":
+            case["engine_stats"] = getattr(reader.engine, "last_stats", None)
+        record.add(case)
+        print(f"  {case['sites_per_s']:.2f} sites/s, {case.get('tokens_per_s', math.nan):.0f} tokens/s", flush=True)
+    reader.engine.close()
+    del reader
+    syn.free_memory(device)
+
+
+def run_in_subprocess(engine: str, args, vectors_parquet: Path, record: syn.Record, workdir: Path) -> None:
+    """This script with --worker --engines ENGINE in its own process (used for vllm, which is created cleanly
+    once per process), on the same vectors; its cases, errors and skips merged into ours."""
+    out = workdir / f"{engine}.json"
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--engines", engine, "--av", args.av,
+           "--ar", args.ar, "--parquet", str(vectors_parquet), "--label", args.label, "--sites", str(args.sites),
+           "--batch", str(args.batch), "--new-tokens", str(args.new_tokens), "--vllm-gpu-mem", str(args.vllm_gpu_mem),
+           "--device", args.device, "--clients", str(args.clients),
+           "--vectors-per-request", str(args.vectors_per_request), "--out", str(out)]
+    cmd += ["--sidecar", args.sidecar] if args.sidecar else []
+    cmd += ["--tiny"] if args.tiny else []
+    cmd += ["--server-engine", engine] if args.server_engine == engine else []
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0")}
+    print(f"[{engine}] {' '.join(cmd)}", flush=True)
+    try:
+        subprocess.run(cmd, cwd=ROOT, env=env, timeout=args.vllm_timeout, check=True)
+    except Exception as err:  # noqa: BLE001 - keep what the worker saved before it failed
+        record.error(f"{engine} subprocess", err)
+    if out.is_file():
+        worker = json.loads(out.read_text())
+        for case in worker["cases"]:
+            record.add(case)
+        record.data["errors"] += worker["errors"]
+        record.data["skipped"].update(worker.get("skipped", {}))
+    record.save()
+
+
+# --------------------------------------------------------------------------- main
+
+
+def summary(cases: list[dict]) -> str:
+    hf = {(c["mode"], c["label"]): c["sites_per_s"] for c in cases if c["engine"] == "hf"}
+    lines = [f"{'mode':8} {'engine':7} {'label':18} {'sites/s':>9} {'tokens/s':>9} {'x hf':>6} {'p50 ms':>8} "
+             f"{'p99 ms':>8} {'peak GiB':>8}"]
+    for c in cases:
+        ratio = c["sites_per_s"] / hf[(c["mode"], c["label"])] if (c["mode"], c["label"]) in hf else math.nan
+        lines.append(f"{c['mode']:8} {c['engine']:7} {c['label'][:18]:18} {c['sites_per_s']:9.2f} "
+                     f"{c.get('tokens_per_s', math.nan):9.0f} {ratio:6.2f} {c.get('p50_ms', math.nan):8.0f} "
+                     f"{c.get('p99_ms', math.nan):8.0f} {c.get('peak_gib', math.nan):8.1f}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.tiny:
+        # two OpenMP threads on a tiny model in the main thread spin against each other (10x slower than in
+        # the server's worker thread on a busy 2-core machine): one thread keeps the legs comparable
+        torch.set_num_threads(1)
+    resolve_inputs(args)
+    from nla_shell.io.sidecars import load_sidecar
+    from nla_shell.serving.reader import model_sidecar_path
+    from nla_shell.training.setup import resolve_device
+
+    device = resolve_device(args.device, "auto")[0]
+    settings = {k: v for k, v in vars(args).items() if k != "worker"}
+    record = syn.Record(args.out, {**syn.environment(device), "machine": os.uname().nodename,
+                                   "cpu_count": os.cpu_count(), "settings": settings, "skipped": {}})
+    workdir = Path(tempfile.mkdtemp(prefix="bench_explain_"))
+    d_model = load_sidecar(model_sidecar_path(args.av, args.ar, args.sidecar)).d_model
+    vectors, source = bench_vectors(args, d_model)
+    vectors_parquet = write_vectors(vectors, workdir / "vectors.parquet")
+    record.data.update(vectors=source, d_model=d_model)
+    record.save()
+    print(f"[inputs] av {args.av}, ar {args.ar}, {len(vectors)} vectors: {source}", flush=True)
+    for engine in args.engines:
+        if engine == "vllm" and importlib.util.find_spec("vllm") is None:
+            record.data["skipped"]["vllm"] = VLLM_HINT
+            record.save()
+            print(f"[vllm] skipped: {VLLM_HINT}", flush=True)
+        elif engine == "vllm" and not args.worker:
+            syn.free_memory(device)
+            run_in_subprocess("vllm", args, vectors_parquet, record, workdir)
+        else:
+            run_engine(engine, vectors, vectors_parquet, args, record, workdir)
+    table = summary(record.data["cases"])
+    record.data["table"] = table
+    record.save()
+    print(table)
+    print(f"saved {args.out}")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main()

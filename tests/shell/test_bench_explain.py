@@ -1,0 +1,39 @@
+"""bench/bench_explain.py's CPU smoke mode (tiny random run, hf and native, server leg with hf): every engine
+explains every site at a positive rate, and the server answers every site exactly once."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_explain_bench_times_every_engine_and_the_server_answers_each_site_once(tmp_path):
+    out = tmp_path / "explain.json"
+    subprocess.run([sys.executable, str(ROOT / "bench" / "bench_explain.py"), "--tiny", "--make-8b",
+                    str(tmp_path / "run"), "--sites", "10", "--out", str(out)],
+                   check=True, capture_output=True, text=True, timeout=300)
+    record = json.loads(out.read_text())
+    assert record["errors"] == []
+    offline = {c["engine"]: c for c in record["cases"] if c["mode"] == "offline"}
+    assert set(offline) == {"hf", "native"}
+    for case in offline.values():
+        assert case["sites"] == 10 and case["sites_per_s"] > 0 and case["tokens_per_s"] > 0
+        assert 0 < case["mean_generated_tokens"] <= 8
+    (server,) = [c for c in record["cases"] if c["mode"] == "server"]
+    assert server["engine"] == "hf" and server["failed_requests"] == []
+    assert server["sites_answered_once"] == 10 and server["sites_answered_twice_or_more"] == 0
+    assert server["batcher"]["sites"] == 10 and server["requests"] == 5  # 10 sites, 2 vectors a request
+    assert server["sites_per_s"] > 0 and server["p99_ms"] >= server["p50_ms"] > 0
+    (corpus,) = [c for c in record["cases"] if c["mode"] == "corpus"]
+    assert corpus["sites"] == 10 and corpus["sites_per_s"] > 0
+    assert "x hf" in record["table"]

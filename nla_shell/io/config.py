@@ -156,10 +156,15 @@ class TrainConfig:
     clip_eps_high: float | None = None
     """Upper clip (DAPO clip-higher); None uses clip_eps. Not in the reference."""
     kl_beta: float = 0.04
-    """Weight of the k3 KL penalty against the adapter-off reference policy."""
+    """Weight of the k3 KL penalty against the adapter-off reference policy. 0 drops the term from the loss;
+    the reference forward then runs only for the kl_mean metric (kl_metric), and not at all with kl_metric=false."""
     kl_metric: bool = True
     """At kl_beta = 0, still run the reference forward (no grad) so kl_mean is measured; false skips
-    it (one forward per micro-batch saved) and logs kl_mean as NaN. Not in the reference (which logs 0)."""
+    it (one forward per micro-batch saved), logs kl_mean as NaN and says so at start-up. The loss is
+    the same either way. Not in the reference (which logs 0)."""
+    entropy_metric: bool = True
+    """Log entropy_mean, the policy's mean entropy (nats) over the response tokens, from the update's own
+    log-prob head pass (no second lm_head product; the logits are never whole). false logs NaN. Not in the reference."""
     kl_clamp: float | None = None
     """Clamp on the per-token log-ratio inside the KL estimator; None leaves it unclamped. Not in the reference."""
     tis: Literal[

@@ -32,6 +32,7 @@ METRIC_KEYS: tuple[str, ...] = (
     "cjk_fraction",
     "response_len_mean",
     "kl_mean",
+    "entropy_mean",  # the policy's entropy (nats) at the response tokens, in the update's forward
     "clip_frac",  # tokens where the PPO clip is active (verl's pg_clipfrac, TRL's clip_ratio/region_mean)
     "outside_clip_frac",  # tokens whose ratio lies outside the clip range, any advantage (the reference's clip_frac)
     "tis_frac",

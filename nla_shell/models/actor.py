@@ -241,27 +241,35 @@ def response_logprobs(
     attention_mask: torch.Tensor,
     positions: torch.Tensor,
     targets: torch.Tensor,
-) -> torch.Tensor:
+    *,
+    with_entropy: bool = False,
+) -> torch.Tensor | nla_core.LogprobsAndEntropy:
     """log pi(targets[i, t] | input_ids[i, :positions[i, t] + 1]) without full-vocab logits.
 
     Runs the decoder to its last hidden states and applies the fused lm_head + log-prob
     (`nla_core.token_logprobs_from_hidden`) at the requested positions only, with the
     family's final-logit soft-capping (Gemma 2/3), as the model's own forward applies it.
 
-    Args: input_ids, attention_mask: [n, S]; positions, targets: [n, T] (positions index S).
-    Returns: [n, T] float32.
+    Args: input_ids, attention_mask: [n, S]; positions, targets: [n, T] (positions index S);
+      with_entropy: also each position's policy entropy, from the same pass (`hidden_logprobs`).
+    Returns: [n, T] float32; with_entropy: LogprobsAndEntropy of two [n, T] (the entropy detached).
     """
     lm = inner_lm(actor)
     hidden = families.backbone(lm)(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
     picked = hidden.gather(1, positions.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
-    return hidden_logprobs(lm, picked, targets)
+    return hidden_logprobs(lm, picked, targets, with_entropy=with_entropy)
 
 
-def hidden_logprobs(lm: nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def hidden_logprobs(
+    lm: nn.Module, hidden: torch.Tensor, targets: torch.Tensor, *, with_entropy: bool = False
+) -> torch.Tensor | nla_core.LogprobsAndEntropy:
     """log softmax(lm_head(hidden))[targets] through the fused, chunked head, with the family's
     final-logit soft-capping; each chunk's arithmetic compiled while a CompiledBlockParts holds `lm`.
-    Args: hidden: [n, T, D] final hidden states; targets: [n, T]. Returns [n, T] float32."""
+    with_entropy: also the entropy of each position's softmax, from the same chunk's logits (no second
+    lm_head product). Args: hidden: [n, T, D] final hidden states; targets: [n, T]. Returns [n, T] float32,
+    or with_entropy LogprobsAndEntropy(logp, entropy) of two [n, T] (entropy detached)."""
     return nla_core.token_logprobs_from_hidden(
         hidden, lm.get_output_embeddings().weight, targets, softcap=families.final_logit_softcap(lm),
         chunk_size=LOGPROB_CHUNK_TOKENS, kernels=_compiled_heads.get(lm, nla_core.ChunkKernels()),
+        with_entropy=with_entropy,
     )

@@ -152,6 +152,7 @@ def _compiled_chunk_kernels(backend: str) -> nla_core.ChunkKernels:
     return nla_core.ChunkKernels(
         logprobs=_compiled_unless_capturing(nla_core.chunk_logprobs, backend=backend),
         logit_grads=_compiled_unless_capturing(nla_core.chunk_logit_grads, backend=backend),
+        entropy=_compiled_unless_capturing(nla_core.chunk_entropy, backend=backend),
     )
 
 

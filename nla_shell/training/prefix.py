@@ -31,6 +31,7 @@ from typing import Sequence
 
 import torch
 
+import nla_core
 from nla_shell import families
 from nla_shell.engines.base import Rollout
 from nla_shell.models import Injector, hidden_logprobs, inner_lm, pad_right
@@ -243,16 +244,20 @@ def prompt_forward(
     return PromptStates(outputs[:layers], outputs[layers : 2 * layers], outputs[-1], graph)
 
 
-def response_logprobs(actor: torch.nn.Module, states: PromptStates, batch: PrefixBatch) -> torch.Tensor:
+def response_logprobs(
+    actor: torch.nn.Module, states: PromptStates, batch: PrefixBatch, *, with_entropy: bool = False
+) -> torch.Tensor | nla_core.LogprobsAndEntropy:
     """log pi(response[i, t] | prompt, response[i, :t]), each sample attending to its prompt's states.
 
     Args:
       states: `prompt_forward` of a batch whose prompts `batch.owner` indexes (the batch itself,
         or the batch that `batch` was split from).
       batch: a PrefixBatch on the actor's device (n samples, R response width).
+      with_entropy: also each position's policy entropy, from the same log-prob head pass.
     Returns:
       [n, R] float32 (any value at padding), differentiable w.r.t. the actor's trainable weights
-      (or, with a deferred gradient, w.r.t. the states' leaves and the response forward's weights).
+      (or, with a deferred gradient, w.r.t. the states' leaves and the response forward's weights);
+      with_entropy: LogprobsAndEntropy(logp, entropy) of two [n, R], the entropy detached.
     """
     from transformers import DynamicCache
 
@@ -271,7 +276,7 @@ def response_logprobs(actor: torch.nn.Module, states: PromptStates, batch: Prefi
             **{_cache_keyword(decoder): cache},
         ).last_hidden_state  # [n, R - 1, D]
         hidden = torch.cat([hidden, response_hidden], dim=1)
-    return hidden_logprobs(lm, hidden, batch.response_ids)
+    return hidden_logprobs(lm, hidden, batch.response_ids, with_entropy=with_entropy)
 
 
 def prefix_logprobs(

@@ -315,7 +315,7 @@ class RunState:
             kl_clamp=cfg.kl_clamp, tis=None if cfg.tis == "none" else cfg.tis, tis_cap=cfg.tis_cap,
             aggregation=cfg.aggregation, max_len=cfg.max_new_tokens,
             token_mask=None if cfg.token_mask is None else (cfg.token_mask[0], cfg.token_mask[1]),
-            kl_metric=cfg.kl_metric,
+            kl_metric=cfg.kl_metric, entropy_metric=cfg.entropy_metric,
         )
 
     @property
@@ -387,7 +387,7 @@ def setup(cfg: TrainConfig, rank: RankInfo, device: torch.device, dtype: torch.d
         if eval_rows and cfg.vllm_sync_every != 1:
             say(f"[eval] vllm_sync_every={cfg.vllm_sync_every}: at eval steps whose update was not pushed to "
                 f"{cfg.engine}, the held-out eval samples from the trainer's actor (HF generate) instead")
-    return RunState(
+    state = RunState(
         cfg=cfg, rank=rank, device=device, nla=nla, tokenizer=tokenizer, rows=rows, prompt_ids=prompt_ids,
         eval_rows=eval_rows, eval_prompt_ids=eval_prompt_ids, actor=actor, injector=injector, critic=critic,
         engine=engine, eval_engine=EvalEngine(engine, actor, injector, tokenizer), optimizer=optimizer,
@@ -395,6 +395,9 @@ def setup(cfg: TrainConfig, rank: RankInfo, device: torch.device, dtype: torch.d
         order=order, start_step=start_step, skipped_steps=skipped_steps, logger=logger, save_dir=Path(cfg.save_dir),
         canary_watch=CanaryWatch(stop=cfg.vllm_canary == "stop"),
     )
+    if not state.loss_options.runs_reference:
+        say("[train] kl_beta=0, kl_metric=false: the reference pass is skipped (no KL is computed or logged)")
+    return state
 
 
 def claim_run_dir(cfg: TrainConfig, *, continues_sft: bool) -> Path | None:

@@ -296,6 +296,7 @@ def step_metrics(state: RunState, rolled: Rolled, scored: Scored, update: Update
         "cjk_fraction": float(np.mean(samples["cjk"].numpy())),
         "response_len_mean": n_generated / len(samples["length"]),
         "kl_mean": update.kl_mean,
+        "entropy_mean": update.entropy_mean,
         "clip_frac": update.clip_frac,
         "outside_clip_frac": update.outside_clip_frac,
         "tis_frac": update.tis_frac,

@@ -16,7 +16,7 @@ from nla_shell.models import Injector, pad_right, reference_policy, response_log
 
 @dataclass(frozen=True)
 class LossOptions:
-    """The `nla_core.policy_loss` keywords, unpacked from the run config, and whether KL is measured."""
+    """The `nla_core.policy_loss` keywords, unpacked from the run config, and which diagnostics are measured."""
 
     policy_loss: str = "grpo"
     """nla_core.policy_loss's kind: grpo, gspo, cispo or onpolicy."""
@@ -33,6 +33,13 @@ class LossOptions:
     """The band [low, high] on the trainer/engine ratio outside which a token's surrogate is dropped."""
     kl_metric: bool = True
     """Run the reference forward at kl_beta = 0 too, so kl_mean is measured (NaN when it is not run)."""
+    entropy_metric: bool = True
+    """Measure the policy's entropy at the response tokens in the policy forward (NaN when off)."""
+
+    @property
+    def runs_reference(self) -> bool:
+        """Whether the update needs the reference log-probs: for the KL term, or for kl_mean alone at kl_beta = 0."""
+        return self.kl_beta != 0 or self.kl_metric
 
 
 @dataclass(frozen=True)
@@ -97,6 +104,8 @@ class UpdateStats:
     grad_norm: float
     stepped: bool
     kl_mean: float
+    entropy_mean: float
+    """Mean policy entropy (nats) over the response tokens, in the policy forward before the step."""
     clip_frac: float
     """Share of response tokens where the PPO clip is active (verl / TRL meaning)."""
     outside_clip_frac: float
@@ -174,9 +183,11 @@ def policy_update(
     advantages = advantages.to(device, torch.float32, non_blocking=True)
     activations = activations.to(device, torch.float32, non_blocking=True)
 
-    def micro_batch_logprobs(size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """(logp [n, T], mask [n, T], behaviour logp [n, T], rows [n] on the device) per micro-batch
-        of `size` samples, in `plan_micro_batches` order.
+    def micro_batch_logprobs(
+        size: int, *, with_entropy: bool = False
+    ) -> Iterator[tuple[torch.Tensor | nla_core.LogprobsAndEntropy, torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """(logp [n, T] (with_entropy: LogprobsAndEntropy), mask [n, T], behaviour logp [n, T], rows [n] on
+        the device) per micro-batch of `size` samples, in `plan_micro_batches` order.
 
         With `share_prefix` the prompts of `prompt_block` consecutive micro-batches run in one
         forward, whose backward runs when the caller asks for the micro-batch after the block's
@@ -188,9 +199,9 @@ def policy_update(
                 batch = response_batch([rollouts[i] for i in rows], pad_id=pad_id, device=device)
                 index = torch.tensor(rows, device=device)
                 with injector.inject(batch.input_ids, activations[index]):
-                    logp = response_logprobs(
-                        actor, batch.input_ids, batch.attention_mask, batch.positions, batch.targets)
-                yield logp, batch.mask, batch.behavior_logp, index
+                    logprobs = response_logprobs(actor, batch.input_ids, batch.attention_mask, batch.positions,
+                                                 batch.targets, with_entropy=with_entropy)
+                yield logprobs, batch.mask, batch.behavior_logp, index
             return
         for first in range(0, len(plan), prompt_block):
             block = plan[first : first + prompt_block]
@@ -199,15 +210,14 @@ def policy_update(
             states = prefix.prompt_forward(
                 actor, injector, whole, activations[whole.prompt_sources], defer_gradient=True)
             for part in whole.split([len(rows) for rows in block]):
-                yield prefix.response_logprobs(actor, states, part), part.mask, part.behavior_logp, part.rows
+                logprobs = prefix.response_logprobs(actor, states, part, with_entropy=with_entropy)
+                yield logprobs, part.mask, part.behavior_logp, part.rows
             states.backward()
 
     # --- reference log-probs: one no-grad pass, larger micro-batches ------------------------
     width = max((r.response_len for r in rollouts), default=1)
     reference = None
-    # The KL is worth watching at kl_beta = 0 as well: the reference forward is then for the metric only.
-    run_reference = loss.kl_beta != 0 or loss.kl_metric
-    if run_reference:
+    if loss.runs_reference:
         reference = torch.zeros(n_local, max(1, width), device=device)
         with torch.no_grad(), reference_policy(actor):
             for ref_logp, _, _, index in micro_batch_logprobs(reference_micro_batch or 4 * micro_batch):
@@ -216,11 +226,15 @@ def policy_update(
     # --- policy forward + loss + backward, micro-batch by micro-batch -------------------------
     optimizer.zero_grad(set_to_none=True)
     zero = torch.zeros((), dtype=torch.float64, device=device)
-    sums = dict(loss=zero, kl=zero, clip=zero, outside=zero, tis=zero, band=zero, diff=zero, tokens=zero, masked=zero)
+    sums = dict(loss=zero, kl=zero, clip=zero, outside=zero, tis=zero, band=zero, diff=zero, tokens=zero, masked=zero,
+                entropy=zero)
     diff_max = zero
     decoupled = loss.tis not in ("ratio_cap", None)
-    for logp, mask, behavior, index in micro_batch_logprobs(micro_batch):
+    for logprobs, mask, behavior, index in micro_batch_logprobs(micro_batch, with_entropy=loss.entropy_metric):
+        logp, entropy = logprobs if loss.entropy_metric else (logprobs, None)
         diff = torch.where(mask, (behavior - logp.detach()).abs(), torch.zeros_like(logp))
+        if entropy is not None:  # over every response token, like logp_diff_mean: before the mismatch mask
+            sums["entropy"] = sums["entropy"] + torch.where(mask, entropy, torch.zeros_like(entropy)).sum()
         if mismatch_threshold is not None:
             off_policy = diff.sum(-1) / mask.sum(-1).clamp_min(1) > mismatch_threshold
             sums["masked"] = sums["masked"] + off_policy.sum()
@@ -276,7 +290,8 @@ def policy_update(
         loss=sums["loss"],
         grad_norm=grad_norm,
         stepped=stepped,
-        kl_mean=sums["kl"] / tokens if run_reference else math.nan,
+        kl_mean=sums["kl"] / tokens if loss.runs_reference else math.nan,
+        entropy_mean=sums["entropy"] / max(n_tokens, 1) if loss.entropy_metric else math.nan,
         clip_frac=sums["clip"] / tokens,
         outside_clip_frac=sums["outside"] / tokens,
         tis_frac=sums["tis"] / tokens,

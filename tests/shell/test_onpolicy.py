@@ -218,7 +218,7 @@ def test_merged_sft_adapter_starts_from_the_sft_policy_with_a_fresh_lora(toy_sft
 # --------------------------------------------------------------------------- 4: KL and the critic's grad norm
 
 
-def test_kl_is_measured_at_kl_beta_zero_and_the_critic_grad_norm_is_logged(nla_run_inputs, tmp_path):
+def test_kl_is_measured_at_kl_beta_zero_and_the_critic_grad_norm_is_logged(nla_run_inputs, tmp_path, capsys):
     run = tmp_path / "run"
     assert cli.main(_train_args(nla_run_inputs, run, kl_beta=0, train_critic="true", critic_lr=1e-3,
                                 eval_every=0)) == 0
@@ -229,9 +229,11 @@ def test_kl_is_measured_at_kl_beta_zero_and_the_critic_grad_norm_is_logged(nla_r
     for line in (first, second):
         assert 0.0 <= line["clip_frac"] <= line["outside_clip_frac"] <= 1.0
     skipped = tmp_path / "no_reference"
+    assert "the reference pass is skipped" not in capsys.readouterr().out
     assert cli.main(_train_args(nla_run_inputs, skipped, kl_beta=0, kl_metric="false", num_steps=1,
                                 eval_every=0)) == 0
     assert fixtures.read_metrics(skipped)[0]["kl_mean"] is None  # NaN in metrics.jsonl: not measured, not 0
+    assert "[train] kl_beta=0, kl_metric=false: the reference pass is skipped" in capsys.readouterr().out
 
 
 # --------------------------------------------------------------------------- anti-runaway shaping

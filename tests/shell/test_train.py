@@ -21,6 +21,7 @@ from nla_shell.engines.base import Rollout, RolloutRequest
 from nla_shell.engines.hf import HFRolloutEngine
 from nla_shell.io.logging import METRIC_KEYS
 from nla_shell.models import VALUE_HEAD_FILE, ARModel, response_logprobs
+from nla_shell.training import update as update_module
 from nla_shell.training.update import LossOptions, policy_update, response_batch
 
 TIMING_KEYS = {"time_rollout", "time_score", "time_update", "time_critic", "time_sync", "time_step",
@@ -32,8 +33,10 @@ def test_three_step_run_writes_metrics_checkpoint_and_summary(nla_run_inputs, tm
     assert cli.main(fixtures.train_argv(nla_run_inputs, save_dir)) == 0
     lines = fixtures.read_metrics(save_dir)
     assert [line["step"] for line in lines] == [0, 1, 2]
+    vocab = json.loads((nla_run_inputs[0] / "config.json").read_text())["vocab_size"]
     for line in lines:
         assert set(METRIC_KEYS) <= set(line)
+        assert 0 < line["entropy_mean"] < math.log(vocab)
     assert any(line["extraction_rate"] > 0 for line in lines), "the warm AV should extract sometimes"
     assert "eval/fve" in lines[0] and "eval/fve" in lines[2] and "eval/fve" not in lines[1]
     assert "eval/explanation_tokens_mean" in lines[0] and "eval/explanation_tokens_mean" not in lines[1]
@@ -182,6 +185,48 @@ def test_micro_batched_gradient_equals_full_batch_gradient(nla_run_inputs, aggre
     assert grads[0].abs().sum() > 0
     for g in grads[1:]:
         torch.testing.assert_close(g, grads[0], rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("share_prefix", [True, False])
+def test_update_logs_the_entropy_of_the_full_vocab_softmax(nla_run_inputs, share_prefix):
+    actor, injector, tokenizer, rollouts, acts = _tiny_batch(nla_run_inputs, n_prompts=3, group_size=2)
+    batch = response_batch(rollouts, pad_id=tokenizer.pad_token_id, device=torch.device("cpu"))
+    with torch.no_grad(), injector.inject(batch.input_ids, acts):
+        logits = actor(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+    logp = logits.gather(1, batch.positions[..., None].expand(-1, -1, logits.shape[-1])).log_softmax(-1)
+    expected = float(-(logp.exp() * logp).sum(-1)[batch.mask].mean())
+    optimizer = torch.optim.SGD([p for p in actor.parameters() if p.requires_grad], lr=0.0)
+    stats = policy_update(actor, injector, optimizer, rollouts, torch.linspace(-1, 1, len(rollouts)), acts,
+                          loss=LossOptions(), micro_batch=2, max_grad_norm=1e9, pad_id=tokenizer.pad_token_id,
+                          share_prefix=share_prefix, step_optimizer=False)
+    assert 0 < stats.entropy_mean < math.log(logits.shape[-1])
+    assert stats.entropy_mean == pytest.approx(expected, rel=1e-5)
+    off = policy_update(actor, injector, optimizer, rollouts, torch.linspace(-1, 1, len(rollouts)), acts,
+                        loss=LossOptions(entropy_metric=False), micro_batch=2, max_grad_norm=1e9,
+                        pad_id=tokenizer.pad_token_id, share_prefix=share_prefix, step_optimizer=False)
+    assert math.isnan(off.entropy_mean) and off.loss == stats.loss
+
+
+def test_kl_beta_zero_without_kl_metric_skips_the_reference_pass_and_keeps_the_update(nla_run_inputs, monkeypatch):
+    actor, injector, tokenizer, rollouts, acts = _tiny_batch(nla_run_inputs, n_prompts=3, group_size=2)
+    entered = []
+    counted = lambda model: (entered.append(model), real_reference(model))[1]  # noqa: E731
+    real_reference = update_module.reference_policy
+    monkeypatch.setattr(update_module, "reference_policy", counted)
+    params = [p for p in actor.parameters() if p.requires_grad]
+    optimizer = torch.optim.SGD(params, lr=0.0)
+    results = {}
+    for kl_metric in (True, False):
+        entered.clear()
+        stats = policy_update(actor, injector, optimizer, rollouts, torch.linspace(-1.5, 1.5, len(rollouts)), acts,
+                              loss=LossOptions(kl_beta=0.0, kl_metric=kl_metric), micro_batch=2, max_grad_norm=1e9,
+                              pad_id=tokenizer.pad_token_id, step_optimizer=False)
+        results[kl_metric] = (stats, torch.cat([p.grad.flatten() for p in params]), len(entered))
+    (measured, grad, passes), (skipped, grad_skipped, passes_skipped) = results[True], results[False]
+    assert (passes, passes_skipped) == (1, 0)  # the reference forward ran for the metric only, then not at all
+    assert math.isfinite(measured.kl_mean) and math.isnan(skipped.kl_mean)  # not measured: NaN, not a fake 0
+    assert skipped.loss == measured.loss and grad.abs().sum() > 0
+    torch.testing.assert_close(grad_skipped, grad, rtol=0, atol=0)
 
 
 def test_ar_save_load_round_trip(nla_run_inputs, tmp_path):

@@ -12,6 +12,7 @@
 # two GPUs (`nvidia-h200-x2`), the others one (GPU0).
 #
 #   stage          needs      measures                                                    RESULTS.md section
+#   install-vllm   p4         nothing: installs vLLM for the next calls (real_nla.sh's vllm-smoke)   –
 #   decode         p4, x2     ms per decode step: vLLM unsteered / steered (bench_vllm,   Rollout engines: Decode speed
 #                             GPU0), HF generate and the native engine (bench_rollout,
 #                             GPU1, with its own vLLM baseline)
@@ -75,6 +76,8 @@ step_lines() { grep -h "^\[vllm\]\|^\[engine\]\|^\[step\]\|^\[path\]\|scaling\|r
 case $stage in
   part1|part2|part3)
     mkdir -p /tmp/parts && cp .device-carry/vllm/p${stage#part}/* /tmp/parts/ && ls /tmp/parts ;;
+  install-vllm)  # p4: the install alone, for stages of other scripts on the same machine (bench/real_nla.sh)
+    need_vllm && python3 -c "import vllm; print('vllm', vllm.__version__)" ;;
   decode)
     need_vllm || exit 1
     nvidia-smi --query-gpu=name,memory.total --format=csv > "$OUT/gpus.txt"

@@ -18,6 +18,14 @@ from nla_shell.io.config import ConfigError
 from nla_shell.io.progress import close_bars, quiet_libraries
 
 
+def installed_version() -> str:
+    """nla's installed version; a source tree on PYTHONPATH (not pip-installed) has none to read."""
+    try:
+        return importlib.metadata.version("nla")
+    except importlib.metadata.PackageNotFoundError:
+        return "(source tree, not installed)"
+
+
 def _train(args: argparse.Namespace) -> None:
     from nla_shell.io.config import TrainConfig
     from nla_shell.training.train import train
@@ -204,7 +212,7 @@ def build_parser(argv: Sequence[str] = ()) -> tuple[argparse.ArgumentParser, dic
     """The parser; the config flags of the command named by argv[0] (if any) are added too."""
     # No abbreviations: a truncated `--num-step 3` must be refused with "did you mean", not taken silently.
     parser = _Parser(prog="nla", description="Natural Language Autoencoders: train and use NLAs.", allow_abbrev=False)
-    parser.add_argument("--version", action="version", version=f"nla {importlib.metadata.version('nla')}")
+    parser.add_argument("--version", action="version", version=f"nla {installed_version()}")
     sub = parser.add_subparsers(dest="command", required=True,
                                 parser_class=functools.partial(_Parser, allow_abbrev=False))
     commands: dict[str, Callable[[argparse.Namespace], None]] = {}

@@ -51,6 +51,10 @@ def test_a_passage_holds_whole_speeches_of_one_scene():
     ("Some prose, no speaker here at all.", None, 'it ends "prose, no speaker here at all."'),
     ("KING HENRY V: Once more unto the breach, dear friends", "Henry V",
      'Henry V; KING HENRY V speaking; it ends "more unto the breach, dear friends"'),
+    ("BERTRAM: Madam,\nFirst Lord: Sweet praise!", None, 'First Lord speaking; it ends "BERTRAM: Madam, First Lord: Sweet praise!"'),
+    ("CONRADE & BORACHIO: Masters, masters.", None, 'CONRADE & BORACHIO speaking; it ends "CONRADE & BORACHIO: Masters, masters."'),
+    ("FIRST CITIZEN of CALAIS: Yes.", None, 'FIRST CITIZEN of CALAIS speaking; it ends "FIRST CITIZEN of CALAIS: Yes."'),
+    ("the note said: go now", None, 'it ends "the note said: go now"'),
 ])
 def test_the_context_label_names_topic_speaker_and_last_words(context, topic, expected):
     assert describe(Site("d", 0, (1,), context, "x", topic)) == expected

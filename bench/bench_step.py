@@ -1,9 +1,10 @@
-"""One full GRPO step at the Qwen3-8B shape: seconds, TFLOP/s and peak memory per phase,
+"""One full GRPO step at a Qwen3 shape (--shape, default 8b): seconds, TFLOP/s and peak memory per phase,
 the step before and after the throughput work (issue 12) on the same rollouts.
 
 The trainer's own step on random bf16 weights: a RunState (`trainer_state`) holds the actor
 (PEFT LoRA r128 on q, k, v, o, rsLoRA alpha 16, with the injection hook), the chosen engine, an
-AR truncated after layer 24 (25 blocks, identity value head) and the optimisers, and each phase
+AR truncated after two thirds of the depth (8B: layer 24, 25 blocks; `synthetic.ar_extraction_layer`;
+identity value head) and the optimisers, and each phase
 is the trainer's function (`nla_shell.training.step`): `rollout_phase` (this rank's share of the
 batch, the steering canary), `score_phase` (scoring, group advantages, the critic step when the
 critic is co-trained) and `update_phase` (the policy update); `train_step` runs the same three
@@ -102,6 +103,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--out", default="bench/step.json", help="JSON written after every case")
     parser.add_argument("--tiny", action="store_true",
                         help="CPU smoke run: tiny models, float32 (bf16 with an autocast path), short rollouts")
+    parser.add_argument("--shape", default="8b", choices=list(syn.QWEN3_SHAPES),
+                        help="the Qwen3 geometry (with --tiny: the tiny one, tied as this shape ties its embeddings)")
     parser.add_argument("--cases", default=None, help="prompts x samples per step (default 32x8; tiny 2x2,3x2)")
     parser.add_argument("--critic", default="on", choices=["on", "off"], help="co-train the critic")
     parser.add_argument("--paths", default="before,after", help=f"any of {','.join(PATHS)} (see above)")
@@ -162,14 +165,14 @@ class Context:
 
         self.device, self.defaults = device, defaults
         self.tokenizer, tokens = syn.toy_tokenizer()
-        self.shape = syn.TINY if args.tiny else syn.QWEN3_8B
+        self.shape = syn.bench_shape(args.shape, tiny=args.tiny)
         self.config = syn.qwen3_config(self.shape, vocab_size=len(self.tokenizer))
         self.tokens = tokens
         base = syn.random_qwen3(self.config, device=device, dtype=dtype, seed=0)
         self.actor = syn.attach_lora(base, r=defaults["lora_r"], alpha=defaults["lora_alpha"],
                                      use_rslora=defaults["use_rslora"])
         self.injector = syn.make_injector(self.actor, tokens)
-        self.extraction_layer = 1 if args.tiny else 24
+        self.extraction_layer = syn.ar_extraction_layer(args.shape, tiny=args.tiny)
         self.critic = syn.random_ar(self.shape, extraction_layer=self.extraction_layer,
                                     vocab_size=len(self.tokenizer), device=device, dtype=dtype)
         self.critic.requires_grad_(args.critic)
@@ -598,6 +601,9 @@ def run(args, rank, device: torch.device) -> None:
     ctx = Context(args, device, dtype, defaults)
     distributed.broadcast_parameters(trainable_parameters(ctx.actor))  # as the trainer starts every rank
     record.data["setup_s"] = time.perf_counter() - t0
+    # Which AdamW make_optimizer picked (AdamW8bit needs bitsandbytes): the memory estimate depends on it.
+    record.data["optimizers"] = {"actor": type(ctx.optimizer).__name__,
+                                 "critic": type(ctx.critic_optimizer).__name__ if ctx.critic_optimizer else None}
     record.save()
     print(f"[setup] actor + critic + engine on {device} in {record.data['setup_s']:.1f}s"
           + (f" (each of {rank.world_size} ranks)" if rank.world_size > 1 else ""), flush=True)
@@ -637,7 +643,7 @@ def run(args, rank, device: torch.device) -> None:
             for name, p in phases.items():
                 p["tflops"] = flops.get(name, math.nan) / p["s"] / 1e12
                 p["pct_peak"] = 100.0 * p["tflops"] / PEAK_TFLOPS
-            case = {"case": "step", "path": path, "prompts": prompts, "group": group, "critic": args.critic,
+            case = {"case": "step", "shape": args.shape, "path": path, "prompts": prompts, "group": group, "critic": args.critic,
                     "micro_batch": args.before_micro_batch if path == "before" else args.micro_batch, "phases": phases, "flops": flops,
                     "step_s": sum(p["s"] for p in phases.values()),
                     "peak_gib": max(p["peak_gib"] for p in phases.values()),

@@ -27,6 +27,10 @@
 #                  x2         own vLLM engine (its JSON kept in /tmp/keep for step-ranks1)
 #   step-ranks1    p4, .bnb,  after step-ranks2 on the same machine: GPU0 the 1-rank job   Multi-GPU: 256 x 8, one and two GPUs (W5, W6)
 #                  x2         (prints the 2-rank speed-up), GPU1 the plain process
+#   scaling        p4, .bnb   one GRPO step per Qwen3 shape and batch, each case its own   Step time: Scaling across Qwen3 sizes;
+#                             process (SHAPES="0.6b 1.7b ...", CASES="256x8 64x8" split   docs/performance.md
+#                             the matrix over calls; micro-batches and vLLM's share from
+#                             bench/memory_model.py --bench-args; SCALING_ARGS= the rest)
 #   train8b        p4, x2     `nla train` at the 8B shape, 3 steps per engine             Step time: nla train at the 8B shape
 #   update         .bnb       the policy update alone (bench_update) on 32 x 8 rollouts;   The policy update
 #                             VARIANTS=, UPDATE_ARGS= pick the variants of each table
@@ -122,6 +126,21 @@ case $stage in
     lane 0 "timeout -k 5 575 python3 bench/bench_step.py $STEP_ARGS --ranks 1 --keep-runs --case-timeout 560 \
             --out /tmp/keep/ranks.json > $OUT/step_ranks1.log 2>&1"
     wait; cp /tmp/keep/ranks.json "$OUT/" 2>/dev/null; step_lines "$OUT"/step_*.log; pack step-ranks1 ;;
+  scaling)
+    need_vllm || exit 1; need_bnb
+    for shape in ${SHAPES:-0.6b 1.7b 4b 8b 14b}; do
+      for case in ${CASES:-256x8 64x8}; do
+        left=$((585 - SECONDS))  # the call's 10 minutes; a case that cannot start in time is left for the next call
+        [ $left -gt 90 ] || { echo "[scaling] no time left for $shape $case"; continue; }
+        fit=$(python3 bench/memory_model.py --shapes $shape --cases $case --bench-args)
+        # Its own process under a timeout: an OOM or a hang ends this case only; its JSON keeps the error.
+        timeout -k 10 $(( left < ${CASE_T:-400} ? left : ${CASE_T:-400} )) python3 bench/bench_step.py --shape $shape \
+          --cases $case $fit ${SCALING_ARGS:---engine vllm --paths after_all --prompt-block 4} \
+          --out "$OUT/scaling_${shape}_$case.json" > "$OUT/scaling_${shape}_$case.log" 2>&1
+        echo "[scaling] $shape $case: exit $? ($fit)"; step_lines "$OUT/scaling_${shape}_$case.log" | tail -n 4
+      done
+    done
+    python3 bench/scaling_table.py "$OUT"/scaling_*.json | tee "$OUT/scaling_table.md"; pack scaling ;;
   train8b)
     need_vllm || exit 1
     python3 bench/make_8b_run.py /tmp/nla8b > "$OUT/make_8b.log" 2>&1

@@ -1,4 +1,4 @@
-"""Random models at the Qwen3-8B shape and synthetic NLA inputs, shared by the GPU benchmarks.
+"""Random models at the Qwen3 shapes (8B by default) and synthetic NLA inputs, shared by the GPU benchmarks.
 
 Weights are random (no checkpoint is read): a model is built on the meta device and then
 materialised directly on the target device, so an 8B model never touches host memory.
@@ -17,11 +17,28 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-QWEN3_8B = dict(
-    vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
-    num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-)
-"""The Qwen3-8B geometry."""
+# The Qwen3 dense models' geometries, as their published Hugging Face config.json files give them
+# (Qwen/Qwen3-*/config.json; the 4B, 8B, 14B and 32B files verbatim in citsjtu2020/LLM-Prof,
+# sglang/Model_Config.md; 0.6B's verbatim in a stored copy of its model page; 0.6B and 1.7B's
+# widths and depths also in marin-community/marin, experiments/qwen3.py). All share the vocabulary,
+# head_dim 128 and 8 KV heads; the three smallest tie the LM head to the embeddings.
+_QWEN3 = dict(vocab_size=151936, head_dim=128, num_key_value_heads=8)
+QWEN3_SHAPES: dict[str, dict[str, Any]] = {
+    "0.6b": dict(_QWEN3, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                 tie_word_embeddings=True),
+    "1.7b": dict(_QWEN3, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
+                 tie_word_embeddings=True),
+    "4b": dict(_QWEN3, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
+               tie_word_embeddings=True),
+    "8b": dict(_QWEN3, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+               tie_word_embeddings=False),
+    "14b": dict(_QWEN3, hidden_size=5120, intermediate_size=17408, num_hidden_layers=40, num_attention_heads=40,
+                tie_word_embeddings=False),
+    "32b": dict(_QWEN3, hidden_size=5120, intermediate_size=25600, num_hidden_layers=64, num_attention_heads=64,
+                tie_word_embeddings=False),
+}
+QWEN3_8B = QWEN3_SHAPES["8b"]
+"""The Qwen3-8B geometry (the benchmarks' default)."""
 TINY = dict(
     vocab_size=None, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
     num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -33,15 +50,30 @@ CORPUS = (
 )
 
 
+def bench_shape(name: str, *, tiny: bool = False) -> dict[str, Any]:
+    """The geometry a benchmark builds for --shape `name`: the Qwen3 model's, or with `tiny` the CPU
+    smoke geometry with that model's embedding tying (so a CPU run takes the tied path the small
+    models take on the GPU)."""
+    shape = QWEN3_SHAPES[name]
+    return dict(TINY, tie_word_embeddings=shape["tie_word_embeddings"]) if tiny else shape
+
+
+def ar_extraction_layer(name: str, *, tiny: bool = False) -> int:
+    """The AR's extraction layer for --shape `name`: two thirds of the depth (8B: 24 of 36, the layer
+    every 8B benchmark so far used); the tiny geometry's 3 blocks keep layer 1."""
+    return 1 if tiny else round(2 * QWEN3_SHAPES[name]["num_hidden_layers"] / 3)
+
+
 def qwen3_config(shape: dict[str, Any], *, vocab_size: int, num_layers: int | None = None):
     from transformers import Qwen3Config
 
     geometry = dict(shape, vocab_size=shape["vocab_size"] or vocab_size)
+    tied = geometry.pop("tie_word_embeddings", False)
     if num_layers is not None:
         geometry["num_hidden_layers"] = num_layers
     return Qwen3Config(
         **geometry, max_position_embeddings=4096, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
-        tie_word_embeddings=False, bos_token_id=None, eos_token_id=2, pad_token_id=0,
+        tie_word_embeddings=tied, bos_token_id=None, eos_token_id=2, pad_token_id=0,
     )
 
 
@@ -53,6 +85,8 @@ def random_qwen3(config, *, device: torch.device, dtype: torch.dtype, seed: int 
     with torch.device("meta"):
         model = Qwen3ForCausalLM(config)
     model = model.to(dtype=dtype).to_empty(device=device)
+    if config.tie_word_embeddings:
+        model.tie_weights()  # to_empty gives each module its own tensor, which unties the LM head
     generator = torch.Generator(device).manual_seed(seed)
     with torch.no_grad():
         for param in model.parameters():

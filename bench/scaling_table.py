@@ -1,0 +1,67 @@
+"""The scaling table: bench_step JSONs (bench/gpu_session.sh's `scaling` stage) beside the memory estimate.
+
+One markdown row per measured case: shape, case, step seconds, each phase's seconds, the device
+memory in use at most (`in_use_gib`; torch's peak counter in brackets), `memory_model`'s estimate at
+the run's settings, and those settings. A JSON without a case (an OOM, a timeout) gives a row with
+its error, so a size that does not fit is in the table too.
+
+    python bench/scaling_table.py $OUT/scaling_*.json > bench/results/scaling.md
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import memory_model  # noqa: E402
+
+PHASES = ("rollout", "score", "update", "critic")
+
+
+def settings_of(run: dict, prompts: int, group: int) -> memory_model.Settings:
+    """memory_model's settings for a bench_step run's case (its flags; AdamW8bit when it used it)."""
+    s = run["settings"]
+    return dataclasses.replace(
+        memory_model.Settings(), prompts=prompts, group=group, prompt_len=s["prompt_len"], new_tokens=s["new_tokens"],
+        micro_batch=s["micro_batch"], critic_micro_batch=s["critic_micro_batch"], critic=s["critic"],
+        adamw8bit=run.get("optimizers", {}).get("actor") == "AdamW8bit",
+        bf16_autocast=any(p in ("after_bf16", "after_all") for p in s["paths"]),
+        vllm_gpu_mem=s["vllm_gpu_mem"], vllm_sleep=s["vllm_sleep"],
+        vllm_max_seqs=s["vllm_max_seqs"] or memory_model.Settings.vllm_max_seqs)
+
+
+def settings_text(run: dict) -> str:
+    s = run["settings"]
+    return (f"{s['engine']}, {','.join(s['paths'])}, mb {s['micro_batch']}, critic mb {s['critic_micro_batch']}, "
+            f"vllm_gpu_mem {s['vllm_gpu_mem']}, sleep {s['vllm_sleep']}, max_seqs {s['vllm_max_seqs']}, "
+            f"{run.get('optimizers', {}).get('actor', '?')}")
+
+
+def rows(runs: list[dict]) -> list[str]:
+    lines = []
+    for run in runs:
+        shape = run["settings"].get("shape", "8b")
+        for c in run.get("cases", []):
+            est = memory_model.estimate(shape, settings_of(run, c["prompts"], c["group"]))
+            phases = ", ".join(f"{p} {c['phases'][p]['s']:.1f}" for p in PHASES if p in c["phases"])
+            lines.append(f"| {shape} | {c['prompts']}x{c['group']} | {c['step_s']:.1f} | {phases} | "
+                         f"{c['in_use_gib']:.1f} ({c['peak_gib']:.1f}) | {est.total:.1f} | {settings_text(run)} |")
+        if not run.get("cases"):
+            cases = ",".join(f"{p}x{g}" for p, g in run["settings"]["cases"])
+            error = "; ".join(run.get("errors", [])) or "no case finished (timed out?)"
+            est = memory_model.estimate(shape, settings_of(run, *run["settings"]["cases"][0]))
+            lines.append(f"| {shape} | {cases} | - | {error[:160]} | - | {est.total:.1f} | {settings_text(run)} |")
+    return lines
+
+
+def table(runs: list[dict]) -> str:
+    header = ["| shape | case | step s | phases (s) | device in use GiB (torch peak) | estimated GiB | settings |",
+              "| --- | --- | ---: | --- | ---: | ---: | --- |"]
+    return "\n".join(header + rows(runs))
+
+
+if __name__ == "__main__":
+    print(table([json.loads(Path(p).read_text()) for p in sys.argv[1:]]))

@@ -1,0 +1,101 @@
+"""bench/memory_model.py (the analytical memory estimate), bench/scaling_table.py (its table beside
+bench_step's JSONs) and bench_step's --shape on the tiny, tied geometry."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from hypothesis import given, settings, strategies as st
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT / "bench")]
+
+import memory_model  # noqa: E402
+import scaling_table  # noqa: E402
+import synthetic  # noqa: E402
+
+SHAPES = list(synthetic.QWEN3_SHAPES)
+batches = st.sampled_from([(32, 8), (64, 8), (128, 8), (256, 8)])
+
+
+def test_extraction_layer_is_two_thirds_and_8b_keeps_24():
+    assert synthetic.ar_extraction_layer("8b") == 24
+    for name, shape in synthetic.QWEN3_SHAPES.items():
+        assert abs(synthetic.ar_extraction_layer(name) - 2 * shape["num_hidden_layers"] / 3) <= 0.5
+
+
+def test_8b_fits_at_256x8_with_the_fastest_settings():
+    assert memory_model.estimate("8b", memory_model.Settings(prompts=256, group=8)).fits
+
+
+@settings(max_examples=30, deadline=None)
+@given(case=batches, micro_batch=st.sampled_from([8, 16, 32, 64]))
+def test_monotone_in_shape_size(case, micro_batch):
+    s = memory_model.Settings(prompts=case[0], group=case[1], micro_batch=micro_batch)
+    totals = [memory_model.estimate(name, s).total for name in SHAPES]
+    assert totals == sorted(totals)
+
+
+@settings(max_examples=30, deadline=None)
+@given(shape=st.sampled_from(SHAPES), smaller=batches, larger=batches)
+def test_monotone_in_batch(shape, smaller, larger):
+    smaller, larger = sorted([smaller, larger])
+    small = memory_model.estimate(shape, memory_model.Settings(prompts=smaller[0], group=smaller[1]))
+    large = memory_model.estimate(shape, memory_model.Settings(prompts=larger[0], group=larger[1]))
+    assert small.total <= large.total
+
+
+@settings(max_examples=30, deadline=None)
+@given(shape=st.sampled_from(SHAPES), case=batches, sleep=st.sampled_from([0, 2]), adamw8bit=st.booleans())
+def test_the_parts_sum_to_the_total(shape, case, sleep, adamw8bit):
+    e = memory_model.estimate(shape, memory_model.Settings(prompts=case[0], group=case[1], vllm_sleep=sleep,
+                                                           adamw8bit=adamw8bit))
+    peak = max(sum(p.values()) for p in e.phases.values())
+    assert abs(e.total - sum(e.resident.values()) - peak) < 1e-9
+    assert all(v >= 0 for part in (e.resident, *e.phases.values()) for v in part.values())
+    assert (e.what_does_not_fit() == "") == e.fits
+
+
+def test_fitting_options_make_14b_fit_and_say_what_they_changed():
+    e, applied = memory_model.fitting("14b", memory_model.Settings())
+    assert not memory_model.estimate("14b").fits and e.fits and applied
+    assert any(a.startswith("logp_micro_batch=") for a in applied)
+
+
+def _run(shape: str, cases: list | None, errors: list[str]) -> dict:
+    step = {"case": "step", "shape": shape, "path": "after_all", "prompts": 64, "group": 8, "step_s": 12.5,
+            "peak_gib": 90.0, "in_use_gib": 80.0,
+            "phases": {p: {"s": 3.0, "peak_gib": 1.0, "in_use_gib": 1.0} for p in scaling_table.PHASES}}
+    return {"settings": {"shape": shape, "cases": [[64, 8]], "prompt_len": 96, "new_tokens": 160, "micro_batch": 32,
+                         "critic_micro_batch": 32, "critic": True, "paths": ["after_all"], "engine": "vllm",
+                         "vllm_gpu_mem": 0.35, "vllm_sleep": 2, "vllm_max_seqs": 1024},
+            "optimizers": {"actor": "AdamW8bit", "critic": "AdamW8bit"},
+            "cases": [step] if cases is None else cases, "errors": errors}
+
+
+def test_scaling_table_assembles_cases_and_failures(tmp_path):
+    paths = [tmp_path / "a.json", tmp_path / "b.json"]
+    paths[0].write_text(json.dumps(_run("4b", None, [])))
+    paths[1].write_text(json.dumps(_run("14b", [], ["64x8 critic on: OutOfMemoryError: CUDA out of memory"])))
+    table = scaling_table.table([json.loads(p.read_text()) for p in paths]).splitlines()
+    assert len(table) == 4
+    estimated_4b = memory_model.estimate("4b", memory_model.Settings(prompts=64, group=8, micro_batch=32,
+                                                                     critic_micro_batch=32)).total
+    assert table[2].startswith("| 4b | 64x8 | 12.5 |") and f"| {estimated_4b:.1f} |" in table[2]
+    assert "80.0 (90.0)" in table[2] and "AdamW8bit" in table[2]
+    assert table[3].startswith("| 14b | 64x8 | - |") and "OutOfMemoryError" in table[3]
+
+
+def test_bench_step_tiny_with_a_tied_shape(tmp_path):
+    """--shape 0.6b on the tiny geometry builds the tied LM head and runs a step."""
+    out = tmp_path / "step.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_step.py"), "--tiny", "--shape", "0.6b",
+                           "--paths", "after", "--cases", "2x2", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    record = json.loads(out.read_text())
+    assert record["settings"]["shape"] == "0.6b" and not record["errors"]
+    assert record["cases"][0]["shape"] == "0.6b"

@@ -8,7 +8,8 @@ What is timed, for every engine of --engines on the same N vectors (--sites):
             so a sample usually runs the full length), peak GPU memory.
   server    (--server-engine E) the `nla serve` app (`build_app` + uvicorn, as `nla serve` runs
             them) on a free 127.0.0.1 port in this process, on E's reader; --clients threads POST
-            /v1/explain_vectors with --vectors-per-request vectors each until the N sites are
+            /v1/explain_vectors with --vectors-per-request vectors each (as JSON number lists, or
+            base64 float32 with --server-encoding base64) until the N sites are
             done: sites/s, p50/p99 request latency, and a check that every site was answered
             exactly once (per request and by the batcher's counters).
   corpus    (with server) `nla explain --parquet` mode (`explain_corpus`) on the same reader over
@@ -41,6 +42,7 @@ CPU smoke run (tiny random run in a temp dir, hf and native, server leg with hf;
 from __future__ import annotations
 
 import argparse
+import base64
 import importlib.util
 import itertools
 import json
@@ -88,6 +90,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="also time `nla serve` and the corpus mode with this engine (off by default; tiny hf)")
     parser.add_argument("--clients", type=int, default=None, help="concurrent HTTP clients (default 16; tiny 3)")
     parser.add_argument("--vectors-per-request", type=int, default=None, help="vectors per POST (default 16; tiny 2)")
+    parser.add_argument("--server-encoding", choices=("json", "base64"), default="json",
+                        help="server leg: vectors and reconstructions as JSON number lists or base64 float32")
     parser.add_argument("--vllm-gpu-mem", type=float, default=0.5, help="vLLM's share of the GPU (see above)")
     parser.add_argument("--vllm-timeout", type=int, default=420, help="seconds allowed for the vLLM subprocess")
     parser.add_argument("--device", default="auto", help="ReaderSettings.device: auto, cpu, cuda")
@@ -206,8 +210,15 @@ def time_server(reader, vectors: torch.Tensor, args: argparse.Namespace, engine:
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"
     # bodies serialised before the clock starts: the clients' JSON encoding is not the server's cost
     starts = list(range(0, len(vectors), k))
-    bodies = [json.dumps({"vectors": vectors[s : s + k].tolist(), "samples": 1, "greedy": False,
-                          "max_new_tokens": args.new_tokens}).encode() for s in starts]
+    def body(chunk: torch.Tensor) -> bytes:
+        common = {"samples": 1, "greedy": False, "max_new_tokens": args.new_tokens}
+        if args.server_encoding == "base64":
+            packed = [base64.b64encode(v.numpy().astype("<f4").tobytes()).decode() for v in chunk]
+            return json.dumps({"vectors": packed, "encoding_format": "base64", **common}).encode()
+        return json.dumps({"vectors": chunk.tolist(), **common}).encode()
+
+    bodies = [body(vectors[s : s + k]) for s in starts]
+    width = vectors.shape[1]
     answered = [0] * len(vectors)
     latencies: list[float] = []
     failures: list[str] = []
@@ -221,6 +232,12 @@ def time_server(reader, vectors: torch.Tensor, args: argparse.Namespace, engine:
                 try:
                     answer = http.post("/v1/explain_vectors", content=bodies[i])
                     results, problem = answer.json().get("results"), f"HTTP {answer.status_code} {answer.text[:200]}"
+                    if results is not None and args.server_encoding == "base64":  # the client decodes, as one would
+                        for r in results:
+                            if r["reconstruction"] is not None:
+                                raw = base64.b64decode(r["reconstruction"])
+                                if len(raw) != 4 * width:
+                                    raise ValueError(f"a reconstruction of {len(raw)} bytes, not {4 * width}")
                 except Exception as err:  # noqa: BLE001 - a lost request shows as unanswered sites
                     results, problem = None, f"{type(err).__name__}: {err}"
                 latency = time.perf_counter() - t0
@@ -260,6 +277,7 @@ def time_server(reader, vectors: torch.Tensor, args: argparse.Namespace, engine:
     latencies.sort()
     batcher = {key: after[key] - before[key] for key in ("batches", "sites", "jobs")}
     return {"seconds": seconds, "sites_per_s": sum(answered) / seconds, "requests": len(bodies),
+            "encoding": args.server_encoding,
             "clients": args.clients, "vectors_per_request": k, "peak_gib": peak, "failed_requests": failures,
             "sites_answered_once": sum(a == 1 for a in answered),
             "sites_answered_twice_or_more": sum(a > 1 for a in answered),
@@ -336,7 +354,8 @@ def run_in_subprocess(engine: str, args, vectors_parquet: Path, record: syn.Reco
            "--ar", args.ar, "--parquet", str(vectors_parquet), "--label", args.label, "--sites", str(args.sites),
            "--batch", str(args.batch), "--new-tokens", str(args.new_tokens), "--vllm-gpu-mem", str(args.vllm_gpu_mem),
            "--device", args.device, "--clients", str(args.clients),
-           "--vectors-per-request", str(args.vectors_per_request), "--out", str(out)]
+           "--vectors-per-request", str(args.vectors_per_request), "--server-encoding", args.server_encoding,
+           "--out", str(out)]
     cmd += ["--sidecar", args.sidecar] if args.sidecar else []
     cmd += ["--tiny"] if args.tiny else []
     cmd += ["--server-engine", engine] if args.server_engine == engine else []

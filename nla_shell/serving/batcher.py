@@ -39,8 +39,6 @@ class Job:
     vectors: torch.Tensor | None = None
     token_ids: Sequence[int] | None = None
     positions: Sequence[int] = ()
-    reconstruct: bool = False
-    """Fill in each kept explanation's AR reconstruction."""
     future: Future = field(default_factory=Future)
 
     @property
@@ -103,7 +101,7 @@ class Batcher:
             for job in jobs:
                 part = results[start : start + job.n_sites]
                 start += job.n_sites
-                job.future.set_result(self.reader.reconstruct(part) if job.reconstruct else part)
+                job.future.set_result(part)  # each kept explanation's reconstruction comes from the scoring pass
         except Exception as err:  # noqa: BLE001 - the requests of this batch fail; the server keeps serving
             for job in jobs:
                 if not job.future.done():

@@ -4,7 +4,8 @@
 read), the AV behind a rollout engine (hf, native or vllm) and the AR. `NLAReader.capture`
 reads the residual at the sidecar's extraction layer exactly as datagen does;
 `NLAReader.explain` samples `samples` explanations per vector in one engine call, scores every
-one with the AR, and keeps the best (lowest reconstruction MSE; best-of-k) beside all k.
+one with the AR, and keeps the best (lowest reconstruction MSE; best-of-k) beside all k, with
+the AR's reconstruction from it (the scoring pass's own; no second AR forward).
 `nla explain` (one text or a corpus) and `nla serve` are both built on it.
 """
 
@@ -27,7 +28,7 @@ from nla_shell.io.sidecars import MODEL_SIDECAR, injection_settings, load_sideca
 from nla_shell.models import ARModel, Injector, ar_predict, base_model_dir, pad_right
 from nla_shell.pipeline.datagen import DatagenConfig, capture_activations
 from nla_shell.pipeline.evaluate import check_model_reads_training_data, load_av, tokenizer_dir
-from nla_shell.training.scoring import ar_token_ids, score_explanations
+from nla_shell.training.scoring import ar_token_ids
 from nla_shell.training.setup import resolve_device
 
 EngineName = Literal["hf", "native", "vllm"]
@@ -163,16 +164,17 @@ class NLAReader:
         return [acts[row, list(p)] for row, p in enumerate(positions)]
 
     def explain(self, vectors: torch.Tensor, *, samples: int, greedy: bool, max_new_tokens: int) -> list[SiteExplanation]:
-        """Explain each of vectors [N, D]: `samples` explanations each, from one engine call, scored by the AR."""
+        """Explain each of vectors [N, D]: `samples` explanations each, from one engine call, scored by the AR.
+
+        The AR runs once over all N x samples explanations (micro-batched): its predictions give
+        each MSE, and the kept explanation's prediction is returned as the site's reconstruction.
+        """
         self.engine.greedy = greedy  # every engine make_engine builds decodes by argmax while this is set
         requests = [RolloutRequest(self.prompt, v) for v in vectors.float()]
         rollouts = self.engine.generate(requests, group_size=samples, max_new_tokens=max_new_tokens)
         texts = [nla_core.extract_explanation(r.text) for r in rollouts]
         golds = vectors.float().repeat_interleave(samples, dim=0)
-        scores = score_explanations(self.critic, self.tokenizer, texts, golds, template=self.nla.critic_prompt_template,
-                                    mse_scale=self.mse_scale, reward_kind="neg_log", max_tokens=AR_MAX_TOKENS,
-                                    micro_batch=64)
-        mses = [float(m) if math.isfinite(float(m)) else None for m in scores.mse]
+        preds, mses = self._score(texts, golds)
         results = []
         for i in range(len(vectors)):
             rows = range(i * samples, (i + 1) * samples)
@@ -182,11 +184,32 @@ class NLAReader:
                 explanations=[texts[r] for r in rows], raw=[rollouts[r].text for r in rows],
                 mses=[mses[r] for r in rows], best=best - rows[0],
                 fve=nla_core.fve(mses[best], self.rawvar) if mses[best] is not None and self.rawvar else None,
-                reconstruction=None, generated_tokens=sum(rollouts[r].response_len for r in rows)))
+                reconstruction=preds[best].clone() if best in preds else None,
+                generated_tokens=sum(rollouts[r].response_len for r in rows)))
         return results
 
+    def _score(self, texts: Sequence[str | None], golds: torch.Tensor) -> tuple[dict[int, torch.Tensor], list[float | None]]:
+        """One AR pass over the explanations: {row: [D] float32 prediction on CPU} of the scored rows, and each
+        row's normalised MSE (None where the explanation could not be scored), as `score_explanations` gives it."""
+        inputs = [ar_token_ids(t, self.nla.critic_prompt_template, self.tokenizer, max_tokens=AR_MAX_TOKENS)
+                  for t in texts]
+        keep = [i for i, ids in enumerate(inputs) if ids is not None]
+        mse = torch.full((len(inputs),), math.nan)
+        preds: dict[int, torch.Tensor] = {}
+        if keep:
+            pred = ar_predict(self.critic, [inputs[i] for i in keep], pad_id=self.tokenizer.pad_token_id,
+                              micro_batch=64, device=self.device).cpu().float()
+            mse[keep] = nla_core.reconstruction_mse(pred, golds[keep].float(), scale=self.mse_scale)
+            preds = dict(zip(keep, pred))
+        mses = [float(m) if math.isfinite(float(m)) else None for m in mse]
+        return {i: p for i, p in preds.items() if mses[i] is not None}, mses
+
     def reconstruct(self, results: Sequence[SiteExplanation]) -> list[SiteExplanation]:
-        """The same results with the AR's reconstruction from each kept explanation filled in."""
+        """The AR's reconstruction from each kept explanation, by a separate AR pass.
+
+        `explain` already returns it (from the scoring pass); this recomputes it, for results
+        built elsewhere and for checking that the two agree.
+        """
         inputs = [ar_token_ids(r.explanation, self.nla.critic_prompt_template, self.tokenizer, max_tokens=AR_MAX_TOKENS)
                   if r.mse is not None else None for r in results]
         keep = [i for i, ids in enumerate(inputs) if ids is not None]

@@ -37,3 +37,15 @@ def test_explain_bench_times_every_engine_and_the_server_answers_each_site_once(
     (corpus,) = [c for c in record["cases"] if c["mode"] == "corpus"]
     assert corpus["sites"] == 10 and corpus["sites_per_s"] > 0
     assert "x hf" in record["table"]
+
+
+def test_explain_bench_server_leg_with_base64_vectors(tmp_path):
+    out = tmp_path / "explain.json"
+    subprocess.run([sys.executable, str(ROOT / "bench" / "bench_explain.py"), "--tiny", "--make-8b",
+                    str(tmp_path / "run"), "--engines", "hf", "--sites", "6", "--server-encoding", "base64",
+                    "--out", str(out)], check=True, capture_output=True, text=True, timeout=300)
+    record = json.loads(out.read_text())
+    assert record["errors"] == []
+    (server,) = [c for c in record["cases"] if c["mode"] == "server"]
+    assert server["encoding"] == "base64" and server["failed_requests"] == []
+    assert server["sites_answered_once"] == 6 and server["batcher"]["sites"] == 6

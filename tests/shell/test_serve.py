@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import os
 import signal
@@ -122,6 +123,67 @@ def test_explain_vectors_returns_the_concept_and_its_reconstruction(server, read
         assert result["fve"] == pytest.approx(1 - result["mse"] / reader.rawvar)
 
 
+def b64(vector) -> str:
+    """A vector as the base64 form: little-endian float32 bytes."""
+    return base64.b64encode(torch.as_tensor(vector, dtype=torch.float32).numpy().astype("<f4").tobytes()).decode()
+
+
+def from_b64(text: str) -> torch.Tensor:
+    import numpy as np
+
+    return torch.from_numpy(np.frombuffer(base64.b64decode(text), dtype="<f4").copy())
+
+
+def test_the_reconstruction_is_the_scoring_pass_s_one_ar_forward_per_batch(server, reader, eval_vectors, monkeypatch):
+    """The AR runs once per batch (scoring); the returned reconstruction equals a separate reconstruct pass."""
+    import nla_shell.serving.reader as reader_module
+
+    url, _ = server
+    calls = []
+    original = reader_module.ar_predict
+
+    def counted(*args, **kwargs):
+        calls.append(len(args[1]))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(reader_module, "ar_predict", counted)
+    vectors = eval_vectors[:4]
+    body = httpx.post(f"{url}/v1/explain_vectors", json={"vectors": vectors.tolist(), "samples": 2}, timeout=60)
+    assert body.status_code == 200, body.text
+    assert len(calls) == 1 and calls[0] <= 8  # one AR forward over the 4 x 2 explanations, none after it
+    monkeypatch.undo()
+    results = body.json()["results"]
+    offline = reader.explain(vectors, samples=1, greedy=True, max_new_tokens=8)
+    from nla_shell.serving.reader import SiteExplanation
+
+    kept = [SiteExplanation(explanations=[r["explanation"]], raw=[""], mses=[r["mse"]], best=0, fve=None,
+                            reconstruction=None, generated_tokens=0) for r in results]
+    for result, again in zip(results, reader.reconstruct(kept)):
+        assert torch.allclose(torch.tensor(result["reconstruction"]), again.reconstruction, atol=1e-5)
+    for site, again in zip(offline, reader.reconstruct(offline)):  # explain's own reconstruction, offline
+        assert torch.allclose(site.reconstruction, again.reconstruction, atol=1e-5)
+
+
+def test_base64_vectors_and_reconstructions_match_the_float_lists(server, eval_vectors):
+    url, _ = server
+    vectors = torch.cat([eval_vectors[:3], torch.randn(2, 64, generator=torch.Generator().manual_seed(1))])
+    floats = httpx.post(f"{url}/v1/explain_vectors", json={"vectors": vectors.tolist(), "greedy": True}, timeout=60)
+    packed = httpx.post(f"{url}/v1/explain_vectors", timeout=60, json={
+        "vectors": [b64(v) for v in vectors], "greedy": True, "encoding_format": "base64"})
+    assert floats.status_code == 200 and packed.status_code == 200, packed.text
+    for f, p in zip(floats.json()["results"], packed.json()["results"], strict=True):
+        assert (p["explanation"], p["explanations"]) == (f["explanation"], f["explanations"])
+        assert p["mse"] == pytest.approx(f["mse"], rel=1e-5)
+        assert isinstance(p["reconstruction"], str)
+        assert torch.allclose(from_b64(p["reconstruction"]), torch.tensor(f["reconstruction"]), atol=1e-5)
+    explicit = httpx.post(f"{url}/v1/explain_vectors", timeout=60, json={
+        "vectors": vectors[:1].tolist(), "greedy": True, "encoding_format": "float"})
+    assert explicit.json()["results"][0]["reconstruction"] == pytest.approx(  # a batch of 1: padding differs
+        floats.json()["results"][0]["reconstruction"], abs=1e-5)
+
+
+B64_NAN = b64([0.0] * 5 + [float("nan")] + [0.0] * 58)
+B64_INF = b64([float("-inf")] + [0.0] * 63)
 NAN_BODY = '{"vectors": [[NaN' + ", 0.0" * 63 + "]]}"
 INF_BODY = '{"vectors": [[0.0, Infinity' + ", 0.0" * 62 + "]]}"
 BAD_INPUTS = [
@@ -135,6 +197,20 @@ BAD_INPUTS = [
     ("/v1/explain_vectors", {"vectors": [[0.0] * 64] * 17}, 422, "vectors", "the limit is 16"),
     ("/v1/explain_vectors", {"vectors": [[0.0] * 64], "temperature": 0}, 422, "temperature", "unknown field"),
     ("/v1/explain_vectors", [[0.0] * 64], 422, "body", "valid dictionary"),
+    ("/v1/explain_vectors", {"vectors": [b64([0.0] * 64), b64([0.0] * 63)], "encoding_format": "base64"}, 422,
+     "vectors[1]", "decodes to 252 bytes"),
+    ("/v1/explain_vectors", {"vectors": ["not base64!"], "encoding_format": "base64"}, 422, "vectors[0]",
+     "is not base64"),
+    ("/v1/explain_vectors", {"vectors": [b64([0.0] * 64)[:-1]], "encoding_format": "base64"}, 422, "vectors[0]",
+     "is not base64"),
+    ("/v1/explain_vectors", {"vectors": [b64([0.0] * 64), B64_NAN], "encoding_format": "base64"}, 422,
+     "vectors[1][5]", "finite number"),
+    ("/v1/explain_vectors", {"vectors": [B64_INF], "encoding_format": "base64"}, 422, "vectors[0][0]", "finite number"),
+    ("/v1/explain_vectors", {"vectors": [[0.0] * 64], "encoding_format": "base64"}, 422, "vectors[0]", "valid string"),
+    ("/v1/explain_vectors", {"vectors": [b64([0.0] * 64)]}, 422, "vectors[0]", "valid list"),
+    ("/v1/explain_vectors", {"vectors": [[0.0] * 64], "encoding_format": "hex"}, 422, "encoding_format", "'base64'"),
+    ("/v1/explain_vectors", {"vectors": [b64([0.0] * 64)] * 17, "encoding_format": "base64"}, 422, "vectors",
+     "the limit is 16"),
     ("/v1/explain", {}, 422, "text", "Field required"),
     ("/v1/explain", {"text": "a" * 201}, 422, "text", "the limit is 200"),
     ("/v1/explain", {"text": TEXT, "max_new_tokens": 999}, 422, "max_new_tokens", "outside 1..16"),

@@ -78,7 +78,7 @@ def test_the_readme_quickstart_commands_parse():
     block = re.search(r"## Quickstart\n\n```bash\n(.*?)```", readme, re.DOTALL).group(1)
     commands = [shlex.split(part)[1:] for line in block.splitlines() for part in line.split("  #")[0].split("&&")
                 if part.strip().startswith("nla ")]
-    assert [c[0] for c in commands] == ["demo", "demo", "convert", "datagen", "sft", "sft", "train", "eval", "explain"]
+    assert [c[0] for c in commands] == ["demo", "demo", "convert", "datagen", "sft", "sft", "train", "eval", "explain", "explain", "serve"]
     for argv in commands:
         parser, _ = cli.build_parser(argv)
         parser.parse_args(argv)

@@ -190,6 +190,10 @@ class TrainConfig:
     """Two-sided token mask on the trainer/engine probability ratio, "low,high" with 0 < low <= 1 <= high
     (IcePop: 0.5,2): a token whose ratio leaves the band loses its surrogate (its KL term stays); null: off.
     Logged as token_mask_frac. Not in the reference."""
+    top_entropy_quantile: float = 1.0
+    """TRL's top_entropy_quantile (Wang et al. 2025, "80/20"): keep the policy-gradient term only at the top
+    `quantile` share of response tokens by policy entropy (the rest keep their KL term); 1.0 keeps every token
+    (off). The threshold is each update micro-batch's, as in TRL. Logged as entropy_mask_frac. Not in the reference."""
     reward: Literal["neg_log", "neg"] = "neg_log"
     """Reward from normalised MSE: -log(mse) (reference) or -mse."""
     max_explanation_tokens: int = 1024
@@ -418,6 +422,8 @@ def _check_loss_choices(cfg: TrainConfig) -> None:
         band = cfg.token_mask
         require(len(band) == 2 and 0 < band[0] <= 1 <= band[1], "token_mask", list(band),
                 "use low,high with 0 < low <= 1 <= high (IcePop: 0.5,2), or null")
+    require(0 < cfg.top_entropy_quantile <= 1, "top_entropy_quantile", cfg.top_entropy_quantile,
+            "use 0 < top_entropy_quantile <= 1 (1 keeps every token; the 80/20 paper's 0.2)")
     require(cfg.dynamic_sampling_max_draws >= 0, "dynamic_sampling_max_draws", cfg.dynamic_sampling_max_draws,
             "use an integer >= 0")
     if cfg.critic_ema is not None:

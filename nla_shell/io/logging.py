@@ -36,6 +36,7 @@ METRIC_KEYS: tuple[str, ...] = (
     "clip_frac",  # tokens where the PPO clip is active (verl's pg_clipfrac, TRL's clip_ratio/region_mean)
     "outside_clip_frac",  # tokens whose ratio lies outside the clip range, any advantage (the reference's clip_frac)
     "tis_frac",
+    "entropy_mask_frac",  # response tokens whose surrogate top_entropy_quantile dropped (0 when off)
     "logp_diff_mean", "logp_diff_max",  # |behaviour - trainer log-prob| over generated tokens
     "grad_norm",
     "skipped_steps",  # running count of optimizer steps skipped for a non-finite grad norm

@@ -315,7 +315,7 @@ class RunState:
             kl_clamp=cfg.kl_clamp, tis=None if cfg.tis == "none" else cfg.tis, tis_cap=cfg.tis_cap,
             aggregation=cfg.aggregation, max_len=cfg.max_new_tokens,
             token_mask=None if cfg.token_mask is None else (cfg.token_mask[0], cfg.token_mask[1]),
-            kl_metric=cfg.kl_metric, entropy_metric=cfg.entropy_metric,
+            kl_metric=cfg.kl_metric, entropy_metric=cfg.entropy_metric, top_entropy_quantile=cfg.top_entropy_quantile,
         )
 
     @property

@@ -301,6 +301,7 @@ def step_metrics(state: RunState, rolled: Rolled, scored: Scored, update: Update
         "outside_clip_frac": update.outside_clip_frac,
         "tis_frac": update.tis_frac,
         "token_mask_frac": update.token_mask_frac,
+        "entropy_mask_frac": update.entropy_mask_frac,
         "dynamic_sampling_draws": scored.extra_draws,
         "varied_groups": scored.varied_groups,
         "logp_diff_mean": update.logp_diff_mean,

@@ -35,6 +35,25 @@ class LossOptions:
     """Run the reference forward at kl_beta = 0 too, so kl_mean is measured (NaN when it is not run)."""
     entropy_metric: bool = True
     """Measure the policy's entropy at the response tokens in the policy forward (NaN when off)."""
+    top_entropy_quantile: float = 1.0
+    """TRL's top_entropy_quantile: keep the surrogate only at the top `quantile` share of each micro-batch's
+    loss tokens by (detached) policy entropy, `nla_core.top_entropy_mask`; 1.0 keeps every token (off).
+
+    The threshold is a statistic of one micro-batch on one rank, not of the whole batch: the entropy
+    comes from the micro-batch's own policy forward, and a batch-wide threshold would need a second
+    policy forward. TRL's is the same scope (huggingface/trl d2b69d7: `get_high_entropy_mask` in
+    `_compute_loss`, over one gradient-accumulation micro-batch's non-pad tokens on one process; later
+    versions gather them over processes). With one micro-batch (micro_batch >= N) it is the batch's;
+    otherwise the gradient depends on `micro_batch` (and on the plan's grouping) unless quantile = 1."""
+
+    @property
+    def masks_entropy(self) -> bool:
+        return self.top_entropy_quantile < 1.0
+
+    @property
+    def needs_entropy(self) -> bool:
+        """Whether the policy forward computes the entropy: for entropy_mean, or for the top-entropy mask."""
+        return self.entropy_metric or self.masks_entropy
 
     @property
     def runs_reference(self) -> bool:
@@ -113,6 +132,8 @@ class UpdateStats:
     tis_frac: float
     token_mask_frac: float
     """Share of response tokens whose surrogate the two-sided ratio mask dropped."""
+    entropy_mask_frac: float
+    """Share of response tokens whose surrogate the top-entropy mask (top_entropy_quantile) dropped."""
     logp_diff_mean: float
     logp_diff_max: float
     mismatch_masked_frac: float
@@ -227,18 +248,22 @@ def policy_update(
     optimizer.zero_grad(set_to_none=True)
     zero = torch.zeros((), dtype=torch.float64, device=device)
     sums = dict(loss=zero, kl=zero, clip=zero, outside=zero, tis=zero, band=zero, diff=zero, tokens=zero, masked=zero,
-                entropy=zero)
+                entropy=zero, entropy_drop=zero)
     diff_max = zero
     decoupled = loss.tis not in ("ratio_cap", None)
-    for logprobs, mask, behavior, index in micro_batch_logprobs(micro_batch, with_entropy=loss.entropy_metric):
-        logp, entropy = logprobs if loss.entropy_metric else (logprobs, None)
+    for logprobs, mask, behavior, index in micro_batch_logprobs(micro_batch, with_entropy=loss.needs_entropy):
+        logp, entropy = logprobs if loss.needs_entropy else (logprobs, None)
         diff = torch.where(mask, (behavior - logp.detach()).abs(), torch.zeros_like(logp))
-        if entropy is not None:  # over every response token, like logp_diff_mean: before the mismatch mask
+        if loss.entropy_metric:  # over every response token, like logp_diff_mean: before the mismatch mask
             sums["entropy"] = sums["entropy"] + torch.where(mask, entropy, torch.zeros_like(entropy)).sum()
         if mismatch_threshold is not None:
             off_policy = diff.sum(-1) / mask.sum(-1).clamp_min(1) > mismatch_threshold
             sums["masked"] = sums["masked"] + off_policy.sum()
             mask = mask & ~off_policy[:, None]
+        keep = None
+        if loss.masks_entropy:  # over the tokens the loss sees: after the mismatch mask
+            keep = nla_core.top_entropy_mask(entropy.detach(), mask, quantile=loss.top_entropy_quantile)
+            sums["entropy_drop"] = sums["entropy_drop"] + (mask & ~keep).sum()
         prompt_mean = loss.aggregation == "prompt_mean"
         out = nla_core.policy_loss(
             logp,
@@ -255,6 +280,7 @@ def policy_update(
             tis=loss.tis,
             tis_cap=loss.tis_cap,
             token_mask=loss.token_mask,
+            keep=keep,
             aggregation=loss.aggregation,
             denominator=denominator,
             max_len=loss.max_len if loss.aggregation == "seq_mean_token_sum_norm" else None,
@@ -296,6 +322,7 @@ def policy_update(
         outside_clip_frac=sums["outside"] / tokens,
         tis_frac=sums["tis"] / tokens,
         token_mask_frac=sums["band"] / tokens,
+        entropy_mask_frac=sums["entropy_drop"] / tokens,
         logp_diff_mean=sums["diff"] / max(n_tokens, 1),
         logp_diff_max=diff_max,
         mismatch_masked_frac=sums["masked"] / max(n, 1),

@@ -19,7 +19,7 @@ from nla_shell.io.config import ConfigError, TrainConfig, load_dataclass
 from nla_shell.training import sampling, scoring, setup as trainer_setup, step as step_module
 
 NEW_KEYS = ("policy_loss", "aggregation", "advantage_scale", "token_mask", "dynamic_sampling",
-            "dynamic_sampling_max_draws", "critic_rollouts", "critic_ema")
+            "dynamic_sampling_max_draws", "critic_rollouts", "critic_ema", "top_entropy_quantile")
 
 
 def test_help_lists_every_new_key_with_its_meaning(capsys):
@@ -49,11 +49,25 @@ def test_defaults_are_todays():
     (["critic_rollouts=best"], "critic_rollouts"),
     (["dynamic_sampling_max_draws=-1"], "dynamic_sampling_max_draws"),
     (["clip_eps=1.5"], "clip_eps"),
+    (["top_entropy_quantile=0"], "top_entropy_quantile"),
+    (["top_entropy_quantile=1.5"], "top_entropy_quantile"),
+    (["top_entropy_quantile=-0.2"], "top_entropy_quantile"),
 ])
 def test_bad_values_are_refused_naming_the_key(overrides, key):
     base = dict(av_ckpt="a", ar_ckpt="b", rl_parquet="c", save_dir="d")
     with pytest.raises(ConfigError, match=f"'{key}'"):
         load_dataclass(TrainConfig, base, overrides)
+
+
+@pytest.mark.parametrize("value", ["0", "1.5", "-0.2"])
+def test_top_entropy_quantile_out_of_range_is_one_line_naming_the_key(value):
+    base = dict(av_ckpt="a", ar_ckpt="b", rl_parquet="c", save_dir="d")
+    with pytest.raises(ConfigError) as err:
+        load_dataclass(TrainConfig, base, [f"top_entropy_quantile={value}"])
+    message = str(err.value)
+    assert "'top_entropy_quantile'" in message and "\n" not in message
+    assert load_dataclass(TrainConfig, base, ["top_entropy_quantile=1"]).top_entropy_quantile == 1.0
+    assert load_dataclass(TrainConfig, base).top_entropy_quantile == 1.0
 
 
 def test_cispo_may_drop_the_lower_clip():
@@ -89,6 +103,15 @@ def test_default_run_hands_the_loss_todays_keywords(nla_run_inputs, tmp_path, lo
         assert kw["tis"] == "ratio_cap" and kw["max_len"] is None and kw["group_ids"] is None
         assert kw["denominator"] == 6  # N = 2 prompts x 3
     assert line["token_mask_frac"] == 0.0 and line["dynamic_sampling_draws"] == 0
+    assert all(kw["keep"] is None for kw in loss_calls) and line["entropy_mask_frac"] == 0.0
+
+
+def test_top_entropy_quantile_reaches_the_loss(nla_run_inputs, tmp_path, loss_calls):
+    (line,) = run(nla_run_inputs, tmp_path, top_entropy_quantile=0.5, entropy_metric="false")
+    assert loss_calls
+    for kw in loss_calls:  # the entropy is computed for the mask even with entropy_metric off
+        assert kw["keep"] is not None and kw["keep"].dtype == torch.bool
+    assert 0.0 < line["entropy_mask_frac"] < 1.0 and line["entropy_mean"] is None  # NaN: not measured
 
 
 def test_loss_keys_reach_the_loss(nla_run_inputs, tmp_path, loss_calls):

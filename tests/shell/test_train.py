@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 import fixtures
+import nla_core
 from nla_shell import cli
 from nla_shell.toy import builders as toy
 from nla_shell.training.checkpoint import latest_checkpoint
@@ -227,6 +228,47 @@ def test_kl_beta_zero_without_kl_metric_skips_the_reference_pass_and_keeps_the_u
     assert math.isfinite(measured.kl_mean) and math.isnan(skipped.kl_mean)  # not measured: NaN, not a fake 0
     assert skipped.loss == measured.loss and grad.abs().sum() > 0
     torch.testing.assert_close(grad_skipped, grad, rtol=0, atol=0)
+
+
+def test_top_entropy_quantile_masks_the_surrogate_at_low_entropy_tokens(nla_run_inputs, monkeypatch):
+    actor, injector, tokenizer, rollouts, acts = _tiny_batch(nla_run_inputs, n_prompts=3, group_size=2)
+    params = [p for p in actor.parameters() if p.requires_grad]
+    optimizer = torch.optim.SGD(params, lr=0.0)
+    advantages = torch.linspace(-1.5, 1.5, len(rollouts))
+    n = len(rollouts)  # one micro-batch: the threshold is then the whole batch's
+
+    def update(**options):
+        stats = policy_update(actor, injector, optimizer, rollouts, advantages, acts, loss=LossOptions(**options),
+                              micro_batch=n, max_grad_norm=1e9, pad_id=tokenizer.pad_token_id, step_optimizer=False)
+        return stats, torch.cat([p.grad.flatten() for p in params])
+
+    default, grad = update()
+    off, grad_off = update(top_entropy_quantile=1.0)
+    assert off.loss == default.loss and off.entropy_mask_frac == 0.0 and grad.abs().sum() > 0
+    torch.testing.assert_close(grad_off, grad, rtol=0, atol=0)
+
+    calls = []
+    real = update_module.nla_core.policy_loss
+    monkeypatch.setattr(update_module.nla_core, "policy_loss",
+                        lambda *a, **kw: (calls.append((a, kw)), real(*a, **kw))[1])
+    half, grad_half = update(top_entropy_quantile=0.5, entropy_metric=False)
+    ((args, kwargs),) = calls
+    logp, old, adv, mask = args
+    n_tokens = sum(r.response_len for r in rollouts)
+    assert int(mask.sum()) == n_tokens and math.isnan(half.entropy_mean)
+    assert half.entropy_mask_frac == pytest.approx(0.5, abs=1.5 / n_tokens)
+    # The same loss by hand: nla_core's mask over the batch's entropies, from the full-vocab softmax.
+    batch = response_batch(rollouts, pad_id=tokenizer.pad_token_id, device=torch.device("cpu"))
+    with torch.no_grad(), injector.inject(batch.input_ids, acts):
+        logits = actor(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+    lp = logits.gather(1, batch.positions[..., None].expand(-1, -1, logits.shape[-1])).log_softmax(-1)
+    entropy = -(lp.exp() * lp).sum(-1)
+    keep = nla_core.top_entropy_mask(entropy, batch.mask, quantile=0.5)
+    assert torch.equal(kwargs["keep"], keep)  # the rows of one micro-batch keep the rollouts' order here
+    by_hand = real(*[a.detach() for a in args], **{**kwargs, "keep": keep})
+    assert half.loss == pytest.approx(float(by_hand.loss), rel=1e-6)
+    assert float((mask & ~keep).sum()) / n_tokens == pytest.approx(half.entropy_mask_frac)
+    assert half.loss != default.loss and not torch.equal(grad_half, grad)
 
 
 def test_ar_save_load_round_trip(nla_run_inputs, tmp_path):

@@ -45,10 +45,10 @@ from nla_shell.io.paths import require_file, require_model
 from nla_shell.io.progress import progress_bar
 from nla_shell.io.sidecars import MODEL_SIDECAR, find_sidecar, injection_settings, load_sidecar
 from nla_shell.metrics import finite_mean, fve_metrics, token_lengths
-from nla_shell.models import ARModel, Injector, ar_predict, base_model_dir, load_actor, pad_right
+from nla_shell.models import ARModel, Injector, base_model_dir, load_actor, pad_right
 from nla_shell.pipeline.datagen import capture_activations
 from nla_shell.pipeline.splice import splice_kl
-from nla_shell.training.scoring import Scores, score_explanations
+from nla_shell.training.scoring import Scores, ar_predictions, score_explanations
 from nla_shell.training.checkpoint import file_sha256
 from nla_shell.training.setup import resolve_device
 
@@ -202,8 +202,8 @@ def evaluate(cfg: EvalConfig) -> EvalResult:
 
     # --- splice-KL: the reconstructions back in the target LM ---------------------------------
     if cfg.model is not None:
-        predictions = {name: reconstructions(critic, s, pad_id=tokenizer.pad_token_id, micro_batch=cfg.micro_batch)
-                       for name, s in scored.items()}
+        predictions = {name: ar_predictions(critic, s.ar_inputs, pad_id=tokenizer.pad_token_id,
+                                            micro_batch=cfg.micro_batch) for name, s in scored.items()}
         splice_metrics, per_row = splice_kl_metrics(
             cfg, rows, golds, predictions, mean_u=nla_core.normalize_activation(golds.double(), mse_scale).mean(0),
             layer=nla.extraction_layer_index, d_model=nla.d_model, mse_scale=mse_scale, device=device, dtype=dtype,
@@ -333,16 +333,6 @@ def length_curve(critic: ARModel, tokenizer, explanations: Sequence[str | None],
         metrics[f"length/fve_k{k}"] = nla_core.fve(finite_mean(cut.mse), rawvar)
         metrics[f"length/truncated_frac_k{k}"] = float((known > k).mean())
     return metrics
-
-
-def reconstructions(critic: ARModel, scores: Scores, *, pad_id: int, micro_batch: int) -> torch.Tensor:
-    """[N, D] float32 AR predictions of the scored explanations; NaN rows where scoring failed."""
-    keep = [i for i, ids in enumerate(scores.ar_inputs) if ids is not None]
-    out = torch.full((len(scores.ar_inputs), critic.value_head.in_features), math.nan)
-    if keep:
-        out[keep] = ar_predict(critic, [scores.ar_inputs[i] for i in keep], pad_id=pad_id, micro_batch=micro_batch,
-                               device=critic.value_head.weight.device).cpu()
-    return out
 
 
 def splice_kl_metrics(

@@ -25,10 +25,10 @@ from nla_shell.engines.base import RolloutEngine, RolloutRequest
 from nla_shell.io.data import DataError, av_prompt_messages, build_prompt_ids, check_tokenizer
 from nla_shell.io.paths import require_file, require_model
 from nla_shell.io.sidecars import MODEL_SIDECAR, injection_settings, load_sidecar, read_sidecar
-from nla_shell.models import ARModel, Injector, ar_predict, base_model_dir, pad_right
+from nla_shell.models import ARModel, Injector, base_model_dir, pad_right
 from nla_shell.pipeline.datagen import DatagenConfig, capture_activations
 from nla_shell.pipeline.evaluate import check_model_reads_training_data, load_av, tokenizer_dir
-from nla_shell.training.scoring import ar_token_ids
+from nla_shell.training.scoring import ar_predictions, ar_token_ids
 from nla_shell.training.setup import resolve_device
 
 EngineName = Literal["hf", "native", "vllm"]
@@ -191,18 +191,16 @@ class NLAReader:
     def _score(self, texts: Sequence[str | None], golds: torch.Tensor) -> tuple[dict[int, torch.Tensor], list[float | None]]:
         """One AR pass over the explanations: {row: [D] float32 prediction on CPU} of the scored rows, and each
         row's normalised MSE (None where the explanation could not be scored), as `score_explanations` gives it."""
+        pred = self._predict(texts)
+        mse = nla_core.reconstruction_mse(pred, golds.float(), scale=self.mse_scale)  # NaN rows stay NaN
+        mses = [float(m) if math.isfinite(float(m)) else None for m in mse]
+        return {i: pred[i] for i, m in enumerate(mses) if m is not None}, mses
+
+    def _predict(self, texts: Sequence[str | None]) -> torch.Tensor:
+        """[N, D] AR predictions from N explanations; NaN rows where one is absent or does not fit the AR."""
         inputs = [ar_token_ids(t, self.nla.critic_prompt_template, self.tokenizer, max_tokens=AR_MAX_TOKENS)
                   for t in texts]
-        keep = [i for i, ids in enumerate(inputs) if ids is not None]
-        mse = torch.full((len(inputs),), math.nan)
-        preds: dict[int, torch.Tensor] = {}
-        if keep:
-            pred = ar_predict(self.critic, [inputs[i] for i in keep], pad_id=self.tokenizer.pad_token_id,
-                              micro_batch=64, device=self.device).cpu().float()
-            mse[keep] = nla_core.reconstruction_mse(pred, golds[keep].float(), scale=self.mse_scale)
-            preds = dict(zip(keep, pred))
-        mses = [float(m) if math.isfinite(float(m)) else None for m in mse]
-        return {i: p for i, p in preds.items() if mses[i] is not None}, mses
+        return ar_predictions(self.critic, inputs, pad_id=self.tokenizer.pad_token_id, micro_batch=64)
 
     def reconstruct(self, results: Sequence[SiteExplanation]) -> list[SiteExplanation]:
         """The AR's reconstruction from each kept explanation, by a separate AR pass.
@@ -210,13 +208,9 @@ class NLAReader:
         `explain` already returns it (from the scoring pass); this recomputes it, for results
         built elsewhere and for checking that the two agree.
         """
-        inputs = [ar_token_ids(r.explanation, self.nla.critic_prompt_template, self.tokenizer, max_tokens=AR_MAX_TOKENS)
-                  if r.mse is not None else None for r in results]
-        keep = [i for i, ids in enumerate(inputs) if ids is not None]
-        preds = ar_predict(self.critic, [inputs[i] for i in keep], pad_id=self.tokenizer.pad_token_id, micro_batch=64,
-                           device=self.device).cpu()
-        by_row = dict(zip(keep, preds))
-        return [replace(r, reconstruction=by_row.get(i)) for i, r in enumerate(results)]
+        pred = self._predict([r.explanation if r.mse is not None else None for r in results])
+        return [replace(r, reconstruction=None if r.mse is None or pred[i].isnan().any() else pred[i])
+                for i, r in enumerate(results)]
 
     def info(self) -> dict[str, Any]:
         """What this reader is: model, layer, width, marker, engine (the server's /v1/info)."""

@@ -37,6 +37,16 @@ def ar_token_ids(explanation: str | None, template: str, tokenizer, *, max_token
     return ids if 0 < len(ids) <= max_tokens else None
 
 
+def ar_predictions(ar: ARModel, inputs: Sequence[list[int] | None], *, pad_id: int, micro_batch: int) -> torch.Tensor:
+    """[N, D] float32 AR predictions on the CPU for N AR inputs (`ar_token_ids`); NaN rows where an input is None."""
+    keep = [i for i, ids in enumerate(inputs) if ids is not None]
+    out = torch.full((len(inputs), ar.value_head.in_features), math.nan)
+    if keep:
+        out[keep] = ar_predict(ar, [inputs[i] for i in keep], pad_id=pad_id, micro_batch=micro_batch,
+                               device=ar.value_head.weight.device).cpu()
+    return out
+
+
 def score_explanations(
     ar: ARModel,
     tokenizer,

@@ -136,17 +136,17 @@ def from_b64(text: str) -> torch.Tensor:
 
 def test_the_reconstruction_is_the_scoring_pass_s_one_ar_forward_per_batch(server, reader, eval_vectors, monkeypatch):
     """The AR runs once per batch (scoring); the returned reconstruction equals a separate reconstruct pass."""
-    import nla_shell.serving.reader as reader_module
+    import nla_shell.training.scoring as scoring  # the reader's AR passes run through scoring.ar_predictions
 
     url, _ = server
     calls = []
-    original = reader_module.ar_predict
+    original = scoring.ar_predict
 
     def counted(*args, **kwargs):
         calls.append(len(args[1]))
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(reader_module, "ar_predict", counted)
+    monkeypatch.setattr(scoring, "ar_predict", counted)
     vectors = eval_vectors[:4]
     body = httpx.post(f"{url}/v1/explain_vectors", json={"vectors": vectors.tolist(), "samples": 2}, timeout=60)
     assert body.status_code == 200, body.text

@@ -15,7 +15,9 @@
 #   launch          (after gguf/p1, gguf/p2; carry .device-carry/gguf/meta) join the GGUF, snapshot the code into
 #                   /tmp/nla_src and start `job` in the background (it outlives the call); returns at once
 #   job             the native demo of every seed, then, as soon as a seed's SFT checkpoints exist, its
-#                   VARIANTS (native) and, once /tmp/vllm_ready exists, its engine=vllm variant; then the table
+#                   VARIANTS (native) and, once /tmp/vllm_ready exists, its engine=vllm variant (VLLM_WAIT=0: none);
+#                   beside them (TOY=1) the toy NLA per seed: its demo and three other losses, then all four in bf16;
+#                   then both tables
 #   vllm-smoke      (after `bash bench/gpu_session.sh install-vllm` in the same call) two vLLM RL steps from
 #                   seed 0's SFT; on success /tmp/vllm_ready lets the job's vLLM variants start
 #   wait N          up to N seconds until the job is done, printing each run's last step
@@ -119,6 +121,20 @@ case "$stage" in
       for _ in $(seq 180); do [ -f $root/seed$seed/eval/gold/eval_summary.json ] && break; sleep 5; done
       python3 bench/rl_variants.py variant $root/seed$seed $name "$@" > $root/seed$seed.$name.log 2>&1
     }
+    toy() {  # the toy NLA on this GPU, one seed: the demo (fp32, HF engine), its three other losses, then all four in bf16
+      local d=/tmp/toy/seed$1; mkdir -p /tmp/toy
+      python3 -m nla_shell.cli demo --run-dir $d --seed $1 --device cuda > $d.log 2>&1 || return 0
+      tv() { local name=$1; shift; python3 bench/rl_variants.py variant $d $name "$@" > $d.$name.log 2>&1; }
+      tv gspo policy_loss=gspo clip_eps=0.0003 clip_eps_high=0.0004
+      tv cispo policy_loss=cispo clip_eps=1.0 clip_eps_high=4.0 tis=none
+      tv onpolicy policy_loss=onpolicy tis=none kl_clamp=12
+      for loss in grpo gspo cispo onpolicy; do
+        case $loss in gspo) k="clip_eps=0.0003 clip_eps_high=0.0004";; cispo) k="clip_eps=1.0 clip_eps_high=4.0 tis=none";;
+                      onpolicy) k="tis=none kl_clamp=12";; *) k="";; esac
+        tv bf16_$loss dtype=bfloat16 engine=native policy_loss=$loss $k
+      done
+    }
+    [ "${TOY:-1}" = 1 ] && for seed in $SEEDS; do toy $seed & pids+=($!); done
     for seed in $SEEDS; do
       variant $seed gspo policy_loss=gspo clip_eps=0.0003 clip_eps_high=0.0004 & pids+=($!)
       variant $seed cispo policy_loss=cispo clip_eps=1.0 clip_eps_high=4.0 tis=none & pids+=($!)
@@ -128,6 +144,7 @@ case "$stage" in
     done
     for pid in "${pids[@]}"; do wait "$pid" || true; done
     python3 bench/rl_variants.py table $root/seed*/ --out /tmp/variants_out > /tmp/variants_table.log 2>&1 || true
+    python3 bench/rl_variants.py table /tmp/toy/seed*/ --out /tmp/toy_out > /tmp/toy_table.log 2>&1 || true
     touch /tmp/job_done
     ;;
   vllm-smoke)
@@ -144,13 +161,17 @@ case "$stage" in
     ;;
   wait)
     for _ in $(seq $(( ${2:-500} / 10 ))); do [ -f /tmp/job_done ] && break; sleep 10; done
-    for m in /tmp/variants/seed*/rl/metrics.jsonl /tmp/variants/seed*/variants/*/rl/metrics.jsonl; do
+    for m in /tmp/variants/seed*/rl/metrics.jsonl /tmp/variants/seed*/variants/*/rl/metrics.jsonl /tmp/toy/seed*/rl/metrics.jsonl \
+        /tmp/toy/seed*/variants/*/rl/metrics.jsonl; do
       [ -f "$m" ] && echo "$m step $(tail -n 1 "$m" | python3 -c 'import json,sys; r=json.loads(sys.stdin.read()); print(r["step"], "s/step", round(r.get("time_step") or 0, 2))')"
     done
     [ -f /tmp/job_done ] && echo "[real_nla] job done" || tail -n 3 /tmp/job.log
     ;;
   collect)
     cp /tmp/variants_out/* "$OUT/" 2>/dev/null; cat /tmp/variants_table.log 2>/dev/null
+    mkdir -p "$OUT/toy" && cp /tmp/toy_out/* "$OUT/toy/" 2>/dev/null; cat /tmp/toy_table.log 2>/dev/null
+    tar -czf "$OUT/toy.tgz" /tmp/toy/seed*/report.* /tmp/toy/seed*/variants/*/report.json /tmp/toy/seed*/rl/metrics.jsonl \
+      /tmp/toy/seed*/variants/*/rl/metrics.jsonl /tmp/toy/*.log 2>/dev/null || true
     tar -czf "$OUT/variants.tgz" /tmp/variants/seed*/report.* /tmp/variants/seed*/variants/*/report.json \
       /tmp/variants/seed*/rl/metrics.jsonl /tmp/variants/seed*/variants/*/rl/metrics.jsonl \
       /tmp/variants/seed*/eval/*/eval_summary.json /tmp/variants/seed*/variants/*/eval/*/eval_summary.json \

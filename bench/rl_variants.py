@@ -36,6 +36,11 @@ SUMMARY_KEYS = {
     "extraction_rate": "av/extraction_rate", "tokens": "length/tokens_mean",
 }
 """Report field -> the after-RL eval metric it copies."""
+DYNAMICS = {"clip_frac": "clip_frac", "outside_band": "outside_clip_frac", "logp_gap": "logp_diff_mean"}
+"""Table column -> the per-step metric averaged over every RL step: how often the surrogate clipped, how
+often the ratio left the clip band at all, and the mean |behaviour - trainer| log-prob per token."""
+LAST_STEPS = 10
+"""The KL and entropy columns average the last this-many logged steps."""
 CURVES = (("kl_mean", "KL to the reference (k3)"), ("response_len_mean", "response tokens"),
           ("entropy_mean", "policy entropy (nats / token)"), ("eval/fve", "held-out FVE (trainer's eval)"),
           ("reward_mean", "reward"))
@@ -58,6 +63,18 @@ def summary(metrics: dict[str, Any], rl_dir: Path) -> dict[str, Any]:
     out = {key: metrics.get(metric) for key, metric in SUMMARY_KEYS.items()}
     out["seconds_per_rl_step"] = demo_mod.rl_step_seconds(rl_dir)
     return out
+
+
+def dynamics(metrics: Path) -> dict[str, float | None]:
+    """Means over one RL run's steps of DYNAMICS, and of kl_mean and entropy_mean over its last steps."""
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+
+    def mean(key: str, picked: list[dict[str, Any]]) -> float | None:
+        vals = [r[key] for r in picked if r.get(key) is not None]
+        return sum(vals) / len(vals) if vals else None
+
+    out = {name: mean(key, rows) for name, key in DYNAMICS.items()}
+    return out | {"kl_end": mean("kl_mean", rows[-LAST_STEPS:]), "entropy_end": mean("entropy_mean", rows[-LAST_STEPS:])}
 
 
 def run_variant(run_dir: Path, name: str, overrides: list[str]) -> dict[str, Any]:
@@ -108,8 +125,9 @@ def mean_se(values: list[float]) -> tuple[float, float]:
     return mean, se
 
 
-def table(run_dirs: list[Path], out: Path) -> dict[str, Any]:
-    """Every variant over seeds: mean ± se, and the paired difference against the demo's RL and its SFT."""
+def table(run_dirs: list[Path], out: Path, *, against: str | None = None) -> dict[str, Any]:
+    """Every variant over seeds: mean ± se, and the paired difference against the demo's RL and its SFT
+    (and against the variant named `against`, when given: say, GRPO in the same dtype)."""
     reports: dict[str, dict[int, dict[str, Any]]] = {}
     sft: dict[int, float] = {}
     for run_dir in run_dirs:
@@ -123,8 +141,9 @@ def table(run_dirs: list[Path], out: Path) -> dict[str, Any]:
     for name, by_seed in reports.items():
         seeds = sorted(by_seed)
         row: dict[str, Any] = {"name": name, "overrides": by_seed[seeds[0]]["overrides"], "seeds": seeds}
-        for key in (*SUMMARY_KEYS, "seconds_per_rl_step"):
-            vals = [by_seed[s][key] for s in seeds if by_seed[s].get(key) is not None]
+        runs = {s: by_seed[s] | dynamics(Path(by_seed[s]["rl_dir"]) / "metrics.jsonl") for s in seeds}
+        for key in (*SUMMARY_KEYS, "seconds_per_rl_step", *DYNAMICS, "kl_end", "entropy_end"):
+            vals = [runs[s][key] for s in seeds if runs[s].get(key) is not None]
             row[key] = mean_se(vals) if vals else None
         fve = {s: _number(by_seed[s]["fve"]) for s in seeds}
         row["fve_per_seed"] = [fve[s] for s in seeds]
@@ -133,11 +152,13 @@ def table(run_dirs: list[Path], out: Path) -> dict[str, Any]:
         paired = [s for s in seeds if s in reports[BASE]]
         if name != BASE and paired:
             row["minus_demo_rl"] = mean_se([fve[s] - _number(reports[BASE][s]["fve"]) for s in paired])
+        if against is not None and name != against and (both := [s for s in seeds if s in reports.get(against, {})]):
+            row[f"minus_{against}"] = mean_se([fve[s] - _number(reports[against][s]["fve"]) for s in both])
         rows.append(row)
     result = {"after_sft_fve": sft, "variants": rows}
     out.mkdir(parents=True, exist_ok=True)
     (out / "rl_variants.json").write_text(json.dumps(result, indent=2))
-    text = markdown(rows)
+    text = markdown(rows, against=against)
     (out / "rl_variants.md").write_text(text)
     print(text)
     plot_curves(reports, out / "rl_variants_curves.png")
@@ -151,16 +172,21 @@ def _cell(pair: tuple[float, float] | None, spec: str = ".3f") -> str:
     return f"{mean:{spec}}" if math.isnan(se) else f"{mean:{spec}} ± {se:{spec}}"
 
 
-def markdown(rows: list[dict[str, Any]]) -> str:
+def markdown(rows: list[dict[str, Any]], *, against: str | None = None) -> str:
     head = ("| variant | keys | seeds | held-out FVE after RL | per seed | RL − SFT (paired) | RL > SFT | "
-            f"− {BASE} RL (paired) | shuffled control | splice-KL | extraction | tokens | s / RL step |")
+            f"− {BASE} RL (paired) | {f'− {against} (paired) | ' if against else ''}shuffled control | splice-KL | extraction | tokens | "
+            f"clip frac | outside clip band | mean \\|Δ log p\\| | KL, last {LAST_STEPS} steps | entropy, last {LAST_STEPS} | "
+            "s / RL step |")
     lines = [head, "|" + " --- |" * (head.count("|") - 1)]
     for r in rows:
         lines.append(" | ".join([
             f"| {r['name']}", " ".join(r["overrides"]) or "(demo's)", str(len(r["seeds"])), _cell(r["fve"]),
             ", ".join(f"{v:.3f}" for v in r["fve_per_seed"]), _cell(r["minus_sft"]), r["rl_beats_sft_in"],
-            _cell(r.get("minus_demo_rl")), _cell(r["shuffled_fve"]), _cell(r["splice_kl"], ".2f"),
-            _cell(r["extraction_rate"], ".2f"), _cell(r["tokens"], ".1f"), _cell(r["seconds_per_rl_step"], ".2f"),
+            _cell(r.get("minus_demo_rl")), *([_cell(r.get(f"minus_{against}"))] if against else []),
+            _cell(r["shuffled_fve"]), _cell(r["splice_kl"], ".2f"),
+            _cell(r["extraction_rate"], ".2f"), _cell(r["tokens"], ".1f"), _cell(r.get("clip_frac")),
+            _cell(r.get("outside_band")), _cell(r.get("logp_gap"), ".4f"), _cell(r.get("kl_end")),
+            _cell(r.get("entropy_end"), ".2f"), _cell(r["seconds_per_rl_step"], ".2f"),
         ]) + " |")
     return "\n".join(lines) + "\n"
 
@@ -210,11 +236,12 @@ def main(argv: list[str] | None = None) -> None:
     t = sub.add_parser("table", help="every variant over seeds beside the demo's own RL")
     t.add_argument("run_dirs", type=Path, nargs="+")
     t.add_argument("--out", type=Path, required=True)
+    t.add_argument("--against", help="also the paired difference against this variant (say, bf16_grpo)")
     args = parser.parse_args(argv)
     if args.command == "variant":
         run_variant(args.run_dir, args.name, args.overrides)
     else:
-        table(args.run_dirs, args.out)
+        table(args.run_dirs, args.out, against=args.against)
 
 
 if __name__ == "__main__":

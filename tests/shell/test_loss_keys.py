@@ -114,7 +114,7 @@ def test_top_entropy_quantile_reaches_the_loss(nla_run_inputs, tmp_path, loss_ca
     assert 0.0 < line["entropy_mask_frac"] < 1.0 and line["entropy_mean"] is None  # NaN: not measured
 
 
-def test_loss_keys_reach_the_loss(nla_run_inputs, tmp_path, loss_calls):
+def test_loss_keys_reach_the_loss(nla_run_inputs, tmp_path, loss_calls, capsys):
     (line,) = run(nla_run_inputs, tmp_path, policy_loss="gspo", aggregation="prompt_mean", token_mask="0.5,2",
                   tis="token_truncate")
     for kw in loss_calls:
@@ -122,6 +122,14 @@ def test_loss_keys_reach_the_loss(nla_run_inputs, tmp_path, loss_calls):
         assert kw["denominator"] == 2  # two prompt groups
         assert kw["group_ids"] is not None and kw["group_tokens"].shape == kw["group_ids"].shape
     assert 0.0 <= line["token_mask_frac"] <= 1.0
+    assert "policy_loss=gspo with tis=" not in capsys.readouterr().out  # decoupled: the ratio is the trainer's
+
+
+def test_gspo_against_the_engines_log_probs_is_said_at_start_up(nla_run_inputs, tmp_path, loss_calls, capsys):
+    run(nla_run_inputs, tmp_path, policy_loss="gspo")
+    assert all(kw["kind"] == "gspo" and kw["tis"] == "ratio_cap" for kw in loss_calls)
+    assert "[train] policy_loss=gspo with tis=ratio_cap: the sequence ratio is taken against the engine's" \
+        in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("policy, extra", [

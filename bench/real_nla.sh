@@ -168,15 +168,16 @@ case "$stage" in
     [ -f /tmp/job_done ] && echo "[real_nla] job done" || tail -n 3 /tmp/job.log
     ;;
   collect)
-    cp /tmp/variants_out/* "$OUT/" 2>/dev/null; cat /tmp/variants_table.log 2>/dev/null
-    mkdir -p "$OUT/toy" && cp /tmp/toy_out/* "$OUT/toy/" 2>/dev/null; cat /tmp/toy_table.log 2>/dev/null
+    # Under set -e: a table not written yet (the job still running) must not stop the tarballs.
+    cp /tmp/variants_out/* "$OUT/" 2>/dev/null || true; cat /tmp/variants_table.log 2>/dev/null || true
+    mkdir -p "$OUT/toy" && { cp /tmp/toy_out/* "$OUT/toy/" 2>/dev/null || true; }; cat /tmp/toy_table.log 2>/dev/null || true
     tar -czf "$OUT/toy.tgz" /tmp/toy/seed*/report.* /tmp/toy/seed*/variants/*/report.json /tmp/toy/seed*/rl/metrics.jsonl \
       /tmp/toy/seed*/variants/*/rl/metrics.jsonl /tmp/toy/*.log 2>/dev/null || true
     tar -czf "$OUT/variants.tgz" /tmp/variants/seed*/report.* /tmp/variants/seed*/variants/*/report.json \
       /tmp/variants/seed*/rl/metrics.jsonl /tmp/variants/seed*/variants/*/rl/metrics.jsonl \
       /tmp/variants/seed*/eval/*/eval_summary.json /tmp/variants/seed*/variants/*/eval/*/eval_summary.json \
       /tmp/variants/seed*/eval/*/eval_samples.jsonl /tmp/variants/seed*/variants/*/eval/*/eval_samples.jsonl \
-      /tmp/variants/*.log /tmp/job.log 2>/dev/null || true
+      /tmp/variants/seed*/demo_config.json /tmp/variants/*.log /tmp/job.log 2>/dev/null || true
     ;;
   *) echo "unknown stage $stage"; exit 2 ;;
 esac

@@ -172,7 +172,8 @@ case "$stage" in
     cp /tmp/variants_out/* "$OUT/" 2>/dev/null || true; cat /tmp/variants_table.log 2>/dev/null || true
     mkdir -p "$OUT/toy" && { cp /tmp/toy_out/* "$OUT/toy/" 2>/dev/null || true; }; cat /tmp/toy_table.log 2>/dev/null || true
     tar -czf "$OUT/toy.tgz" /tmp/toy/seed*/report.* /tmp/toy/seed*/variants/*/report.json /tmp/toy/seed*/rl/metrics.jsonl \
-      /tmp/toy/seed*/variants/*/rl/metrics.jsonl /tmp/toy/*.log 2>/dev/null || true
+      /tmp/toy/seed*/variants/*/rl/metrics.jsonl /tmp/toy/seed*/demo_config.json /tmp/toy/seed*/eval/*/eval_summary.json \
+      /tmp/toy/seed*/variants/*/eval/*/eval_summary.json /tmp/toy/*.log 2>/dev/null || true
     tar -czf "$OUT/variants.tgz" /tmp/variants/seed*/report.* /tmp/variants/seed*/variants/*/report.json \
       /tmp/variants/seed*/rl/metrics.jsonl /tmp/variants/seed*/variants/*/rl/metrics.jsonl \
       /tmp/variants/seed*/eval/*/eval_summary.json /tmp/variants/seed*/variants/*/eval/*/eval_summary.json \

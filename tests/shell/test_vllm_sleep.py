@@ -618,6 +618,25 @@ def test_train_rolls_out_with_fp8_pushing_by_reload(nla_run_inputs, tmp_path, mo
     assert [line["step"] for line in fixtures.read_metrics(tmp_path / "run")] == [0, 1]
 
 
+@pytest.mark.parametrize(("setting", "reloads"), [("none", 0), ("fp8", 1)])
+def test_the_reader_builds_its_vllm_engine_with_the_quantization_asked(make_engine, tmp_path, capsys, setting, reloads):
+    """`nla explain`/`nla serve` take vllm_quantization too (in --help): the reader's engine is built with it and
+    its one push is a reload exactly when quantised."""
+    from nla_shell.serving import reader
+
+    _, actor, log = make_engine
+    actor.config.save_pretrained(tmp_path)  # the AV base dir vLLM would load (its generation config read here)
+    injector = SimpleNamespace(marker_id=MARKER, left_id=LEFT, right_id=RIGHT, style="residual_add", injection_norm=None)
+    tokenizer = SimpleNamespace(decode=lambda ids, **_: "text", eos_token_id=2)
+    engine = reader.make_engine("vllm", actor, injector, tokenizer, av=str(tmp_path), layer_index=1, max_batch=8,
+                                vllm_gpu_mem=0.5, vllm_max_len=64, vllm_quantization=setting)
+    assert engine.llm.kwargs["quantization"] == (None if setting == "none" else setting)
+    assert log.count("reload") == reloads and (log.count("push") > 0) == (reloads == 0)
+    with pytest.raises(SystemExit):
+        cli.main(["explain", "--help"])
+    assert "--vllm-quantization" in capsys.readouterr().out
+
+
 if __name__ == "__main__":
     # A torchrun rank of the test above: `nla train` over the fake vLLM; writes what it built.
     torch.set_num_threads(1)

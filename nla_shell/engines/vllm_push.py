@@ -18,11 +18,10 @@ from typing import Any, Iterable, Iterator
 import torch
 
 from nla_shell.engines.vllm_process import _load_weights, _unloaded_parameters, _unset_while_reloading
+from nla_shell.engines.weight_sync import Bucket
 
-Buckets = Iterable[tuple[str, list[tuple[str, torch.Tensor]]]]
 
-
-def load_buckets(llm: Any, buckets: Buckets) -> list[str]:
+def load_buckets(llm: Any, buckets: Iterable[Bucket]) -> list[str]:
     """One apply_model load per bucket; the vLLM parameters no bucket reached."""
     loaded: set[str] = set()
     for _, bucket in buckets:
@@ -32,7 +31,7 @@ def load_buckets(llm: Any, buckets: Buckets) -> list[str]:
     return sorted(set().union(*unloaded))
 
 
-def reload_buckets(llm: Any, buckets: Buckets) -> list[str]:
+def reload_buckets(llm: Any, buckets: Iterable[Bucket]) -> list[str]:
     """Every bucket's pairs, in order, through one reload_weights call; the checkpoint parameters left unset.
 
     reload_weights returns nothing, and once it has finalised, a layer that received nothing holds

@@ -114,13 +114,13 @@ def _lora_actor(model_dir, *, seed: int):
     return actor
 
 
-def _randomise_lora(actor, *, seed: int) -> None:
+def _randomise_lora(actor, *, seed: int, scale: float = 0.05) -> None:
     """New random LoRA B factors: the trainer's weights after an update, as far as a push can tell."""
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in actor.named_parameters():
             if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=generator) * 0.05)
+                p.copy_(torch.randn(p.shape, generator=generator) * scale)
 
 
 @torch.no_grad()
@@ -350,7 +350,7 @@ def test_fp8_engine_holds_fp8_linears_and_follows_every_push(model_dir, tiny_tok
         first_push_s = engine.sync_weights(actor)
         first = engine.generate(requests, group_size=2, max_new_tokens=24)
         old_lora = {n: p.detach().clone() for n, p in actor.named_parameters() if "lora_B" in n}
-        _randomise_lora(actor, seed=7)
+        _randomise_lora(actor, seed=7, scale=0.1)  # a large move, so that FP8's own gap cannot hide a stale push
         second_push_s = engine.sync_weights(actor)
         pushed_dtypes = engine.llm.apply_model(_linear_weight_dtypes)[0]
         second = engine.generate(requests, group_size=2, max_new_tokens=24)

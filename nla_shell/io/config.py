@@ -407,6 +407,11 @@ def _check_train_config(cfg: TrainConfig) -> None:
     require(cfg.vllm_kv_cache_gib is None or cfg.vllm_kv_cache_gib > 0, "vllm_kv_cache_gib", cfg.vllm_kv_cache_gib,
             "use a number of GiB > 0, or null to size the cache from vllm_gpu_mem")
     require(cfg.vllm_sleep in (0, 1, 2), "vllm_sleep", cfg.vllm_sleep, "use 0 (off), 1 or 2")
+    require(
+        cfg.vllm_sleep != 2 or cfg.vllm_sync_every == 1, "vllm_sleep", cfg.vllm_sleep,
+        f"level 2 discards vLLM's weights and restores them by a push at every wake-up, which vllm_sync_every="
+        f"{cfg.vllm_sync_every} does not allow: use vllm_sync_every=1, or vllm_sleep=1",
+    )
     if cfg.vllm_quantization != "none":
         require(cfg.engine == "vllm", "vllm_quantization", cfg.vllm_quantization,
                 f"it quantises vLLM's copy of the weights, and engine={cfg.engine} has none: set engine=vllm, or "
@@ -414,11 +419,6 @@ def _check_train_config(cfg: TrainConfig) -> None:
         require(cfg.vllm_tp == 1, "vllm_quantization", cfg.vllm_quantization,
                 f"a quantised push streams the weights into vLLM's in-process worker, and vllm_tp={cfg.vllm_tp} "
                 "runs the workers in other processes: use vllm_tp=1, or vllm_quantization=none")
-    require(
-        cfg.vllm_sleep != 2 or cfg.vllm_sync_every == 1, "vllm_sleep", cfg.vllm_sleep,
-        f"level 2 discards vLLM's weights and restores them by a push at every wake-up, which vllm_sync_every="
-        f"{cfg.vllm_sync_every} does not allow: use vllm_sync_every=1, or vllm_sleep=1",
-    )
     require(
         _DEVICE_RE.fullmatch(cfg.device) is not None, "device", cfg.device,
         "use one of 'auto', 'cpu', 'cuda', 'cuda:N'",

@@ -34,11 +34,13 @@ MARKER, LEFT, RIGHT = 7, 5, 6
 
 class FakeReloadInfo:
     """vLLM's LayerReloadingInfo while a layer waits for its weights: its checkpoint-format parameters
-    (restore_metadata) and the (name, arguments) of each weight that arrived (loaded_weights)."""
+    (restore_metadata), the (name, arguments) of each weight that arrived (loaded_weights) and the
+    (parameters, buffers) the model ran with, which finalisation writes into (kernel_tensors)."""
 
-    def __init__(self, names: list[str]) -> None:
+    def __init__(self, names: list[str], kernel: dict[str, torch.Tensor] | None = None) -> None:
         self.restore_metadata = ({name: None for name in names}, {})
         self.loaded_weights: list[tuple[str, None]] = []
+        self.kernel_tensors = None if kernel is None else (kernel, {})
 
     def can_load(self) -> bool:
         return True
@@ -523,13 +525,14 @@ def test_a_push_that_leaves_a_vllm_parameter_unset_raises(make_engine, quantizat
 
 def test_the_reload_check_names_the_parameters_that_a_waiting_layer_never_got(monkeypatch):
     """Inside the reload, after the last weight: a processed layer (its info reset) is complete; a waiting
-    layer names each checkpoint parameter that did not arrive; attention (finalised later, its KV scales are
-    never pushed) and buffer-only layers (rotary tables) are not asked for any."""
+    layer names each checkpoint parameter that did not arrive, unless its kernel tensor is one the push
+    writes through another layer (an lm_head sharing the embeddings' parameter); attention (finalised later,
+    its KV scales are never pushed) and buffer-only layers (rotary tables) are not asked for any."""
     install_fake_vllm(monkeypatch, [], None, 4)
     from nla_shell.engines.vllm_process import _unset_while_reloading
 
-    def waiting(module, names, arrived):
-        module.reloading = FakeReloadInfo(names)
+    def waiting(module, names, arrived, kernel=None):
+        module.reloading = FakeReloadInfo(names, kernel)
         module.reloading.loaded_weights = [(name, None) for name in arrived]
         return module
 
@@ -540,8 +543,12 @@ def test_the_reload_check_names_the_parameters_that_a_waiting_layer_never_got(mo
     model.partial = waiting(torch.nn.Linear(2, 2), ["weight", "bias"], ["weight"])
     model.attn = waiting(attention(), ["k_scale", "v_scale"], [])
     model.rotary = waiting(torch.nn.Module(), [], [])
-    assert _unset_while_reloading(model) == ["partial.bias"]
+    model.embed = torch.nn.Embedding(4, 2)  # processed: its weight is the kernel tensor again
+    model.lm_head = waiting(torch.nn.Module(), ["weight"], [], kernel={"weight": model.embed.weight})
+    model.untied = waiting(torch.nn.Module(), ["weight"], [], kernel={"weight": torch.nn.Parameter(torch.ones(2))})
+    assert _unset_while_reloading(model) == ["partial.bias", "untied.weight"]
     model.partial.reloading.loaded_weights.append(("bias", None))
+    model.untied.reloading.loaded_weights.append(("weight", None))
     assert _unset_while_reloading(model) == []
 
 

@@ -53,7 +53,10 @@ and KV cache freed after each rollout, the actor pushed at each wake-up), so vLL
 taken by everything (sampled, `synthetic.DeviceMemoryPeak`); torch's peak counter also counts
 sleeping vLLM's unmapped memory (at 256 x 8, micro-batch 64, critic 64, AdamW8bit: 103.9 GiB in
 use at most, 145 GiB by torch's counter; sixth session). The rollout's time is wake + push +
-generate + sleep; vLLM's own split of it and its KV capacity are printed.
+generate + sleep; vLLM's own split of it and its KV capacity are printed. --vllm-quantization
+fp8 (or another TrainConfig.vllm_quantization) has vLLM sample with its online FP8, each push
+re-quantised; each [step] line's logp_diff_mean (the update's mean |behaviour - trainer|
+log-prob) is then the FP8 behaviour/trainer gap, on random weights.
 
 --ranks 1,2 runs the whole benchmark once per world size, each as a torchrun job (gloo on
 CPU with --tiny): every rank builds the models (and, with --engine vllm, a vLLM engine of its
@@ -82,6 +85,7 @@ import sys
 import tempfile
 import time
 import traceback
+import typing
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -99,6 +103,8 @@ PEAK_TFLOPS = 790.0
 
 
 def parse_args() -> argparse.Namespace:
+    from nla_shell.io.config import VLLMQuantization
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="bench/step.json", help="JSON written after every case")
     parser.add_argument("--tiny", action="store_true",
@@ -128,6 +134,8 @@ def parse_args() -> argparse.Namespace:
                         help="TrainConfig.vllm_prefix_caching: a group's samples share their prompt's prefill")
     parser.add_argument("--vllm-sleep", type=int, default=2, choices=[0, 1, 2],
                         help="vLLM's sleep level between rollouts (TrainConfig.vllm_sleep); 0 keeps it resident")
+    parser.add_argument("--vllm-quantization", default="none", choices=typing.get_args(VLLMQuantization),
+                        help="TrainConfig.vllm_quantization: vLLM's online FP8, each push re-quantised")
     parser.add_argument("--ranks", default=None,
                         help="world sizes to run, one torchrun job each, e.g. 1,2 (see above)")
     parser.add_argument("--case-timeout", type=int, default=590, help="--ranks: seconds per torchrun job")
@@ -237,6 +245,7 @@ def make_engine(args, ctx: Context):
         enable_prefix_caching=args.vllm_prefix_caching == "on",
         max_num_seqs=(ctx.defaults["vllm_max_seqs"] if args.vllm_max_seqs is None else args.vllm_max_seqs) or None,
         sleep_level=args.vllm_sleep, per_rank=distributed.active(),
+        quantization=None if args.vllm_quantization == "none" else args.vllm_quantization,
     )
     config = engine.llm.llm_engine.vllm_config
     cache, max_seqs = config.cache_config, config.scheduler_config.max_num_seqs
@@ -246,8 +255,8 @@ def make_engine(args, ctx: Context):
     group = max(g for _, g in args.cases)
     prompt_share = args.prompt_len / group if args.vllm_prefix_caching == "on" else args.prompt_len
     needed = int(concurrent * (prompt_share + args.new_tokens))
-    print(f"[vllm] gpu_memory_utilization {args.vllm_gpu_mem}, sleep level {args.vllm_sleep}, prefix caching "
-          f"{args.vllm_prefix_caching}, max_num_seqs {max_seqs}, KV cache "
+    print(f"[vllm] gpu_memory_utilization {args.vllm_gpu_mem}, sleep level {args.vllm_sleep}, quantization "
+          f"{args.vllm_quantization}, prefix caching {args.vllm_prefix_caching}, max_num_seqs {max_seqs}, KV cache "
           f"{blocks * cache.block_size if blocks else 'unknown'} tokens; {concurrent} concurrent sequences of "
           f"{largest} need ~{needed}", flush=True)
     if blocks and blocks * cache.block_size < needed:
@@ -652,7 +661,8 @@ def run(args, rank, device: torch.device) -> None:
             record.add(case)
             print(f"[step] {label} {path}: {case['step_s']:.2f}s, peak {case['peak_gib']:.1f} GiB "
                   f"(device in use {case['in_use_gib']:.1f} GiB), "
-                  + ", ".join(f"{k} {v['s']:.2f}s ({v['pct_peak']:.0f}%)" for k, v in phases.items()), flush=True)
+                  + ", ".join(f"{k} {v['s']:.2f}s ({v['pct_peak']:.0f}%)" for k, v in phases.items())
+                  + f", logp_diff_mean {numbers['logp_diff_mean']:.3e}", flush=True)
         for path in results:
             # The after_* paths change "after"'s arithmetic; without "after", the first path is the base.
             base = "before" if path == "after" else "after" if "after" in results else next(iter(results))

@@ -23,6 +23,8 @@
 #   gpu-tests      -          the native engine's GPU tests and its CUDA-graph sampler     Rollout engines: Native CUDA-graph sampler
 #   step           p4, .bnb   one GRPO step at 256 x 8, critic on, the fastest settings    Step time: 256 x 8 ... (W3, W4); docs/performance.md
 #                             (STEP_ARGS= replaces them, e.g. the earlier rows' settings)
+#   fp8-rollout    p4, .bnb   the step's settings at 64 x 8, vLLM bf16 then FP8           none yet (docs/engines.md: FP8 rollouts)
+#                             (vllm_quantization=fp8): rollout times, logp_diff_mean
 #   step-ranks2    p4, .bnb,  the same step as a 2-rank torchrun job, each rank with its   Multi-GPU: 256 x 8, one and two GPUs (W5, W6)
 #                  x2         own vLLM engine (its JSON kept in /tmp/keep for step-ranks1)
 #   step-ranks1    p4, .bnb,  after step-ranks2 on the same machine: GPU0 the 1-rank job   Multi-GPU: 256 x 8, one and two GPUs (W5, W6)
@@ -115,6 +117,19 @@ case $stage in
     need_vllm || exit 1; need_bnb
     timeout -k 10 580 python3 bench/bench_step.py $STEP_ARGS --out "$OUT/step.json" > "$OUT/step.log" 2>&1
     step_lines "$OUT/step.log"; pack step ;;
+  fp8-rollout)
+    # The same step with vLLM in bf16, then in its online FP8 (each push re-quantised): the [step] lines give the
+    # rollout phase's time and logp_diff_mean (the update's mean |behaviour - trainer| log-prob; random weights),
+    # the [engine] lines vLLM's split of the rollout (wake, push, generate, sleep). At 64 x 8 (FP8_CASES=) so that
+    # both runs fit one call.
+    need_vllm || exit 1; need_bnb
+    for q in none fp8; do
+      limit=280; [ $q = fp8 ] && limit=$((575 - SECONDS))
+      timeout -k 10 $limit python3 bench/bench_step.py $STEP_ARGS --cases "${FP8_CASES:-64x8}" --vllm-quantization $q \
+        --out "$OUT/fp8_$q.json" > "$OUT/fp8_$q.log" 2>&1
+      echo "[fp8-rollout] vllm_quantization=$q: exit $?"; step_lines "$OUT/fp8_$q.log"
+    done
+    pack fp8-rollout ;;
   step-ranks2)
     need_vllm || exit 1; need_bnb
     timeout -k 5 585 python3 bench/bench_step.py $STEP_ARGS --ranks 2 --case-timeout 570 \

@@ -14,14 +14,14 @@ requests, under none): steered KV never serves another request.
 The pure parts (request specs, log-prob extraction, outputs -> rollouts, mismatch stats)
 need neither vLLM nor a GPU (nla_shell.engines.vllm_requests); the process around vLLM (its
 import, `vllm.LLM`'s arguments, the weight-push worker functions, torchrun's store) is
-nla_shell.engines.vllm_process; both are re-exported here. vLLM is imported only when the
-engine is constructed.
+nla_shell.engines.vllm_process; both are re-exported here. How a push reaches vLLM's weights
+(bf16 load, or the re-quantising reload of an FP8 engine) is nla_shell.engines.vllm_push. vLLM is
+imported only when the engine is constructed.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import gc
 import os
 import time
@@ -32,9 +32,9 @@ import torch
 from nla_shell.engines import vllm_steering
 from nla_shell.engines.base import Rollout, RolloutRequest
 from nla_shell.engines.vllm_process import (
-    INSTALL_HINT, _entry_point_installed, _lens_active, _load_weights, _own_store_under_torchrun,
-    _unloaded_parameters, llm_kwargs_for, require_vllm,
+    INSTALL_HINT, _entry_point_installed, _lens_active, _own_store_under_torchrun, llm_kwargs_for, require_vllm,
 )
+from nla_shell.engines.vllm_push import load_buckets, reload_buckets
 from nla_shell.engines.vllm_requests import (
     LogprobMismatch, RequestSpec, build_request_specs, cache_salt, canary_reading, lens_steering_kwargs,
     logprob_mismatch, marker_position, nla_extra_args, rollouts_from_outputs, sampled_logprobs, sampling_kwargs,
@@ -101,6 +101,10 @@ class VLLMRolloutEngine:
     Both drop the KV cache (no prefix cache survives a sleep) and keep the CUDA graphs. One
     sleep-mode engine per process (vLLM's allocator is a process singleton).
 
+    quantization (e.g. "fp8", vLLM's online FP8 on the bf16 checkpoint): vLLM samples with
+    quantised linear layers, and every push, the ones made at a wake-up included, goes through
+    one re-quantising reload (nla_shell.engines.vllm_push). Needs tensor_parallel_size 1.
+
     Under torchrun (`per_rank`): every rank runs an engine of its own on its own GPU, sampling
     its own prompts, through vLLM's "external_launcher" executor (in this process, on
     cuda:LOCAL_RANK, in the job's process group). Building it is collective (vLLM forms its
@@ -139,11 +143,15 @@ class VLLMRolloutEngine:
         sleep_level: int = 0,
         per_rank: bool = False,
         greedy: bool = False,
+        quantization: str | None = None,
     ) -> None:
         if sleep_level not in SLEEP_LEVELS:
             raise ValueError(f"sleep_level must be one of {SLEEP_LEVELS}, got {sleep_level!r}")
         if per_rank and (tensor_parallel_size != 1 or not torch.distributed.is_initialized()):
             raise ValueError("per_rank needs tensor_parallel_size 1 and the torchrun job's process group set up")
+        if quantization is not None and tensor_parallel_size != 1:
+            raise ValueError(f"quantization {quantization!r} needs tensor_parallel_size 1: its pushes stream the "
+                             "weights into the in-process worker")
         if steering not in STEERING_BACKENDS:
             raise ValueError(f"steering must be one of {STEERING_BACKENDS}, got {steering!r}")
         if injection_style != "residual_add" and steering != "nla":
@@ -157,6 +165,7 @@ class VLLMRolloutEngine:
         self.greedy = greedy
         """Argmax decoding (temperature 0) for reading explanations; settable between calls; never for training."""
         self.sleep_level = sleep_level
+        self.quantization = quantization
         self._asleep = False
         self._awake_depth = 0
         self._weights_source: torch.nn.Module | None = None
@@ -181,6 +190,7 @@ class VLLMRolloutEngine:
             enforce_eager=enforce_eager,
             enable_prefix_caching=enable_prefix_caching,
             load_format=load_format,
+            quantization=quantization,
         )
         if max_num_seqs is not None:
             kwargs["max_num_seqs"] = max_num_seqs
@@ -414,19 +424,15 @@ class VLLMRolloutEngine:
         self.last_stats["wake_s"] = woke + time.perf_counter() - start
 
     def push_buckets(self, buckets: Iterable[tuple[str, list[tuple[str, torch.Tensor]]]]) -> float:
-        """Load (hf_name, tensor) buckets into vLLM one apply_model call each, then drop the
-        prefix cache (its KV came from the old weights). Raises when a vLLM parameter
-        received nothing. Returns seconds spent, including producing the buckets.
+        """Load (hf_name, tensor) buckets into vLLM (bf16: one apply_model call each; quantised: all
+        of them through one re-quantising reload), then drop the prefix cache (its KV came from the
+        old weights). Raises when a vLLM parameter received nothing. Returns seconds spent,
+        including producing the buckets.
         """
         if self._asleep:
             raise RuntimeError("vLLM is asleep: push with sync_weights, which makes the push at the next wake-up")
         start = time.perf_counter()
-        loaded: set[str] = set()
-        for _, bucket in buckets:
-            for names in self.llm.apply_model(functools.partial(_load_weights, weights=bucket)):
-                loaded.update(names)
-        unloaded = self.llm.apply_model(functools.partial(_unloaded_parameters, loaded=sorted(loaded)))
-        missing = sorted(set().union(*unloaded))
+        missing = (reload_buckets if self.quantization else load_buckets)(self.llm, buckets)
         if missing:
             raise RuntimeError(f"weight push left {len(missing)} vLLM parameters unset, e.g. {missing[:5]}")
         reset = self.llm.reset_prefix_cache()

@@ -1,5 +1,6 @@
 """The vLLM process around the engine: importing vLLM, the `vllm.LLM` arguments, the worker
-functions a weight push runs, torchrun's store, and which steering plugin is active."""
+functions a weight push runs (bf16 loads, and the check inside a quantised reload), torchrun's
+store, and which steering plugin is active."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ def llm_kwargs_for(
     enforce_eager: bool,
     enable_prefix_caching: bool,
     load_format: str,
+    quantization: str | None = None,
 ) -> dict[str, Any]:
     """The `vllm.LLM` keyword arguments every engine here uses (benchmarks reuse them for baselines)."""
     return {
@@ -44,6 +46,9 @@ def llm_kwargs_for(
         "enforce_eager": enforce_eager,
         "enable_prefix_caching": enable_prefix_caching,
         "load_format": load_format,
+        # None: the checkpoint's bf16. A method name (e.g. "fp8") on a bf16 checkpoint is vLLM's online
+        # quantisation: each linear layer is quantised once its weights are loaded.
+        "quantization": quantization,
     }
 
 
@@ -63,6 +68,38 @@ def _load_weights(model: torch.nn.Module, weights: list[tuple[str, torch.Tensor]
 def _unloaded_parameters(model: torch.nn.Module, loaded: list[str]) -> list[str]:
     done = set(loaded)
     return sorted(name for name, _ in model.named_parameters() if name not in done)
+
+
+def _unset_while_reloading(model: torch.nn.Module) -> list[str]:
+    """Run in the worker by apply_model inside a layerwise reload, after its last weight arrived and before
+    vLLM finalises it: the checkpoint-format parameters whose storage the push did not write.
+
+    A layer whose weights all arrived has been re-quantised and reset already (its info no longer loads, and
+    its parameters are the kernel tensors again, written); a layer still waiting names the parameters it was
+    given in `loaded_weights`. vLLM's finalisation would put the old tensors back into a layer that received
+    nothing, with only a log warning: stale weights. Not unset: a parameter whose kernel tensor another layer
+    wrote (an lm_head tied to the embeddings by sharing their parameter, which the checkpoint lists once);
+    attention layers, finalised after the stream by design (their KV-cache scales are not pushed); layers
+    whose only tensors are buffers (rotary tables).
+    """
+    from vllm.model_executor.layers.attention import Attention, MLAAttention
+    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+
+    written: set[int] = set()  # ids of the kernel tensors this push writes
+    missing: list[tuple[str, torch.Tensor | None]] = []
+    for prefix, layer in model.named_modules():
+        info = get_layerwise_info(layer)
+        if not info.can_load():
+            written.update(id(p) for p in layer._parameters.values() if p is not None)
+            continue
+        if isinstance(layer, (Attention, MLAAttention)):
+            continue
+        arrived = {name for name, _ in info.loaded_weights}
+        kernel = info.kernel_tensors[0] if info.kernel_tensors is not None else {}
+        written.update(id(kernel[name]) for name in arrived if name in kernel)
+        missing += [(f"{prefix}.{name}".lstrip("."), kernel.get(name))
+                    for name in info.restore_metadata[0] if name not in arrived]
+    return sorted(name for name, tensor in missing if tensor is None or id(tensor) not in written)
 
 
 AGENT_STORE_VARIABLE = "TORCHELASTIC_USE_AGENT_STORE"

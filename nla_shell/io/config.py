@@ -35,6 +35,10 @@ from nla_shell.io.files import write_text_atomically
 T = TypeVar("T")
 
 
+VLLMQuantization = Literal["none", "fp8", "fp8_per_channel", "fp8_per_block"]
+"""vLLM's online quantisation methods of a bf16 checkpoint that a rollout engine may use ("none": bf16)."""
+
+
 class ConfigError(ValueError):
     """A configuration problem; the message names the key, the bad value and the fix."""
 
@@ -271,6 +275,16 @@ class TrainConfig:
     vllm_sync_every=1). Either re-maps the KV cache per step (no prefix cache survives) and adds its wake-up
     and sleep to time_rollout (the push made at a wake-up counts in time_sync). An nla addition (TRL's
     vllm_enable_sleep_mode)."""
+    vllm_quantization: VLLMQuantization = "none"
+    """vLLM's online FP8 for the rollouts (engine=vllm): vLLM quantises its linear layers' bf16 weights as they load,
+    and every push re-quantises the actor's merged weights on the way in (one vLLM reload_weights per push;
+    embeddings, lm_head and norms stay bf16). "fp8": per-tensor weight scales, activations quantised per token
+    at run time on Hopper (vLLM's --quantization fp8); "fp8_per_channel": per-output-channel weight scales,
+    per-token activations; "fp8_per_block": 128 x 128 weight blocks, activations per 128-wide group; "none":
+    bf16. The trainer still computes its log-probs in its own dtype, so the behaviour policy differs from it by
+    the quantisation: TIS (`tis`) corrects for it, and logp_diff_mean, logp_diff_max and tis_frac in
+    metrics.jsonl are that gap to watch. Needs vllm_tp=1 (the push streams into the in-process worker). An nla
+    addition, not in the reference; unmeasured on a GPU as of 2026-12-01."""
     vllm_canary: Literal["stop", "warn"] = "stop"
     """What a failed steering canary does (engine=vllm): each step compares the first-token log-probs of one
     prompt with and without its vector, and reading no difference (or no number) means the rollouts came from
@@ -398,6 +412,13 @@ def _check_train_config(cfg: TrainConfig) -> None:
         f"level 2 discards vLLM's weights and restores them by a push at every wake-up, which vllm_sync_every="
         f"{cfg.vllm_sync_every} does not allow: use vllm_sync_every=1, or vllm_sleep=1",
     )
+    if cfg.vllm_quantization != "none":
+        require(cfg.engine == "vllm", "vllm_quantization", cfg.vllm_quantization,
+                f"it quantises vLLM's copy of the weights, and engine={cfg.engine} has none: set engine=vllm, or "
+                "vllm_quantization=none")
+        require(cfg.vllm_tp == 1, "vllm_quantization", cfg.vllm_quantization,
+                f"a quantised push streams the weights into vLLM's in-process worker, and vllm_tp={cfg.vllm_tp} "
+                "runs the workers in other processes: use vllm_tp=1, or vllm_quantization=none")
     require(
         _DEVICE_RE.fullmatch(cfg.device) is not None, "device", cfg.device,
         "use one of 'auto', 'cpu', 'cuda', 'cuda:N'",

@@ -22,6 +22,7 @@ import torch
 import nla_core
 from nla_shell import families
 from nla_shell.engines.base import RolloutEngine, RolloutRequest
+from nla_shell.io.config import VLLMQuantization
 from nla_shell.io.data import DataError, av_prompt_messages, build_prompt_ids, check_tokenizer
 from nla_shell.io.paths import require_file, require_model
 from nla_shell.io.sidecars import MODEL_SIDECAR, injection_settings, load_sidecar, read_sidecar
@@ -55,6 +56,9 @@ class ReaderSettings:
     """engine=vllm: share of the GPU's memory vLLM may take."""
     vllm_max_len: int = 1024
     """engine=vllm: longest sequence (prompt + explanation)."""
+    vllm_quantization: VLLMQuantization = "none"
+    """engine=vllm: vLLM's online FP8 of the AV's linear layers (as `nla train`'s vllm_quantization: the merged
+    weights are quantised as they are pushed); "none" reads in bf16. An nla addition; unmeasured on a GPU."""
     device: str = "auto"
     """"auto", "cpu", "cuda" or "cuda:N"."""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
@@ -221,7 +225,8 @@ class NLAReader:
 
 
 def make_engine(name: EngineName, actor, injector: Injector, tokenizer, *, av: str, layer_index: int,
-                max_batch: int, vllm_gpu_mem: float, vllm_max_len: int) -> RolloutEngine:
+                max_batch: int, vllm_gpu_mem: float, vllm_max_len: int,
+                vllm_quantization: VLLMQuantization) -> RolloutEngine:
     """The rollout engine `name` on the loaded AV; vLLM gets the LoRA-merged weights pushed once."""
     if name == "hf":
         from nla_shell.engines.hf import HFRolloutEngine
@@ -236,7 +241,8 @@ def make_engine(name: EngineName, actor, injector: Injector, tokenizer, *, av: s
     engine = VLLMRolloutEngine(base_model_dir(av), tokenizer, marker_id=injector.marker_id, left_id=injector.left_id,
                                right_id=injector.right_id, injection_layer=layer_index, injection_style=injector.style,
                                injection_norm=injector.injection_norm, gpu_memory_utilization=vllm_gpu_mem,
-                               max_model_len=vllm_max_len, max_num_seqs=max_batch)
+                               max_model_len=vllm_max_len, max_num_seqs=max_batch,
+                               quantization=None if vllm_quantization == "none" else vllm_quantization)
     engine.sync_weights(actor)
     return engine
 
@@ -278,7 +284,7 @@ def load_reader(settings: ReaderSettings, *, model: str | None, max_batch: int =
     prompt = tuple(build_prompt_ids(av_prompt_messages(nla.actor_prompt_template), nla, tokenizer))
     rollout_engine = make_engine(engine, actor, injector, tokenizer, av=av, layer_index=INJECTION_LAYER,
                                  max_batch=max_batch, vllm_gpu_mem=settings.vllm_gpu_mem,
-                                 vllm_max_len=settings.vllm_max_len)
+                                 vllm_max_len=settings.vllm_max_len, vllm_quantization=settings.vllm_quantization)
     critic = ARModel.from_pretrained(ar, mse_scale=nla_core.resolve_target_scale(nla.mse_scale, nla.d_model),
                                      dtype=dtype_, device=device_).eval()
     return NLAReader(nla=nla, sidecar_path=sidecar_path, meta=read_sidecar(sidecar_path)[1], rawvar=rawvar,

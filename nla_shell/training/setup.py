@@ -115,6 +115,7 @@ def make_engine(cfg: TrainConfig, actor, injector: Injector, tokenizer, *, layer
         max_num_seqs=cfg.vllm_max_seqs,
         kv_cache_gib=cfg.vllm_kv_cache_gib,
         sleep_level=cfg.vllm_sleep,
+        quantization=None if cfg.vllm_quantization == "none" else cfg.vllm_quantization,
         eos_ids=eos_ids,
         # Under torchrun each rank's engine runs on the rank's GPU and samples from a stream of its own.
         seed=distributed.rank_seed(cfg.seed, distributed.rank_info().rank) if distributed.active() else cfg.seed,

@@ -1,4 +1,4 @@
-"""The vLLM engine on a GPU: injection parity with HF, no steered-KV leak, weight-sync parity.
+"""The vLLM engine on a GPU: injection parity with HF, no steered-KV leak, weight-sync parity, FP8 pushes.
 
 Skipped unless CUDA and vLLM are importable (on the lent H200: the recipe in
 shared/device/vllm/README.md, then `source /tmp/vllm_env.sh`). Builds a small random
@@ -41,6 +41,8 @@ LEAK_PROMPT_LEN = 48  # three 16-token KV blocks; the marker sits in the second 
 LEAK_MARKER = 20  # the first token still sees it strongly, and a full cached block holds steered KV
 # bf16 engine vs bf16 HF forward: the issue measured 0.017 mean |dlogp| for this comparison.
 PARITY_MEAN = 0.03
+# fp8 engine (vllm_quantization=fp8) vs bf16 HF forward: a bound chosen before any measurement.
+FP8_PARITY_MEAN = 0.1
 
 
 @pytest.fixture(scope="module")
@@ -108,12 +110,17 @@ def _lora_actor(model_dir, *, seed: int):
         _hf_model(model_dir),
         LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], lora_dropout=0.0),
     ).eval()
+    _randomise_lora(actor, seed=seed)
+    return actor
+
+
+def _randomise_lora(actor, *, seed: int, scale: float = 0.05) -> None:
+    """New random LoRA B factors: the trainer's weights after an update, as far as a push can tell."""
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in actor.named_parameters():
             if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=generator) * 0.05)
-    return actor
+                p.copy_(torch.randn(p.shape, generator=generator) * scale)
 
 
 @torch.no_grad()
@@ -319,3 +326,48 @@ def test_per_rank_engines_under_torchrun(model_dir, tmp_path):
     assert [r["rollouts"] for r in ranks] == [8, 16]
     assert all(r["gap_mean"] <= PARITY_MEAN for r in ranks)
     assert all(r["allreduce_after_close"] == 3.0 for r in ranks)
+
+
+def _linear_weight_dtypes(model) -> dict[str, str]:
+    """apply_model: the weight dtype of every vLLM linear layer (lm_head and embeddings are not LinearBase)."""
+    from vllm.model_executor.layers.linear import LinearBase
+
+    return {name: str(m.weight.dtype) for name, m in model.named_modules() if isinstance(m, LinearBase)}
+
+
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9),
+                    reason="FP8 matrix products need compute capability 8.9 (Ada, Hopper) or later")
+def test_fp8_engine_holds_fp8_linears_and_follows_every_push(model_dir, tiny_tokenizer):
+    """vllm_quantization=fp8 (vLLM's online FP8 of the bf16 checkpoint): every linear layer holds fp8 weights;
+    each push (one re-quantising reload_weights) moves the behaviour log-probs to the pushed weights: after the
+    trainer's weights change and are pushed again, the sampled tokens' log-probs are near the trainer's new bf16
+    ones and clearly farther from the old ones (a stale push would keep them near the old)."""
+    actor = _lora_actor(model_dir, seed=6)
+    requests = _requests(8, seed=19, vocab=len(tiny_tokenizer))
+    engine = _engine(model_dir, tiny_tokenizer, quantization="fp8")
+    try:
+        loaded_dtypes = engine.llm.apply_model(_linear_weight_dtypes)[0]
+        first_push_s = engine.sync_weights(actor)
+        first = engine.generate(requests, group_size=2, max_new_tokens=24)
+        old_lora = {n: p.detach().clone() for n, p in actor.named_parameters() if "lora_B" in n}
+        _randomise_lora(actor, seed=7, scale=0.1)  # a large move, so that FP8's own gap cannot hide a stale push
+        second_push_s = engine.sync_weights(actor)
+        pushed_dtypes = engine.llm.apply_model(_linear_weight_dtypes)[0]
+        second = engine.generate(requests, group_size=2, max_new_tokens=24)
+    finally:
+        _close(engine)
+    new_gap = (_behavior(second) - _hf_logprobs(actor, second, requests, inject=True)).abs()
+    with torch.no_grad():
+        for name, p in actor.named_parameters():
+            if name in old_lora:
+                p.copy_(old_lora[name])
+    first_gap = (_behavior(first) - _hf_logprobs(actor, first, requests, inject=True)).abs().mean()
+    stale_gap = (_behavior(second) - _hf_logprobs(actor, second, requests, inject=True)).abs().mean()
+    print(f"fp8: pushes {first_push_s:.3f}s, {second_push_s:.3f}s; mean|dlogp| vs the pushed actor: first push "
+          f"{first_gap:.4f}, second {new_gap.mean():.4f} (max {new_gap.max():.3f}); second vs the old weights "
+          f"{stale_gap:.4f}; linear dtypes {sorted(set(pushed_dtypes.values()))}")
+    assert loaded_dtypes and set(loaded_dtypes.values()) == {"torch.float8_e4m3fn"}, loaded_dtypes
+    assert pushed_dtypes == loaded_dtypes, "a push must re-quantise in place, not leave bf16 weights behind"
+    assert first_gap <= FP8_PARITY_MEAN
+    assert new_gap.mean() <= FP8_PARITY_MEAN
+    assert stale_gap >= 2 * new_gap.mean(), "the second push did not reach vLLM (or the change is too small to see)"

@@ -2,7 +2,10 @@
 sleep mode does (vllm/v1/worker/gpu_worker.py, vllm/device_allocator/cumem.py): level 1
 keeps the weights (a CPU copy), level 2 discards them and every other tensor allocated
 while the model loaded (our steering buffers included), both discard the KV cache, and
-nothing may run or be written while the memory it needs is unmapped."""
+nothing may run or be written while the memory it needs is unmapped. The fake also takes
+the pushes of an online-quantised (FP8) engine as vLLM's layerwise `reload_weights` does
+(vllm/model_executor/model_loader/reload/layerwise.py): the stream's weights are buffered
+per layer and finalised after its last one; its model is a single such layer."""
 
 from __future__ import annotations
 
@@ -29,13 +32,29 @@ from nla_shell.io.config import ConfigError, TrainConfig
 MARKER, LEFT, RIGHT = 7, 5, 6
 
 
+class FakeReloadInfo:
+    """vLLM's LayerReloadingInfo while a layer waits for its weights: its checkpoint-format parameters
+    (restore_metadata), the (name, arguments) of each weight that arrived (loaded_weights) and the
+    (parameters, buffers) the model ran with, which finalisation writes into (kernel_tensors)."""
+
+    def __init__(self, names: list[str], kernel: dict[str, torch.Tensor] | None = None) -> None:
+        self.restore_metadata = ({name: None for name in names}, {})
+        self.loaded_weights: list[tuple[str, None]] = []
+        self.kernel_tensors = None if kernel is None else (kernel, {})
+
+    def can_load(self) -> bool:
+        return True
+
+
 class FakeModel:
     """The worker's model: what `load_weights` wrote, and the steering state `_install` attaches.
-    `names` are its parameters (None: whatever is pushed)."""
+    `names` are its parameters (None: whatever is pushed). While a reload runs, `reloading` is its
+    one layer's reload info (vLLM's layerwise info of the model)."""
 
     def __init__(self, names: list[str] | None, d_model: int) -> None:
         self.names = names
         self.weights: dict[str, torch.Tensor] = {}
+        self.reloading: FakeReloadInfo | None = None
         setattr(self, steer.STATE_ATTRIBUTE, steer.SteeringState(
             d_model=d_model, max_tokens=16, max_requests=4, device=torch.device("cpu")))
 
@@ -44,10 +63,20 @@ class FakeModel:
         for name, tensor in weights:
             self.weights[name] = tensor.clone()
             loaded.append(name)
+            if self.reloading is not None:
+                self.reloading.loaded_weights.append((name, None))
         return loaded
 
     def named_parameters(self):
         return ((name, None) for name in (self.weights if self.names is None else self.names))
+
+    def named_modules(self):
+        return iter([("", self)])
+
+
+def fake_layerwise_info(layer: FakeModel):
+    """vllm's get_layerwise_info: outside a reload (or once finalised) a layer loads nothing."""
+    return getattr(layer, "reloading", None) or SimpleNamespace(can_load=lambda: False)
 
 
 class FakeLLM:
@@ -59,6 +88,8 @@ class FakeLLM:
     def __init__(self, log: list, names: list[str], d_model: int, **kwargs) -> None:
         self.log, self.kwargs = log, kwargs
         self.model = FakeModel(names, d_model)
+        self.reloads: list[dict] = []
+        """Each reload_weights call: its is_checkpoint_format and the names streamed, in order."""
         self.mapped = {"weights", "kv_cache"}
         self.llm_engine = SimpleNamespace(
             model_config=SimpleNamespace(get_hidden_size=lambda: d_model),
@@ -78,7 +109,22 @@ class FakeLLM:
         elif name == "reset_steering":
             assert "weights" in self.mapped, "steering buffers reset while unmapped"
             self.log.append("reset_steering")
+        elif name == "_unset_while_reloading":
+            assert self.model.reloading is not None, "reload checked after vLLM finalised it"
         return [fn(self.model)]
+
+    def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+        """Only the worker's reload_weights: initialise the layerwise reload, model.load_weights(the
+        iterator), finalise (the one layer is then reset); returns None per worker, as vLLM's does."""
+        assert method == "reload_weights" and not args, (method, args)
+        assert "weights" in self.mapped, "reload_weights wrote into unmapped weight memory"
+        self.log.append("reload")
+        self.model.reloading = FakeReloadInfo(self.model.names or [])
+        self.model.load_weights(kwargs["weights_iterator"])
+        streamed = [n for n, _ in self.model.reloading.loaded_weights]
+        self.reloads.append({"is_checkpoint_format": kwargs["is_checkpoint_format"], "names": streamed})
+        self.model.reloading = None
+        return [None]
 
     def reset_prefix_cache(self) -> bool:
         return True
@@ -123,8 +169,18 @@ def install_fake_vllm(monkeypatch, log: list, names: list[str] | None, d_model: 
     fake.envs = SimpleNamespace(disable_envs_cache=lambda: None)
     monitor = types.ModuleType("vllm.compilation.monitor")
     monitor.set_cudagraph_capturing_enabled = lambda enabled: None
-    for name, module in (("vllm", fake), ("vllm.compilation", types.ModuleType("vllm.compilation")),
-                         ("vllm.compilation.monitor", monitor)):
+    attention = types.ModuleType("vllm.model_executor.layers.attention")
+    attention.Attention = type("Attention", (), {})
+    attention.MLAAttention = type("MLAAttention", (), {})
+    layerwise = types.ModuleType("vllm.model_executor.model_loader.reload.layerwise")
+    layerwise.get_layerwise_info = fake_layerwise_info
+    modules = {"vllm": fake, "vllm.compilation.monitor": monitor, "vllm.model_executor.layers.attention": attention,
+               "vllm.model_executor.model_loader.reload.layerwise": layerwise}
+    for name in list(modules):  # the packages above each module
+        for depth in range(1, name.count(".") + 1):
+            parent = name.rsplit(".", depth)[0]
+            modules.setdefault(parent, types.ModuleType(parent))
+    for name, module in modules.items():
         monkeypatch.setitem(sys.modules, name, module)
     monkeypatch.setattr(steer, "register", lambda: None)
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # restored after the test
@@ -142,9 +198,10 @@ def make_engine(monkeypatch):
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: log.append("empty_cache"))
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
 
-    def build(sleep_level: int) -> VLLMRolloutEngine:
+    def build(sleep_level: int, quantization: str | None = None) -> VLLMRolloutEngine:
         return VLLMRolloutEngine("unused", SimpleNamespace(decode=lambda ids, **_: "text"), marker_id=MARKER,
-                                 left_id=LEFT, right_id=RIGHT, eos_ids=[2], sleep_level=sleep_level)
+                                 left_id=LEFT, right_id=RIGHT, eos_ids=[2], sleep_level=sleep_level,
+                                 quantization=quantization)
 
     return build, actor, log
 
@@ -424,6 +481,167 @@ def test_an_engine_in_a_torchrun_process_without_a_job_group_sets_up_its_own_sto
     build, _, _ = make_engine
     build(0)
     assert seen == [None] and os.environ["TORCHELASTIC_USE_AGENT_STORE"] == "True"
+
+
+# --------------------------------------------------------------------------- FP8 rollouts (vllm_quantization)
+
+
+def _merged_names(actor) -> list[str]:
+    return [name for _, bucket in merged_weight_buckets(actor) for name, _ in bucket]
+
+
+def test_a_quantised_engine_takes_each_push_as_one_reload_of_every_bucket_in_order(make_engine):
+    """quantization="fp8" reaches vllm.LLM; a push is one reload_weights of checkpoint-format weights that
+    streams every bucket's pairs in bucket order (no per-bucket load); the values generated with are the
+    actor's; the bf16 engine beside it never reloads and passes quantization=None."""
+    build, actor, log = make_engine
+    plain = build(0)
+    plain.sync_weights(actor)
+    assert plain.llm.kwargs["quantization"] is None
+    assert plain.llm.reloads == [] and "reload" not in log and log.count("push") == len(merged_weight_buckets(actor))
+    del log[:]
+
+    engine = build(0, quantization="fp8")
+    assert engine.llm.kwargs["quantization"] == "fp8"
+    for push in range(2):
+        assert engine.sync_weights(actor) > 0
+        assert log == ["reload"] * (push + 1)  # once per push, and nothing loaded bucket by bucket
+        assert engine.llm.reloads[push] == {"is_checkpoint_format": True, "names": _merged_names(actor)}
+        engine.generate(_requests(actor.config.hidden_size), group_size=2, max_new_tokens=2)
+        for name, tensor in _merged(actor).items():
+            torch.testing.assert_close(engine.llm.generated_with[name], tensor, rtol=0, atol=0)
+        log.remove("generate")
+        _bump_lora(actor)
+
+
+@pytest.mark.parametrize("quantization", [None, "fp8"])
+def test_a_push_that_leaves_a_vllm_parameter_unset_raises(make_engine, quantization):
+    build, actor, _ = make_engine
+    engine = build(0, quantization=quantization)
+    engine.llm.model.names = [*engine.llm.model.names, "model.layers.0.mlp.extra.weight"]
+    with pytest.raises(RuntimeError, match=r"left 1 vLLM parameters unset.*model\.layers\.0\.mlp\.extra\.weight"):
+        engine.sync_weights(actor)
+
+
+def test_the_reload_check_names_the_parameters_that_a_waiting_layer_never_got(monkeypatch):
+    """Inside the reload, after the last weight: a processed layer (its info reset) is complete; a waiting
+    layer names each checkpoint parameter that did not arrive, unless its kernel tensor is one the push
+    writes through another layer (an lm_head sharing the embeddings' parameter); attention (finalised later,
+    its KV scales are never pushed) and buffer-only layers (rotary tables) are not asked for any."""
+    install_fake_vllm(monkeypatch, [], None, 4)
+    from nla_shell.engines.vllm_process import _unset_while_reloading
+
+    def waiting(module, names, arrived, kernel=None):
+        module.reloading = FakeReloadInfo(names, kernel)
+        module.reloading.loaded_weights = [(name, None) for name in arrived]
+        return module
+
+    attention = type("FakeAttention", (torch.nn.Module, sys.modules["vllm.model_executor.layers.attention"].Attention), {})
+    model = torch.nn.Module()
+    model.processed = torch.nn.Linear(2, 2)
+    model.padded = waiting(torch.nn.Linear(2, 2, bias=False), ["weight"], ["weight"])  # part of its rows loaded
+    model.partial = waiting(torch.nn.Linear(2, 2), ["weight", "bias"], ["weight"])
+    model.attn = waiting(attention(), ["k_scale", "v_scale"], [])
+    model.rotary = waiting(torch.nn.Module(), [], [])
+    model.embed = torch.nn.Embedding(4, 2)  # processed: its weight is the kernel tensor again
+    model.lm_head = waiting(torch.nn.Module(), ["weight"], [], kernel={"weight": model.embed.weight})
+    model.untied = waiting(torch.nn.Module(), ["weight"], [], kernel={"weight": torch.nn.Parameter(torch.ones(2))})
+    assert _unset_while_reloading(model) == ["partial.bias", "untied.weight"]
+    model.partial.reloading.loaded_weights.append(("bias", None))
+    model.untied.reloading.loaded_weights.append(("weight", None))
+    assert _unset_while_reloading(model) == []
+
+
+def test_a_reload_that_stops_reading_the_push_early_raises(make_engine, monkeypatch):
+    """reload_weights returns nothing: a model that read only part of the stream must not pass for a push."""
+    build, actor, _ = make_engine
+    engine = build(0, quantization="fp8")
+    monkeypatch.setattr(FakeModel, "load_weights", lambda self, weights: [next(iter(weights))[0]])
+    with pytest.raises(RuntimeError, match="before reading the whole weight push"):
+        engine.sync_weights(actor)
+
+
+def test_a_quantised_engine_refuses_tensor_parallelism(make_engine):
+    with pytest.raises(ValueError, match="tensor_parallel_size 1"):
+        VLLMRolloutEngine("unused", SimpleNamespace(), marker_id=1, left_id=2, right_id=3, tensor_parallel_size=2,
+                          quantization="fp8")
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_a_quantised_engine_pushes_at_the_wake_up_by_one_reload(make_engine, level):
+    build, actor, log = make_engine
+    d = actor.config.hidden_size
+    engine = build(level, quantization="fp8")
+    engine.sync_weights(actor)
+    engine.generate(_requests(d), group_size=2, max_new_tokens=2)
+    del log[:]
+    _bump_lora(actor)
+    assert engine.sync_weights(actor) == 0.0 and log == []  # asleep: marked due
+    engine.generate(_requests(d), group_size=2, max_new_tokens=2)
+    woken = ["reset_steering"] if level == 2 else []
+    assert log == ["empty_cache", ("wake_up", ("weights",)), *woken, "reload", ("wake_up", ("kv_cache",)), "generate",
+                   ("sleep", level)]
+    for name, tensor in _merged(actor).items():
+        torch.testing.assert_close(engine.llm.generated_with[name], tensor, rtol=0, atol=0)
+
+
+def test_help_lists_vllm_quantization_and_what_to_watch(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["train", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--vllm-quantization" in text
+    for phrase in ("fp8_per_channel", "fp8_per_block", "logp_diff_mean", "tis_frac", "not in the reference"):
+        assert phrase in text, phrase
+    assert TrainConfig(av_ckpt="a", ar_ckpt="b", rl_parquet="c", save_dir="d").vllm_quantization == "none"
+
+
+@pytest.mark.parametrize(("overrides", "fix"), [
+    ({"engine": "hf"}, "set engine=vllm"),
+    ({"engine": "native"}, "set engine=vllm"),
+    ({"engine": "vllm", "vllm_tp": 2}, "use vllm_tp=1"),
+])
+def test_train_refuses_fp8_where_it_cannot_run_in_one_line_writing_nothing(tmp_path, capsys, overrides, fix):
+    save_dir = tmp_path / "run"
+    inputs = (tmp_path / "av", tmp_path / "ar", tmp_path / "rl.parquet")
+    assert cli.main(fixtures.train_argv(inputs, save_dir, vllm_quantization="fp8", **overrides)) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "'vllm_quantization' = 'fp8'" in err and fix in err, err
+    assert not save_dir.exists()
+
+
+def test_train_rolls_out_with_fp8_pushing_by_reload(nla_run_inputs, tmp_path, monkeypatch):
+    """`nla train engine=vllm vllm_quantization=fp8` over the fake: vLLM is built with quantization="fp8",
+    and the start-up push and each step's are one reload each (no bucket loads)."""
+    log: list = []
+    install_fake_vllm(monkeypatch, log, None, fixtures.D_MODEL)
+    built = []
+    make_llm = sys.modules["vllm"].LLM
+    monkeypatch.setattr(sys.modules["vllm"], "LLM", lambda **kwargs: (built.append(kwargs), make_llm(**kwargs))[1])
+    argv = fixtures.train_argv(nla_run_inputs, tmp_path / "run", engine="vllm", vllm_quantization="fp8", num_steps=2,
+                               eval_every=0, save_every=10)
+    assert cli.main(argv) == 0
+    assert [kwargs["quantization"] for kwargs in built] == ["fp8"]
+    assert log.count("reload") == 3 and "push" not in log  # start-up + after each of the 2 steps
+    assert [line["step"] for line in fixtures.read_metrics(tmp_path / "run")] == [0, 1]
+
+
+@pytest.mark.parametrize(("setting", "reloads"), [("none", 0), ("fp8", 1)])
+def test_the_reader_builds_its_vllm_engine_with_the_quantization_asked(make_engine, tmp_path, capsys, setting, reloads):
+    """`nla explain`/`nla serve` take vllm_quantization too (in --help): the reader's engine is built with it and
+    its one push is a reload exactly when quantised."""
+    from nla_shell.serving import reader
+
+    _, actor, log = make_engine
+    actor.config.save_pretrained(tmp_path)  # the AV base dir vLLM would load (its generation config read here)
+    injector = SimpleNamespace(marker_id=MARKER, left_id=LEFT, right_id=RIGHT, style="residual_add", injection_norm=None)
+    tokenizer = SimpleNamespace(decode=lambda ids, **_: "text", eos_token_id=2)
+    engine = reader.make_engine("vllm", actor, injector, tokenizer, av=str(tmp_path), layer_index=1, max_batch=8,
+                                vllm_gpu_mem=0.5, vllm_max_len=64, vllm_quantization=setting)
+    assert engine.llm.kwargs["quantization"] == (None if setting == "none" else setting)
+    assert log.count("reload") == reloads and (log.count("push") > 0) == (reloads == 0)
+    with pytest.raises(SystemExit):
+        cli.main(["explain", "--help"])
+    assert "--vllm-quantization" in capsys.readouterr().out
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ import torch
 import nla_core
 from nla_shell.training import distributed, prefix
 from nla_shell.engines.base import Rollout
-from nla_shell.models import Injector, pad_right, reference_policy, response_logprobs
+from nla_shell.models import FP8Linears, Injector, fp8_matmuls, pad_right, reference_policy, response_logprobs
 
 
 @dataclass(frozen=True)
@@ -158,6 +158,7 @@ def policy_update(
     share_prefix: bool = True,
     reference_micro_batch: int | None = None,
     prompt_block: int = 4,
+    fp8_reference: FP8Linears | None = None,
 ) -> UpdateStats:
     """One GRPO step over all rollouts, one micro-batch graph alive at a time.
 
@@ -186,6 +187,8 @@ def policy_update(
       prompt_block: micro-batches whose prompts run in one forward (and one backward). A prompt
         forward is little arithmetic but a full pass of host work, when the GPU waits; the
         block's prompt activations stay alive until its last micro-batch's backward.
+      fp8_reference: the actor base's FP8 copies, active in the reference pass (fp8=reference); None runs
+        it in the model's dtype.
     """
     if prompt_block < 1:
         raise ValueError(f"prompt_block must be >= 1, got {prompt_block}")
@@ -240,7 +243,7 @@ def policy_update(
     reference = None
     if loss.runs_reference:
         reference = torch.zeros(n_local, max(1, width), device=device)
-        with torch.no_grad(), reference_policy(actor):
+        with torch.no_grad(), reference_policy(actor), fp8_matmuls(fp8_reference):
             for ref_logp, _, _, index in micro_batch_logprobs(reference_micro_batch or 4 * micro_batch):
                 reference[index, : ref_logp.shape[1]] = ref_logp
 

@@ -27,7 +27,7 @@ import torch
 
 from nla_core._checks import require_floating, require_ndim, require_tensor
 
-__all__ = ["E4M3_MAX", "AMAX_FLOOR", "FP8_DTYPE", "quantize_rowwise", "fp8_linear"]
+__all__ = ["E4M3_MAX", "AMAX_FLOOR", "FP8_DTYPE", "quantize_rowwise", "fp8_linear", "fp8_linear_frozen"]
 
 FP8_DTYPE = torch.float8_e4m3fn
 E4M3_MAX = float(torch.finfo(FP8_DTYPE).max)
@@ -76,7 +76,8 @@ def fp8_linear(
         |y_ij - (x w^T)_ij| <= sum_k (e_ik |w_jk| + |x_ik| f_jk + e_ik f_jk)
                                + ulp_out/2 |y_ij| + K 2^-23 sum_k |q_ik s_i| |r_jk t_j|,
 
-    the last two terms the output rounding (2^-8 relative for bf16) and float32 accumulation. For
+    the last two terms the output rounding (2^-8 relative for bf16, plus half the subnormal spacing
+    for results that small) and float32 accumulation. For
     entries that quantise as normal e4m3 values this is about (2u + u^2) sum_k |x_ik w_jk| ~= 2^-3
     of the absolute product: FP8 is for products whose sum, not each term, carries the signal.
 
@@ -114,3 +115,53 @@ def fp8_linear(
     if bias is not None:
         y = y + bias.to(out_dtype)
     return y.reshape(*x.shape[:-1], m)
+
+
+class _FrozenFP8Linear(torch.autograd.Function):
+    """Forward: fp8_linear. Backward: dL/dx = dL/dy @ W in W's dtype; nothing for W, its copies or the bias."""
+
+    @staticmethod
+    def forward(ctx, x, weight, w_fp8, w_scale, bias, out_dtype):
+        ctx.save_for_backward(weight)  # the frozen parameter itself: no copy is kept
+        ctx.x_dtype = x.dtype
+        return fp8_linear(x, w_fp8, w_scale, bias=bias, out_dtype=out_dtype)
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        (weight,) = ctx.saved_tensors
+        grad_x = (grad_y.to(weight.dtype) @ weight).to(ctx.x_dtype)
+        return grad_x, None, None, None, None, None
+
+
+def fp8_linear_frozen(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    w_fp8: torch.Tensor,
+    w_scale: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """`fp8_linear` in the forward, differentiable in x for a frozen weight (a LoRA's base layer in training).
+
+    Forward: y = fp8_linear(x, w_fp8, w_scale, bias=bias, out_dtype=out_dtype), [..., M].
+    Backward: dL/dx = dL/dy @ W, [..., K], in W's own dtype (float32 accumulation), W the weight the
+    FP8 copy was made from; no gradient to W, its copy or the bias. So the backward matrix product
+    adds no quantisation error: against the float64 product of the same operands (dL/dy rounded to
+    W's dtype), |dL/dx_ik - (g W)_ik| <= ulp/2 |(g W)_ik| + M 2^-23 (|g| |W|)_ik, ulp/2 = 2^-8 in
+    bf16, 2^-24 in float32 (plus half the dtype's subnormal spacing, for results that small). This
+    is the gradient of the linear map x -> x W^T at the FP8 forward's activations (x's rounding
+    passed straight through, as quantised-forward training does). Not a transposed FP8 copy of W: that
+    would cost another byte per weight and put up to 2^-4 of each term's error into every gradient.
+
+    Args: x: [..., K] floating; weight: [M, K], frozen (requires_grad False); w_fp8, w_scale:
+      `quantize_rowwise(weight)`; bias: [M] frozen, or None; out_dtype: as for fp8_linear.
+    Returns: [..., M] out_dtype, in the autograd graph of x.
+    """
+    require_floating("weight", weight)
+    if weight.shape != w_fp8.shape:
+        raise ValueError(f"weight {tuple(weight.shape)} and its FP8 copy w_fp8 {tuple(w_fp8.shape)} must match")
+    for name, frozen in (("weight", weight), ("bias", bias)):
+        if frozen is not None and frozen.requires_grad:
+            raise ValueError(f"{name} requires grad, but fp8_linear_frozen gives it none: it is for frozen weights")
+    return _FrozenFP8Linear.apply(x, weight, w_fp8, w_scale, bias, out_dtype)

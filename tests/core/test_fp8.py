@@ -13,12 +13,14 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from nla_core import E4M3_MAX, FP8_DTYPE, fp8_linear, quantize_rowwise
+from nla_core import E4M3_MAX, FP8_DTYPE, fp8_linear, fp8_linear_frozen, quantize_rowwise
 
 FAST = settings(max_examples=60, deadline=None)
 U = 2.0**-4 + 2.0**-23
 V = 2.0**-10
 HALF_ULP = {torch.bfloat16: 2.0**-8, torch.float32: 2.0**-24}
+SUBNORMAL_FLOOR = {dtype: HALF_ULP[dtype] * torch.finfo(dtype).tiny for dtype in HALF_ULP}
+"""Half the spacing of each dtype's subnormals: the rounding floor where a result is that small."""
 
 # Entries spread over many binades, with exact zeros and values that quantise as e4m3 subnormals.
 entries = st.one_of(st.just(0.0), st.floats(-1e-3, 1e-3), st.floats(-1e3, 1e3)).map(float)
@@ -86,7 +88,7 @@ def test_product_is_the_dequantised_operands_product_to_output_rounding(xw, out_
     exact = xd @ wd.T
     accumulation = x.shape[1] * 2.0**-23 * (xd.abs() @ wd.abs().T)
     err = (y.double() - exact).abs()
-    assert bool((err <= HALF_ULP[out_dtype] * exact.abs() + accumulation + 1e-300).all()), (err, exact)
+    assert bool((err <= HALF_ULP[out_dtype] * exact.abs() + accumulation + SUBNORMAL_FLOOR[out_dtype]).all()), err
 
 
 @FAST
@@ -102,7 +104,7 @@ def test_error_against_the_exact_product_is_within_the_derived_bound(xw, out_dty
     quantisation = e @ w64.abs().T + x64.abs() @ f.T + e @ f.T
     rounding = HALF_ULP[out_dtype] * y.abs() + x.shape[1] * 2.0**-23 * (xd.abs() @ wd.abs().T)
     err = (y - x64 @ w64.T).abs()
-    assert bool((err <= quantisation + rounding + 1e-300).all()), (err, quantisation)
+    assert bool((err <= quantisation + rounding + SUBNORMAL_FLOOR[out_dtype]).all()), (err, quantisation)
 
 
 def test_the_derived_bound_is_nearly_reached():
@@ -175,3 +177,33 @@ def test_quantize_refuses_other_layouts():
         quantize_rowwise(torch.randn(2, 3, 4))
     with pytest.raises(ValueError, match="already"):
         quantize_rowwise(torch.zeros(2, 4, dtype=FP8_DTYPE))
+
+
+# ---------------------------------------------------------------- fp8_linear_frozen (the update's base layers)
+
+
+@FAST
+@given(operands(), st.sampled_from([torch.bfloat16, torch.float32]), st.integers(0, 2**31 - 1))
+def test_frozen_gradient_is_the_weights_product_to_its_rounding(xw, dtype, seed):
+    x, w = (t.to(dtype) for t in xw)
+    q, s = quantize_rowwise(w)
+    x.requires_grad_(True)
+    y = fp8_linear_frozen(x, w, q, s, out_dtype=torch.bfloat16)
+    assert torch.equal(y, fp8_linear(x.detach(), q, s, out_dtype=torch.bfloat16))  # the forward is fp8_linear's
+    g = torch.randn(y.shape, generator=torch.Generator().manual_seed(seed)).to(y.dtype)
+    y.backward(g)
+    exact = g.to(dtype).double() @ w.double()
+    bound = HALF_ULP[dtype] * exact.abs() + w.shape[0] * 2.0**-23 * (g.double().abs() @ w.double().abs())
+    assert x.grad.dtype == dtype and bool(((x.grad.double() - exact).abs() <= bound + SUBNORMAL_FLOOR[dtype]).all())
+
+
+def test_frozen_gives_no_gradient_to_the_weight_and_refuses_a_trained_one():
+    w = torch.randn(16, 32)
+    q, s = quantize_rowwise(w)
+    x = torch.randn(3, 32, requires_grad=True)
+    fp8_linear_frozen(x, w, q, s, out_dtype=torch.float32).sum().backward()
+    assert w.grad is None and x.grad is not None and bool(x.grad.ne(0).any())
+    with pytest.raises(ValueError, match="weight requires grad"):
+        fp8_linear_frozen(x, w.requires_grad_(True), q, s, out_dtype=torch.float32)
+    with pytest.raises(ValueError, match="must match"):
+        fp8_linear_frozen(x, torch.randn(16, 31), q, s, out_dtype=torch.float32)

@@ -29,8 +29,9 @@ Two paths per step, on the same rollouts:
   after_all   after_bf16 and after_compile together.
   after_fp8   "after" with the frozen-weight matmuls of --fp8's phases in FP8 (`nla train fp8=`,
           nla_shell.models.fp8): score (the AR's no-grad scoring forward; needs --critic off, since a
-          co-trained critic trains in its scoring forward) and reference (the reference pass, timed
-          inside the update phase). The FP8 copies are made before the phases, as the trainer's setup makes them.
+          co-trained critic trains in its scoring forward), reference (the reference pass, timed
+          inside the update phase) and update (the policy forwards). The FP8 copies are made before the
+          phases, as the trainer's setup makes them.
 Paths run in the order given on the same rollouts; every path but the last leaves the
 weights as they were (its optimisers are lr-0 SGDs), so each sees the same weights; the step
 prints each path's loss, grad norm, KL, rewards and critic loss beside "before"'s ("after"'s for
@@ -143,7 +144,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--prompt-len", type=int, default=None, help="default 96 (tiny 24)")
     parser.add_argument("--new-tokens", type=int, default=None, help="default TrainConfig's 160 (tiny 8)")
     parser.add_argument("--fp8", default="score,reference",
-                        help="after_fp8: the phases whose frozen matmuls run in FP8, of score,reference (nla train's fp8=)")
+                        help="after_fp8: the phases whose frozen matmuls run in FP8, of score,reference,update (nla train's fp8=)")
     parser.add_argument("--profile", default=None, help="directory for torch.profiler tables of each path's "
                         "score and update phases, from its warm-up step on the first case")
     args = parser.parse_args()
@@ -161,8 +162,8 @@ def parse_args() -> argparse.Namespace:
         parser.error(f"--paths must name some of {PATHS}, got {args.paths}")
     args.fp8 = tuple(p for p in args.fp8.split(",") if p)
     if "after_fp8" in args.paths:
-        if not args.fp8 or set(args.fp8) - {"score", "reference"}:
-            parser.error(f"--fp8 must name some of score,reference, got {','.join(args.fp8)!r}")
+        if not args.fp8 or set(args.fp8) - {"score", "reference", "update"}:
+            parser.error(f"--fp8 must name some of score,reference,update, got {','.join(args.fp8)!r}")
         if "score" in args.fp8 and args.critic:
             parser.error("--fp8 score needs --critic off: a co-trained critic trains in its scoring forward (with grad)")
     args.prompt_len = args.prompt_len or (24 if tiny else 96)
@@ -398,8 +399,9 @@ def run_path(ctx: Context, path: str, state, rolled, args, *, keep_weights: bool
         from nla_shell.training.setup import make_fp8_copies
 
         cfg = dataclasses.replace(state.cfg, fp8=args.fp8)
-        fp8_score, fp8_reference = make_fp8_copies(cfg, ctx.actor, ctx.critic, device=ctx.device)
-        state = dataclasses.replace(state, cfg=cfg, fp8_score=fp8_score, fp8_reference=fp8_reference)
+        fp8_score, fp8_reference, fp8_update = make_fp8_copies(cfg, ctx.actor, ctx.critic, device=ctx.device)
+        state = dataclasses.replace(state, cfg=cfg, fp8_score=fp8_score, fp8_reference=fp8_reference,
+                                    fp8_update=fp8_update)
     if keep_weights:  # another path follows on the same rollouts: leave every weight as it was
         state = dataclasses.replace(state, optimizer=lr0_sgd(ctx.actor),
                                     critic_optimizer=lr0_sgd(ctx.critic) if args.critic else None)

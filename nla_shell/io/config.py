@@ -314,19 +314,23 @@ class TrainConfig:
     quant: Literal["none", "4bit", "8bit"] = "none"
     """Load the AV's frozen base and the (frozen) AR quantised with bitsandbytes (CUDA, engine=hf, pip install
     'nla[bnb]'); the LoRA trains in `dtype` on top."""
-    fp8: tuple[Literal["score", "reference"], ...] = ()
+    fp8: tuple[Literal["score", "reference", "update"], ...] = ()
     """Phases whose frozen-weight matrix products run in FP8 (comma-separated; empty: none): e4m3 with one
     scale per row of each operand, by torch._scaled_mm (nla_core.fp8, nla_shell.models.fp8). "score": the
     AR's no-grad scoring forward (its backbone's Linear layers; a co-trained AR's weights are re-quantised
     from the current ones at every scoring block, an AR-LoRA's frozen base once; the LoRA and the float32
     value head stay as they are); "reference": the KL reference pass (the actor's frozen base layers,
-    quantised once; an SFT reference adapter stays as it is). Layers whose in- or out-features are not
-    multiples of 16 stay in `dtype` (start-up says how many convert). Memory: +1 byte per converted weight
-    (frozen layers' copies held for the run). Each operand's element is off by up to 2^-4 of itself. The
-    held-out eval and the update run as before. Needs an Ada/Hopper GPU (or the CPU); not with quant or
-    compile_blocks, and not "score" with a critic that trains in its scoring forward (train_critic with
-    critic_rollouts=all, no critic_ema, no dynamic_sampling). An nla addition, not in the reference;
-    unmeasured on the GPU as of 2026-12-01 (speed and learning parity to check: docs/performance.md)."""
+    quantised once; an SFT reference adapter stays as it is); "update": the policy update's forwards
+    through those base layers (same copies), the backward to their inputs in `dtype` (g @ W, no gradient
+    to W; the LoRA factors as they are), so the trainer's log-probs are FP8 ones beside the engine's
+    (logp_diff_* measure the gap). Layers whose in- or out-features are not multiples of 16 stay in
+    `dtype` (start-up says how many convert). Memory: +1 byte per converted weight (frozen layers' copies
+    held for the run; the actor's once for reference and update). Each operand's element is off by up to
+    2^-4 of itself. The rollouts and the held-out eval run as before. Needs an Ada/Hopper GPU (or the
+    CPU); not with quant or compile_blocks, and not "score" with a critic that trains in its scoring
+    forward (train_critic with critic_rollouts=all, no critic_ema, no dynamic_sampling). An nla addition,
+    not in the reference; unmeasured on the GPU as of 2026-12-01 (speed and learning parity to check:
+    docs/performance.md)."""
 
     def __post_init__(self) -> None:
         normalize_fields(self)
@@ -452,7 +456,7 @@ def _check_fp8(cfg: TrainConfig) -> None:
     if not cfg.fp8:
         return
     phases = list(cfg.fp8)
-    require(len(set(phases)) == len(phases), "fp8", phases, "name each phase once: a comma list of score, reference")
+    require(len(set(phases)) == len(phases), "fp8", phases, "name each phase once: a comma list of score, reference, update")
     require(cfg.quant == "none", "fp8", phases, f"FP8 copies are made of full-precision weights, not quant={cfg.quant}: "
             "use quant=none, or leave fp8 empty")
     require(not cfg.compile_blocks, "fp8", phases, "the compiled blocks would trace the FP8 swap: set "

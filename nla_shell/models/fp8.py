@@ -1,11 +1,13 @@
-"""FP8 copies of a backbone's Linear layers, swapped in for a block of no-grad work (`fp8=` of `nla train`).
+"""FP8 copies of a backbone's Linear layers, swapped in for a block of work (`fp8=` of `nla train`).
 
 `FP8Linears(backbone)` holds, per Linear layer of the backbone (peft's frozen `base_layer`s
 included, the LoRA factors `lora_A` / `lora_B` never), the weight quantised per output row to
 e4m3 (`nla_core.quantize_rowwise`); `with fp8_matmuls(copies):` routes those layers' forwards
 through `nla_core.fp8_linear` (x quantised per row, `torch._scaled_mm`, bf16 out) and puts the
-eager forwards back on exit. The bf16 weights stay where they are: weight pushes, the policy
-update and the critic's step still read them.
+eager forwards back on exit. A frozen layer is differentiable in its input (`nla_core.fp8_linear_frozen`:
+the backward is g @ W in the weight's own dtype, nothing for W), so a LoRA trains through it (the
+policy update's base layers); a layer whose weight trains runs in FP8 only under no_grad. The bf16
+weights stay where they are: weight pushes, the update's backward and the critic's step read them.
 
 Memory: +1 byte per converted weight and 4 bytes per output row (the scale), held for the run by
 frozen layers (quantised once, here); a layer whose weight trains (a co-trained AR's backbone) is
@@ -113,9 +115,14 @@ class FP8Linears:
         self._active = None  # the trained layers' copies are freed
 
     def _forward(self, layer: nn.Linear, quantised: _Quantised, x: torch.Tensor) -> torch.Tensor:
-        if torch.is_grad_enabled():
-            raise RuntimeError(f"[fp8] {self.label}: an FP8 matmul has no gradient; use it under torch.no_grad()")
-        y = nla_core.fp8_linear(x, quantised.weight, quantised.scale, bias=layer.bias, out_dtype=OUT_DTYPE)
+        if not layer.weight.requires_grad:  # frozen: the gradient reaches x (g @ W in W's dtype), none W
+            y = nla_core.fp8_linear_frozen(x, layer.weight, quantised.weight, quantised.scale, bias=layer.bias,
+                                           out_dtype=OUT_DTYPE)
+        elif torch.is_grad_enabled():
+            raise RuntimeError(f"[fp8] {self.label}: an FP8 matmul gives a trained weight no gradient; "
+                               "use it under torch.no_grad()")
+        else:
+            y = nla_core.fp8_linear(x, quantised.weight, quantised.scale, bias=layer.bias, out_dtype=OUT_DTYPE)
         return y.to(x.dtype)
 
 

@@ -5,7 +5,7 @@
              forward, or after it on chosen pairs); DAPO's redraws; with fp8=score the no-grad
              scoring forwards' matmuls in FP8
     update   the micro-batched GRPO update of the LoRA (gradients summed over ranks); with
-             fp8=reference the reference pass's base matmuls in FP8
+             fp8=reference / update the reference pass's / the policy forwards' base matmuls in FP8
     push     the updated weights to an engine that keeps its own copy, every vllm_sync_every steps
 
 The metrics are the global batch's: every rank's samples, in rank (= batch) order, and each
@@ -197,7 +197,7 @@ def update_phase(state: RunState, step: int, scored: Scored) -> UpdateStats:
         loss=state.loss_options, micro_batch=cfg.logp_micro_batch, max_grad_norm=cfg.max_grad_norm,
         pad_id=state.tokenizer.pad_token_id, mismatch_threshold=cfg.mismatch_threshold,
         prompt_block=cfg.logp_prompt_block, reference_micro_batch=cfg.ref_micro_batch,
-        fp8_reference=state.fp8_reference,
+        fp8_reference=state.fp8_reference, fp8_update=state.fp8_update,
     )
     if not update.stepped:  # the grad norm is global: every rank skips together
         state.skipped_steps += 1

@@ -326,7 +326,7 @@ class TrainConfig:
     (logp_diff_* measure the gap). Layers whose in- or out-features are not multiples of 16 stay in
     `dtype` (start-up says how many convert). Memory: +1 byte per converted weight (frozen layers' copies
     held for the run; the actor's once for reference and update). Each operand's element is off by up to
-    2^-4 of itself. The rollouts and the held-out eval run as before. Needs an Ada/Hopper GPU (or the
+    2^-4 of itself. The rollouts and the held-out eval run as before. Needs a Hopper GPU or later (or the
     CPU); not with quant or compile_blocks, and not "score" with a critic that trains in its scoring
     forward (train_critic with critic_rollouts=all, no critic_ema, no dynamic_sampling). An nla addition,
     not in the reference; unmeasured on the GPU as of 2026-12-01 (speed and learning parity to check:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -36,16 +37,16 @@ SCALED_MM_MULTIPLE = 16
 OUT_DTYPE = torch.bfloat16
 """The kernel's output dtype: rowwise-scaled `_scaled_mm` on Hopper writes bf16 only; the result is cast
 to the input's dtype (a float32 model's layers then carry bf16 rounding too)."""
-MIN_CAPABILITY = (8, 9)
-"""FP8 tensor cores: Ada (8.9) and Hopper (9.0) or later."""
+MIN_CAPABILITY = (9, 0)
+"""Rowwise-scaled FP8 `_scaled_mm`: Hopper (9.0) or later (Ada's FP8 kernels take one scale per tensor only)."""
 
 
 def require_fp8(device: torch.device, *, what: str = "config key 'fp8'") -> None:
     """ValueError naming the cause and the fix when `device` has no FP8 matrix products (the CPU has them)."""
     if device.type == "cuda" and torch.cuda.get_device_capability(device) < MIN_CAPABILITY:
         major, minor = torch.cuda.get_device_capability(device)
-        raise ValueError(f"{what} needs FP8 tensor cores (compute capability >= 8.9, Ada or Hopper), but {device} "
-                         f"is {major}.{minor}; leave fp8 empty on this GPU")
+        raise ValueError(f"{what} needs rowwise-scaled FP8 matmuls (compute capability >= 9.0, Hopper or later), "
+                         f"but {device} is {major}.{minor}; leave fp8 empty on this GPU")
 
 
 @dataclass

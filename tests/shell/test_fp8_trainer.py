@@ -67,6 +67,17 @@ def test_a_frozen_layer_passes_gradients_to_its_input_a_trained_one_refuses_them
             assert frozen.weight.grad is None and bool(x.grad.ne(0).any())
 
 
+def test_gpus_before_hopper_are_refused(monkeypatch):
+    from nla_shell.models import require_fp8
+
+    require_fp8(torch.device("cpu"))  # torch._scaled_mm runs on the CPU
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 9))
+    with pytest.raises(ValueError, match=r"compute capability >= 9.0.*is 8.9"):
+        require_fp8(torch.device("cuda", 0))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    require_fp8(torch.device("cuda", 0))
+
+
 def test_fp8_matmuls_refuse_nesting():
     model = nn.Linear(16, 16).requires_grad_(False)
     copies = FP8Linears(model, label="test")

@@ -2,13 +2,14 @@
 
 Advantages and group selection, KL estimators, token log-probs and entropies, the policy losses
 (GRPO, GSPO, CISPO, on-policy) with TIS and ratio masks, marker injection, weight
-renaming and LoRA merge, reconstruction/reward/FVE math, splice vectors, sidecar parsing and
-splits.
+renaming and LoRA merge, reconstruction/reward/FVE math, splice vectors, sidecar parsing,
+splits, and rowwise-scaled FP8 matrix products.
 No I/O, no logging, no device synchronisation: usable from any RL loop.
 """
 
 from nla_core.advantages import ADVANTAGE_SCALES, best_in_group, group_advantages, group_has_variance
 from nla_core.entropy import token_entropy, top_entropy_mask
+from nla_core.fp8 import AMAX_FLOOR, E4M3_MAX, FP8_DTYPE, fp8_linear, fp8_linear_frozen, quantize_rowwise
 from nla_core.injection import (
     INJECTION_STYLES,
     find_injection_sites,
@@ -70,9 +71,12 @@ from nla_core.weights import hf_param_name, layer_buckets, merge_lora_weight
 __all__ = [
     "ADVANTAGE_SCALES",
     "AGGREGATIONS",
+    "AMAX_FLOOR",
     "Baselines",
     "ChunkKernels",
+    "E4M3_MAX",
     "FAILED_EXTRACTION_REWARD",
+    "FP8_DTYPE",
     "GRPOLossOutput",
     "INJECTION_STYLES",
     "INJECT_PLACEHOLDER",
@@ -94,6 +98,8 @@ __all__ = [
     "doc_disjoint_rows",
     "extract_explanation",
     "find_injection_sites",
+    "fp8_linear",
+    "fp8_linear_frozen",
     "fve",
     "group_advantages",
     "group_has_variance",
@@ -116,6 +122,7 @@ __all__ = [
     "parse_sidecar",
     "policy_loss",
     "predict_mean_baselines",
+    "quantize_rowwise",
     "random_at_same_error",
     "ratio_band_mask",
     "reconstruction_mse",

@@ -328,6 +328,23 @@ class TrainConfig:
     quant: Literal["none", "4bit", "8bit"] = "none"
     """Load the AV's frozen base and the (frozen) AR quantised with bitsandbytes (CUDA, engine=hf, pip install
     'nla[bnb]'); the LoRA trains in `dtype` on top."""
+    fp8: tuple[Literal["score", "reference", "update"], ...] = ()
+    """Phases whose frozen-weight matrix products run in FP8 (comma-separated; empty: none): e4m3 with one
+    scale per row of each operand, by torch._scaled_mm (nla_core.fp8, nla_shell.models.fp8). "score": the
+    AR's no-grad scoring forward (its backbone's Linear layers; a co-trained AR's weights are re-quantised
+    from the current ones at every scoring block, an AR-LoRA's frozen base once; the LoRA and the float32
+    value head stay as they are); "reference": the KL reference pass (the actor's frozen base layers,
+    quantised once; an SFT reference adapter stays as it is); "update": the policy update's forwards
+    through those base layers (same copies), the backward to their inputs in `dtype` (g @ W, no gradient
+    to W; the LoRA factors as they are), so the trainer's log-probs are FP8 ones beside the engine's
+    (logp_diff_* measure the gap). Layers whose in- or out-features are not multiples of 16 stay in
+    `dtype` (start-up says how many convert). Memory: +1 byte per converted weight (frozen layers' copies
+    held for the run; the actor's once for reference and update). Each operand's element is off by up to
+    2^-4 of itself. The rollouts and the held-out eval run as before. Needs a Hopper GPU or later (or the
+    CPU); not with quant or compile_blocks, and not "score" with a critic that trains in its scoring
+    forward (train_critic with critic_rollouts=all, no critic_ema, no dynamic_sampling). An nla addition,
+    not in the reference; unmeasured on the GPU as of 2026-12-01 (speed and learning parity to check:
+    docs/performance.md)."""
 
     def __post_init__(self) -> None:
         normalize_fields(self)
@@ -395,6 +412,7 @@ def _check_train_config(cfg: TrainConfig) -> None:
     require(0 < cfg.clip_eps < 1 or (cfg.policy_loss == "cispo" and cfg.clip_eps >= 1), "clip_eps", cfg.clip_eps,
             "use 0 < clip_eps < 1 (with policy_loss=cispo, clip_eps >= 1 removes the lower clip)")
     _check_loss_choices(cfg)
+    _check_fp8(cfg)
     require(cfg.kl_beta >= 0, "kl_beta", cfg.kl_beta, "use a number >= 0 (0 disables the KL term)")
     require(cfg.length_penalty >= 0, "length_penalty", cfg.length_penalty, "use a number >= 0 (0 disables it)")
     upper_clip = 1.0 + (cfg.clip_eps if cfg.clip_eps_high is None else cfg.clip_eps_high)
@@ -452,6 +470,23 @@ def _check_loss_choices(cfg: TrainConfig) -> None:
         require(cfg.train_critic, "critic_ema", cfg.critic_ema, "it averages a co-trained critic: set train_critic=true")
     require(cfg.critic_rollouts == "all" or cfg.train_critic, "critic_rollouts", cfg.critic_rollouts,
             "it chooses the co-trained critic's pairs: set train_critic=true, or leave it at all")
+
+
+def _check_fp8(cfg: TrainConfig) -> None:
+    """fp8's phases against the keys that rule them out."""
+    if not cfg.fp8:
+        return
+    phases = list(cfg.fp8)
+    require(len(set(phases)) == len(phases), "fp8", phases, "name each phase once: a comma list of score, reference, update")
+    require(cfg.quant == "none", "fp8", phases, f"FP8 copies are made of full-precision weights, not quant={cfg.quant}: "
+            "use quant=none, or leave fp8 empty")
+    require(not cfg.compile_blocks, "fp8", phases, "the compiled blocks would trace the FP8 swap: set "
+            "compile_blocks=false, or leave fp8 empty")
+    trains_in_scoring = cfg.train_critic and cfg.critic_rollouts == "all" and cfg.critic_ema is None \
+        and not cfg.dynamic_sampling
+    require("score" not in phases or not trains_in_scoring, "fp8", phases,
+            "the critic trains in its scoring forward (train_critic, critic_rollouts=all), which needs gradients: "
+            "drop score, or set critic_rollouts=best or critic_ema (the critic then steps after a no-grad scoring)")
 
 
 def require(ok: bool, key: str, value: Any, fix: str) -> None:

@@ -7,6 +7,7 @@ value head) reads the explanation back into an activation. One module per role:
     actor.py    loading the actor, its injection hook (`Injector`), the KL reference, log-probs
     critic.py   the AR (`ARModel`, `ARLora`) and batched AR predictions
     compile.py  `BackboneAutocast` and `CompiledBlockParts`: the compiled and autocast forwards
+    fp8.py      `FP8Linears`, `fp8_matmuls`: FP8 copies of frozen Linear layers for no-grad forwards
     common.py   checkpoint layouts, the LoRA config, padding, the HF LM under PEFT
 
 Every public name is re-exported here (`from nla_shell.models import ARModel`).
@@ -22,6 +23,7 @@ from nla_shell.models.common import (
 )
 from nla_shell.models.compile import ROTARY_FUNCTION, BackboneAutocast, CompiledBlockParts
 from nla_shell.models.critic import ARLora, ARModel, ar_predict
+from nla_shell.models.fp8 import FP8Linears, fp8_matmuls, require_fp8
 
 __all__ = [
     "AR_LORA_FILE",
@@ -34,10 +36,12 @@ __all__ = [
     "ARModel",
     "BackboneAutocast",
     "CompiledBlockParts",
+    "FP8Linears",
     "Injector",
     "ar_predict",
     "base_model_dir",
     "eos_token_ids",
+    "fp8_matmuls",
     "hidden_logprobs",
     "inner_lm",
     "is_adapter_dir",
@@ -47,6 +51,7 @@ __all__ = [
     "lora_config",
     "pad_right",
     "reference_policy",
+    "require_fp8",
     "response_logprobs",
     "trainable_parameters",
 ]

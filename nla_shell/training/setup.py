@@ -30,8 +30,8 @@ from nla_shell.io.logging import NullLogger, make_logger
 from nla_shell.io.progress import say_line
 from nla_shell.io.sidecars import injection_settings, load_sidecar
 from nla_shell.models import (
-    ARModel, BackboneAutocast, CompiledBlockParts, Injector, base_model_dir, eos_token_ids, inner_lm, is_adapter_dir,
-    load_actor, trainable_parameters,
+    ARModel, BackboneAutocast, CompiledBlockParts, FP8Linears, Injector, base_model_dir, eos_token_ids, inner_lm,
+    is_adapter_dir, load_actor, require_fp8, trainable_parameters,
 )
 from nla_shell.training import checkpoint as ckpt
 from nla_shell.training import distributed, sampling
@@ -301,6 +301,13 @@ class RunState:
     logger: Any
     save_dir: Path
     canary_watch: CanaryWatch
+    fp8_score: FP8Linears | None = None
+    """With fp8=score: the AR backbone's FP8 copies, active in the step's no-grad scoring forwards."""
+    fp8_reference: FP8Linears | None = None
+    """With fp8=reference: the actor base's FP8 copies, active in the update's reference pass."""
+    fp8_update: FP8Linears | None = None
+    """With fp8=update: the actor base's FP8 copies (fp8_reference's, when both), active in the policy
+    forwards and backwards of the update."""
     last_record: dict[str, Any] = field(default_factory=dict)
     """The latest step's metrics (with "step"): the checkpoint keeps its eval/fve for keep_last."""
 
@@ -365,6 +372,7 @@ def setup(cfg: TrainConfig, rank: RankInfo, device: torch.device, dtype: torch.d
 
     actor, injector, critic = load_models(cfg, nla, critic, resume_from, style=style, injection_norm=injection_norm,
                                           continues_sft=continues_sft, mse_scale=mse_scale, device=device, dtype=dtype)
+    fp8_score, fp8_reference, fp8_update = make_fp8_copies(cfg, actor, critic, device=device)
     eos_ids = eos_token_ids(inner_lm(actor).generation_config, tokenizer)  # every one stops a rollout
     engine = make_engine(cfg, actor, injector, tokenizer, layer_index=1, eos_ids=eos_ids)
     optimizer, critic_optimizer, critic_ema = make_optimizers(cfg, actor, critic, resume_from, device=device)
@@ -394,7 +402,8 @@ def setup(cfg: TrainConfig, rank: RankInfo, device: torch.device, dtype: torch.d
         engine=engine, eval_engine=EvalEngine(engine, actor, injector, tokenizer), optimizer=optimizer,
         critic_optimizer=critic_optimizer, critic_ema=critic_ema, eos_ids=eos_ids, mse_scale=mse_scale, rawvar=rawvar, meannorm=meannorm,
         order=order, start_step=start_step, skipped_steps=skipped_steps, logger=logger, save_dir=Path(cfg.save_dir),
-        canary_watch=CanaryWatch(stop=cfg.vllm_canary == "stop"),
+        canary_watch=CanaryWatch(stop=cfg.vllm_canary == "stop"), fp8_score=fp8_score, fp8_reference=fp8_reference,
+        fp8_update=fp8_update,
     )
     if not state.loss_options.runs_reference:
         say("[train] kl_beta=0, kl_metric=false: the reference pass is skipped (no KL is computed or logged)")
@@ -460,6 +469,24 @@ def load_models(cfg: TrainConfig, nla: nla_core.NLAConfig, critic: ARModel, resu
         CompiledBlockParts(critic.lm)
     distributed.broadcast_parameters(trainable_parameters(actor))
     return actor, injector, critic
+
+
+def make_fp8_copies(cfg: TrainConfig, actor, critic: ARModel, *,
+                    device: torch.device) -> tuple[FP8Linears | None, FP8Linears | None, FP8Linears | None]:
+    """The FP8 copies of fp8's phases, (score: the AR's backbone, reference and update: one set of the actor's
+    base), None for a phase in the model's dtype; each set said in a line (how many layers convert). Built once
+    the critic is frozen or trainable as the run has it: that decides which copies are kept and which are re-made
+    at every block."""
+    if not cfg.fp8:
+        return None, None, None
+    require_fp8(device)
+    score = FP8Linears(families.backbone(critic.lm), label="score") if "score" in cfg.fp8 else None
+    actor_phases = [phase for phase in ("reference", "update") if phase in cfg.fp8]
+    base = FP8Linears(families.backbone(inner_lm(actor)), label="+".join(actor_phases)) if actor_phases else None
+    for copies in (score, base):
+        if copies is not None:
+            say(copies.summary())
+    return score, base if "reference" in cfg.fp8 else None, base if "update" in cfg.fp8 else None
 
 
 def make_optimizers(cfg: TrainConfig, actor, critic: ARModel, resume_from: Path | None, *,

@@ -2,8 +2,10 @@
 
     rollout  this rank's share of the global batch -> G explanations per prompt (and the canary)
     score    extraction -> AR -> reward -> group advantages; the critic's step (in the scoring
-             forward, or after it on chosen pairs); DAPO's redraws
-    update   the micro-batched GRPO update of the LoRA (gradients summed over ranks)
+             forward, or after it on chosen pairs); DAPO's redraws; with fp8=score the no-grad
+             scoring forwards' matmuls in FP8
+    update   the micro-batched GRPO update of the LoRA (gradients summed over ranks); with
+             fp8=reference / update the reference pass's / the policy forwards' base matmuls in FP8
     push     the updated weights to an engine that keeps its own copy, every vllm_sync_every steps
 
 The metrics are the global batch's: every rank's samples, in rank (= batch) order, and each
@@ -12,11 +14,12 @@ phase's time is the slowest rank's.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import resource
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -24,6 +27,7 @@ import torch
 import nla_core
 from nla_shell.engines.base import Rollout, RolloutRequest, held_awake
 from nla_shell.metrics import cjk_fraction
+from nla_shell.models import fp8_matmuls
 from nla_shell.training import distributed, sampling
 from nla_shell.training.scoring import (
     DeviceTimer, Scores, ShapedRewards, critic_step, score_and_train_critic, score_explanations, shape_rewards,
@@ -125,7 +129,7 @@ def score_phase(state: RunState, rolled: Rolled) -> Scored:
             max_grad_norm=cfg.max_grad_norm,
         )
     else:
-        with sampling.scoring_weights(state.critic_ema):
+        with scoring_forward(state):
             scores = score_explanations(state.critic, state.tokenizer, explanations, golds, **state.score_kwargs)
     shaped = shape(state, scores, rollouts)
     extra_draws, time_extra_rollouts = 0, 0.0
@@ -173,7 +177,7 @@ def redraw(state: RunState, requests: list[RolloutRequest], rollouts: list[Rollo
         with held_awake(state.engine):
             more_rollouts = generate(state, more)
         time_extra_rollouts += time.perf_counter() - t1
-        with sampling.scoring_weights(state.critic_ema):
+        with scoring_forward(state):
             more_scores = score_explanations(
                 state.critic, state.tokenizer, [nla_core.extract_explanation(r.text) for r in more_rollouts],
                 gold_vectors(more, more_rollouts), **state.score_kwargs)
@@ -193,6 +197,7 @@ def update_phase(state: RunState, step: int, scored: Scored) -> UpdateStats:
         loss=state.loss_options, micro_batch=cfg.logp_micro_batch, max_grad_norm=cfg.max_grad_norm,
         pad_id=state.tokenizer.pad_token_id, mismatch_threshold=cfg.mismatch_threshold,
         prompt_block=cfg.logp_prompt_block, reference_micro_batch=cfg.ref_micro_batch,
+        fp8_reference=state.fp8_reference, fp8_update=state.fp8_update,
     )
     if not update.stepped:  # the grad norm is global: every rank skips together
         state.skipped_steps += 1
@@ -213,6 +218,14 @@ def push_phase(state: RunState, step: int) -> float:
 
 
 # --------------------------------------------------------------------------- pieces of the phases
+
+
+@contextlib.contextmanager
+def scoring_forward(state: RunState) -> Iterator[None]:
+    """How a no-grad scoring forward runs: on the critic's EMA weights when there is one, and with fp8=score
+    its backbone's matmuls in FP8 (quantised inside the EMA swap, from the weights as they are now)."""
+    with sampling.scoring_weights(state.critic_ema), fp8_matmuls(state.fp8_score):
+        yield
 
 
 def next_requests(state: RunState) -> list[RolloutRequest]:

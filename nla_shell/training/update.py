@@ -11,7 +11,7 @@ import torch
 import nla_core
 from nla_shell.training import distributed, prefix
 from nla_shell.engines.base import Rollout
-from nla_shell.models import Injector, pad_right, reference_policy, response_logprobs
+from nla_shell.models import FP8Linears, Injector, fp8_matmuls, pad_right, reference_policy, response_logprobs
 
 
 @dataclass(frozen=True)
@@ -158,6 +158,8 @@ def policy_update(
     share_prefix: bool = True,
     reference_micro_batch: int | None = None,
     prompt_block: int = 4,
+    fp8_reference: FP8Linears | None = None,
+    fp8_update: FP8Linears | None = None,
 ) -> UpdateStats:
     """One GRPO step over all rollouts, one micro-batch graph alive at a time.
 
@@ -186,6 +188,10 @@ def policy_update(
       prompt_block: micro-batches whose prompts run in one forward (and one backward). A prompt
         forward is little arithmetic but a full pass of host work, when the GPU waits; the
         block's prompt activations stay alive until its last micro-batch's backward.
+      fp8_reference: the actor base's FP8 copies, active in the reference pass (fp8=reference); None runs
+        it in the model's dtype.
+      fp8_update: the same, active in the policy forwards and their backwards (fp8=update): the base layers'
+        forwards in FP8, their input gradients g @ W in the weights' dtype.
     """
     if prompt_block < 1:
         raise ValueError(f"prompt_block must be >= 1, got {prompt_block}")
@@ -240,7 +246,7 @@ def policy_update(
     reference = None
     if loss.runs_reference:
         reference = torch.zeros(n_local, max(1, width), device=device)
-        with torch.no_grad(), reference_policy(actor):
+        with torch.no_grad(), reference_policy(actor), fp8_matmuls(fp8_reference):
             for ref_logp, _, _, index in micro_batch_logprobs(reference_micro_batch or 4 * micro_batch):
                 reference[index, : ref_logp.shape[1]] = ref_logp
 
@@ -251,53 +257,54 @@ def policy_update(
                 entropy=zero, entropy_drop=zero)
     diff_max = zero
     decoupled = loss.tis not in ("ratio_cap", None)
-    for logprobs, mask, behavior, index in micro_batch_logprobs(micro_batch, with_entropy=loss.needs_entropy):
-        logp, entropy = logprobs if loss.needs_entropy else (logprobs, None)
-        diff = torch.where(mask, (behavior - logp.detach()).abs(), torch.zeros_like(logp))
-        if loss.entropy_metric:  # over every response token, like logp_diff_mean: before the mismatch mask
-            sums["entropy"] = sums["entropy"] + torch.where(mask, entropy, torch.zeros_like(entropy)).sum()
-        if mismatch_threshold is not None:
-            off_policy = diff.sum(-1) / mask.sum(-1).clamp_min(1) > mismatch_threshold
-            sums["masked"] = sums["masked"] + off_policy.sum()
-            mask = mask & ~off_policy[:, None]
-        keep = None
-        if loss.masks_entropy:  # over the tokens the loss sees: after the mismatch mask
-            keep = nla_core.top_entropy_mask(entropy.detach(), mask, quantile=loss.top_entropy_quantile)
-            sums["entropy_drop"] = sums["entropy_drop"] + (mask & ~keep).sum()
-        prompt_mean = loss.aggregation == "prompt_mean"
-        out = nla_core.policy_loss(
-            logp,
-            logp.detach() if decoupled else behavior,
-            advantages[index],
-            mask,
-            ref_logp=None if reference is None else reference[index, : logp.shape[1]],
-            behavior_logp=behavior if decoupled else None,
-            kind=loss.policy_loss,
-            clip_eps=loss.clip_eps,
-            clip_eps_high=loss.clip_eps_high,
-            kl_beta=loss.kl_beta,
-            kl_clamp=loss.kl_clamp,
-            tis=loss.tis,
-            tis_cap=loss.tis_cap,
-            token_mask=loss.token_mask,
-            keep=keep,
-            aggregation=loss.aggregation,
-            denominator=denominator,
-            max_len=loss.max_len if loss.aggregation == "seq_mean_token_sum_norm" else None,
-            group_ids=group_ids[index] if prompt_mean else None,
-            group_tokens=group_tokens[index] if prompt_mean else None,
-        )
-        out.loss.backward()
-        tokens = mask.sum()
-        sums["loss"] = sums["loss"] + out.loss.detach()
-        sums["kl"] = sums["kl"] + out.kl_mean * tokens
-        sums["clip"] = sums["clip"] + out.clip_frac * tokens
-        sums["outside"] = sums["outside"] + out.outside_clip_frac * tokens
-        sums["tis"] = sums["tis"] + out.tis_frac * tokens
-        sums["band"] = sums["band"] + out.token_mask_frac * tokens
-        sums["diff"] = sums["diff"] + diff.sum()
-        sums["tokens"] = sums["tokens"] + tokens
-        diff_max = torch.maximum(diff_max, diff.max())
+    with fp8_matmuls(fp8_update):  # the backwards run inside too: a checkpointed block recomputes in FP8
+        for logprobs, mask, behavior, index in micro_batch_logprobs(micro_batch, with_entropy=loss.needs_entropy):
+            logp, entropy = logprobs if loss.needs_entropy else (logprobs, None)
+            diff = torch.where(mask, (behavior - logp.detach()).abs(), torch.zeros_like(logp))
+            if loss.entropy_metric:  # over every response token, like logp_diff_mean: before the mismatch mask
+                sums["entropy"] = sums["entropy"] + torch.where(mask, entropy, torch.zeros_like(entropy)).sum()
+            if mismatch_threshold is not None:
+                off_policy = diff.sum(-1) / mask.sum(-1).clamp_min(1) > mismatch_threshold
+                sums["masked"] = sums["masked"] + off_policy.sum()
+                mask = mask & ~off_policy[:, None]
+            keep = None
+            if loss.masks_entropy:  # over the tokens the loss sees: after the mismatch mask
+                keep = nla_core.top_entropy_mask(entropy.detach(), mask, quantile=loss.top_entropy_quantile)
+                sums["entropy_drop"] = sums["entropy_drop"] + (mask & ~keep).sum()
+            prompt_mean = loss.aggregation == "prompt_mean"
+            out = nla_core.policy_loss(
+                logp,
+                logp.detach() if decoupled else behavior,
+                advantages[index],
+                mask,
+                ref_logp=None if reference is None else reference[index, : logp.shape[1]],
+                behavior_logp=behavior if decoupled else None,
+                kind=loss.policy_loss,
+                clip_eps=loss.clip_eps,
+                clip_eps_high=loss.clip_eps_high,
+                kl_beta=loss.kl_beta,
+                kl_clamp=loss.kl_clamp,
+                tis=loss.tis,
+                tis_cap=loss.tis_cap,
+                token_mask=loss.token_mask,
+                keep=keep,
+                aggregation=loss.aggregation,
+                denominator=denominator,
+                max_len=loss.max_len if loss.aggregation == "seq_mean_token_sum_norm" else None,
+                group_ids=group_ids[index] if prompt_mean else None,
+                group_tokens=group_tokens[index] if prompt_mean else None,
+            )
+            out.loss.backward()
+            tokens = mask.sum()
+            sums["loss"] = sums["loss"] + out.loss.detach()
+            sums["kl"] = sums["kl"] + out.kl_mean * tokens
+            sums["clip"] = sums["clip"] + out.clip_frac * tokens
+            sums["outside"] = sums["outside"] + out.outside_clip_frac * tokens
+            sums["tis"] = sums["tis"] + out.tis_frac * tokens
+            sums["band"] = sums["band"] + out.token_mask_frac * tokens
+            sums["diff"] = sums["diff"] + diff.sum()
+            sums["tokens"] = sums["tokens"] + tokens
+            diff_max = torch.maximum(diff_max, diff.max())
 
     # --- all-reduce, clip, step ------------------------------------------------------------------
     params = [p for p in actor.parameters() if p.requires_grad]

@@ -55,6 +55,9 @@ PUBLIC_API = [
     "parse_sidecar",
     "canonical_neighbors",
     "doc_disjoint_rows",
+    "quantize_rowwise",
+    "fp8_linear",
+    "fp8_linear_frozen",
 ]
 
 PACKAGE_DIR = Path(nla_core.__file__).resolve().parent
@@ -109,7 +112,7 @@ def test_public_api_exported():
 
 def test_every_module_lists_its_public_names():
     # Each new topic file names its public API in __all__, and the package re-exports all of it.
-    for module in ("advantages", "entropy", "losses", "ratios"):
+    for module in ("advantages", "entropy", "fp8", "losses", "ratios"):
         mod = __import__(f"nla_core.{module}", fromlist=["__all__"])
         for name in mod.__all__:
             assert hasattr(mod, name), (module, name)

@@ -77,3 +77,29 @@ def test_the_benchmarks_step_is_the_trainers(monkeypatch):
         assert bench[key] == record[key], key
     assert record["extraction_rate"] == 1.0  # every stand-in explanation was extracted and scored
     assert sum(bench["reward"]) / len(bench["reward"]) == pytest.approx(record["reward_mean"], rel=1e-12)
+
+
+def test_the_fp8_path_runs_the_trainers_fp8_copies(monkeypatch, capsys):
+    """after_fp8 is "after" with `nla train fp8=score,reference`'s copies: its numbers move off "after"'s
+    (the KL reference and the AR read FP8 products), and --fp8 score with a co-trained critic is refused."""
+    import dataclasses
+
+    from nla_shell.io.config import TrainConfig
+
+    monkeypatch.setattr(sys, "argv", ["bench_step.py", "--tiny", "--critic", "on", "--paths", "after_fp8"])
+    with pytest.raises(SystemExit):
+        bench_step.parse_args()
+    assert "--fp8 score needs --critic off" in capsys.readouterr().err
+    monkeypatch.setattr(sys, "argv", ["bench_step.py", "--tiny", "--critic", "off", "--paths", "after,after_fp8"])
+    args = bench_step.parse_args()
+    args.new_tokens = 8
+    torch.manual_seed(0)
+    ctx = bench_step.Context(args, torch.device("cpu"), torch.float32,
+                             {f.name: f.default for f in dataclasses.fields(TrainConfig)})
+    requests = synthetic.make_requests(2, args.prompt_len, ctx.config.hidden_size, ctx.tokens,
+                                       vocab=min(ctx.config.vocab_size, len(ctx.tokenizer)), seed=4)
+    results, _ = bench_step.grpo_step(ctx, requests, 2, args, paths=["after", "after_fp8"])
+    after, fp8 = results["after"][1], results["after_fp8"][1]
+    out = capsys.readouterr().out
+    assert "[fp8] score: " in out and "[fp8] reference: " in out
+    assert fp8["kl_mean"] != after["kl_mean"] and fp8["reward"] != after["reward"]

@@ -1,0 +1,167 @@
+"""Rowwise-scaled FP8 (e4m3) matrix products through `torch._scaled_mm` (cuBLASLt on Hopper).
+
+Shapes: N rows of input, K input features, M output features. Both operands of x @ w.T are
+quantised along K, one float32 scale per row:
+
+    s_i = max(amax_k |x_ik|, AMAX_FLOOR) / E4M3_MAX,    q_ik = e4m3(clamp(x_ik / s_i, +-E4M3_MAX)),
+    x_ik ~= q_ik * s_i,
+
+so a row's largest entry lands on e4m3's largest finite value (448) and every row uses the whole
+range. Rounding to e4m3 (3 mantissa bits, round to nearest even) gives, per element,
+
+    |x_ik - q_ik s_i| <= u |x_ik| + v s_i,    u = 2^-4 + 2^-23,  v = 2^-10,
+
+u being half of e4m3's relative spacing 2^-3 (plus the float32 division's rounding) and v half
+of its subnormal spacing 2^-9 (values below 2^-6 in scaled units). The product
+    y_ij = s_i t_j sum_k q_ik r_jk       (w ~= r t, quantised the same way)
+is formed exactly in fp8 x fp8 and accumulated in float32 by the kernel, then rounded to out_dtype.
+
+Non-finite inputs are propagated, not rejected (a check would need a device synchronisation):
+a NaN or inf in x's row i makes s_i or q_i NaN, so row i of the output is NaN; likewise a
+non-finite weight row j makes column j NaN.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from nla_core._checks import require_floating, require_ndim, require_tensor
+
+__all__ = ["E4M3_MAX", "AMAX_FLOOR", "FP8_DTYPE", "quantize_rowwise", "fp8_linear", "fp8_linear_frozen"]
+
+FP8_DTYPE = torch.float8_e4m3fn
+E4M3_MAX = float(torch.finfo(FP8_DTYPE).max)
+"""448: e4m3fn's largest finite value, where each row's largest entry is scaled to."""
+AMAX_FLOOR = 1e-12
+"""The row amax is clamped to at least this before dividing (torchao's EPS), so an all-zero row
+gets a positive scale (and quantises to zeros) instead of 0 / 0."""
+
+
+def quantize_rowwise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q, s) with x ~= q * s: e4m3 values and one float32 scale per row (see the module docstring).
+
+    s_i = max(amax_k |x_ik|, AMAX_FLOOR) / 448, q_ik = e4m3(clamp(x_ik / s_i, -448, 448)), the
+    division in float32; |x_ik - q_ik s_i| <= (2^-4 + 2^-23) |x_ik| + 2^-10 s_i.
+
+    Args: x: [N, K] floating (fp16 / bf16 / fp32 / fp64).
+    Returns: q [N, K] float8_e4m3fn (contiguous), s [N, 1] float32. A row holding NaN or inf
+      gets a NaN scale or NaN entries.
+    """
+    require_floating("x", x)
+    require_ndim("x", x, 2, "[N, K]")
+    if x.dtype == FP8_DTYPE:
+        raise ValueError("x is already float8_e4m3fn; quantize_rowwise takes the high-precision tensor")
+    x32 = x.detach().float()
+    scale = x32.abs().amax(dim=1, keepdim=True).clamp(min=AMAX_FLOOR) / E4M3_MAX
+    # The clamp only catches the division's rounding just past 448 (clamp keeps NaN).
+    q = (x32 / scale).clamp(-E4M3_MAX, E4M3_MAX).to(FP8_DTYPE).contiguous()
+    return q, scale
+
+
+def fp8_linear(
+    x: torch.Tensor,
+    w_fp8: torch.Tensor,
+    w_scale: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """y = x @ w.T (+ bias) with w held as `quantize_rowwise(w)` and x quantised per row here.
+
+    y_ij = s_i t_j sum_k q_ik r_jk (+ b_j), (q, s) = quantize_rowwise(x), (r, t) = (w_fp8, w_scale),
+    by `torch._scaled_mm(q, r.T, scale_a=s, scale_b=t.T, out_dtype)`; the bias is added after, in
+    out_dtype. Error against the exact product: with e_ik = u|x_ik| + v s_i and f_jk = u|w_jk| + v t_j
+    (u = 2^-4 + 2^-23, v = 2^-10), the element bounds of the module docstring,
+
+        |y_ij - (x w^T)_ij| <= sum_k (e_ik |w_jk| + |x_ik| f_jk + e_ik f_jk)
+                               + ulp_out/2 |y_ij| + K 2^-23 sum_k |q_ik s_i| |r_jk t_j|,
+
+    the last two terms the output rounding (2^-8 relative for bf16, plus half the subnormal spacing
+    for results that small) and float32 accumulation. For
+    entries that quantise as normal e4m3 values this is about (2u + u^2) sum_k |x_ik w_jk| ~= 2^-3
+    of the absolute product: FP8 is for products whose sum, not each term, carries the signal.
+
+    Shape rules of the device's kernel (on Hopper, K and M multiples of 16) are the caller's:
+    this function checks shapes and dtypes only.
+
+    Args:
+      x: [..., K] floating (the activations; leading dims are flattened to N rows and restored).
+      w_fp8: [M, K] float8_e4m3fn, w_scale: [M, 1] float32 (`quantize_rowwise` of the weight).
+      bias: [M] or None.
+      out_dtype: the result's dtype (torch.bfloat16 for rowwise scaling on Hopper).
+    Returns: [..., M] out_dtype, no autograd graph (the quantisation is not differentiable).
+    """
+    require_floating("x", x)
+    require_tensor("w_fp8", w_fp8)
+    require_tensor("w_scale", w_scale)
+    require_ndim("w_fp8", w_fp8, 2, "[M, K]")
+    if w_fp8.dtype != FP8_DTYPE:
+        raise ValueError(f"w_fp8 must be {FP8_DTYPE} (quantize_rowwise of the weight), got {w_fp8.dtype}")
+    m, k = w_fp8.shape
+    if x.dim() < 1 or x.shape[-1] != k:
+        raise ValueError(f"x {tuple(x.shape)} must be [..., K] with K = {k}, w_fp8's in-features {tuple(w_fp8.shape)}")
+    if w_scale.shape != (m, 1) or w_scale.dtype != torch.float32:
+        raise ValueError(f"w_scale must be [M, 1] = [{m}, 1] float32, got {tuple(w_scale.shape)} {w_scale.dtype}")
+    if bias is not None and bias.shape != (m,):
+        raise ValueError(f"bias must be [M] = [{m}], got {tuple(bias.shape)}")
+    if not out_dtype.is_floating_point or out_dtype == FP8_DTYPE:
+        raise ValueError(f"out_dtype must be a high-precision floating dtype, got {out_dtype}")
+    rows = x.reshape(-1, k)
+    if rows.shape[0] == 0:  # _scaled_mm refuses an empty [0, 1] scale
+        y = rows.new_zeros((0, m), dtype=out_dtype)
+    else:
+        x_fp8, x_scale = quantize_rowwise(rows)
+        y = torch._scaled_mm(x_fp8, w_fp8.t(), scale_a=x_scale, scale_b=w_scale.t(), out_dtype=out_dtype)
+    if bias is not None:
+        y = y + bias.to(out_dtype)
+    return y.reshape(*x.shape[:-1], m)
+
+
+class _FrozenFP8Linear(torch.autograd.Function):
+    """Forward: fp8_linear. Backward: dL/dx = dL/dy @ W in W's dtype; nothing for W, its copies or the bias."""
+
+    @staticmethod
+    def forward(ctx, x, weight, w_fp8, w_scale, bias, out_dtype):
+        ctx.save_for_backward(weight)  # the frozen parameter itself: no copy is kept
+        ctx.x_dtype = x.dtype
+        return fp8_linear(x, w_fp8, w_scale, bias=bias, out_dtype=out_dtype)
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        (weight,) = ctx.saved_tensors
+        grad_x = (grad_y.to(weight.dtype) @ weight).to(ctx.x_dtype)
+        return grad_x, None, None, None, None, None
+
+
+def fp8_linear_frozen(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    w_fp8: torch.Tensor,
+    w_scale: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """`fp8_linear` in the forward, differentiable in x for a frozen weight (a LoRA's base layer in training).
+
+    Forward: y = fp8_linear(x, w_fp8, w_scale, bias=bias, out_dtype=out_dtype), [..., M].
+    Backward: dL/dx = dL/dy @ W, [..., K], in W's own dtype (float32 accumulation), W the weight the
+    FP8 copy was made from; no gradient to W, its copy or the bias. So the backward matrix product
+    adds no quantisation error: against the float64 product of the same operands (dL/dy rounded to
+    W's dtype), |dL/dx_ik - (g W)_ik| <= ulp/2 |(g W)_ik| + M 2^-23 (|g| |W|)_ik, ulp/2 = 2^-8 in
+    bf16, 2^-24 in float32 (plus half the dtype's subnormal spacing, for results that small). This
+    is the gradient of the linear map x -> x W^T at the FP8 forward's activations (x's rounding
+    passed straight through, as quantised-forward training does). Not a transposed FP8 copy of W: that
+    would cost another byte per weight and put up to 2^-4 of each term's error into every gradient.
+
+    Args: x: [..., K] floating; weight: [M, K], frozen (requires_grad False); w_fp8, w_scale:
+      `quantize_rowwise(weight)`; bias: [M] frozen, or None; out_dtype: as for fp8_linear.
+    Returns: [..., M] out_dtype, in the autograd graph of x.
+    """
+    require_floating("weight", weight)
+    if weight.shape != w_fp8.shape:
+        raise ValueError(f"weight {tuple(weight.shape)} and its FP8 copy w_fp8 {tuple(w_fp8.shape)} must match")
+    for name, frozen in (("weight", weight), ("bias", bias)):
+        if frozen is not None and frozen.requires_grad:
+            raise ValueError(f"{name} requires grad, but fp8_linear_frozen gives it none: it is for frozen weights")
+    return _FrozenFP8Linear.apply(x, weight, w_fp8, w_scale, bias, out_dtype)

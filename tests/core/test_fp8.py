@@ -1,0 +1,209 @@
+"""quantize_rowwise / fp8_linear: rowwise e4m3 quantisation and the scaled FP8 product, against float64.
+
+Bounds (nla_core.fp8's docstring): per element |x - q s| <= u|x| + v s with u = 2^-4 + 2^-23 (half of
+e4m3's relative spacing, plus the float32 division) and v = 2^-10 (half its subnormal spacing).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from nla_core import E4M3_MAX, FP8_DTYPE, fp8_linear, fp8_linear_frozen, quantize_rowwise
+
+FAST = settings(max_examples=60, deadline=None)
+U = 2.0**-4 + 2.0**-23
+V = 2.0**-10
+HALF_ULP = {torch.bfloat16: 2.0**-8, torch.float32: 2.0**-24}
+SUBNORMAL_FLOOR = {dtype: HALF_ULP[dtype] * torch.finfo(dtype).tiny for dtype in HALF_ULP}
+"""Half the spacing of each dtype's subnormals: the rounding floor where a result is that small."""
+
+# Entries spread over many binades, with exact zeros and values that quantise as e4m3 subnormals.
+entries = st.one_of(st.just(0.0), st.floats(-1e-3, 1e-3), st.floats(-1e3, 1e3)).map(float)
+
+
+@st.composite
+def matrices(draw, *, max_rows=6, max_cols=24, cols=None):
+    rows = draw(st.integers(1, max_rows))
+    cols = cols if cols is not None else draw(st.integers(1, max_cols))
+    values = draw(st.lists(entries, min_size=rows * cols, max_size=rows * cols))
+    return torch.tensor(values, dtype=torch.float32).reshape(rows, cols)
+
+
+@st.composite
+def operands(draw):
+    x = draw(matrices())
+    w = draw(matrices(max_rows=8, cols=x.shape[1]))
+    return x, w
+
+
+def dequantised(x):
+    q, s = quantize_rowwise(x)
+    return q.double() * s.double(), s.double()
+
+
+# ---------------------------------------------------------------- quantize_rowwise
+
+
+@FAST
+@given(matrices())
+@example(torch.tensor([[448.0, 1e-30, 3e-3, -1.0], [0.0, 0.0, 0.0, 0.0]]))
+def test_round_trip_error_is_within_half_an_e4m3_ulp(x):
+    q, s = quantize_rowwise(x)
+    assert q.dtype == FP8_DTYPE and q.shape == x.shape and s.shape == (x.shape[0], 1) and s.dtype == torch.float32
+    assert bool((s > 0).all())
+    err = (q.double() * s.double() - x.double()).abs()
+    assert bool((err <= U * x.double().abs() + V * s.double()).all()), (err, x)
+
+
+@FAST
+@given(matrices())
+def test_each_nonzero_row_spans_the_e4m3_range(x):
+    q, _ = quantize_rowwise(x)
+    nonzero = x.abs().amax(1) > 1e-12
+    assert torch.equal(q.float().abs().amax(1)[nonzero], torch.full((int(nonzero.sum()),), E4M3_MAX))
+
+
+def test_zero_rows_quantise_to_zeros_with_a_positive_scale():
+    q, s = quantize_rowwise(torch.zeros(3, 16))
+    assert torch.equal(q.float(), torch.zeros(3, 16)) and bool((s > 0).all())
+
+
+# ---------------------------------------------------------------- fp8_linear
+
+
+@FAST
+@given(operands(), st.sampled_from([torch.bfloat16, torch.float32]))
+def test_product_is_the_dequantised_operands_product_to_output_rounding(xw, out_dtype):
+    x, w = xw
+    q, s = quantize_rowwise(w)
+    y = fp8_linear(x, q, s, out_dtype=out_dtype)
+    assert y.dtype == out_dtype and y.shape == (x.shape[0], w.shape[0])
+    xd, _ = dequantised(x)
+    wd, _ = dequantised(w)
+    exact = xd @ wd.T
+    accumulation = x.shape[1] * 2.0**-23 * (xd.abs() @ wd.abs().T)
+    err = (y.double() - exact).abs()
+    assert bool((err <= HALF_ULP[out_dtype] * exact.abs() + accumulation + SUBNORMAL_FLOOR[out_dtype]).all()), err
+
+
+@FAST
+@given(operands(), st.sampled_from([torch.bfloat16, torch.float32]))
+def test_error_against_the_exact_product_is_within_the_derived_bound(xw, out_dtype):
+    x, w = xw
+    q, s = quantize_rowwise(w)
+    y = fp8_linear(x, q, s, out_dtype=out_dtype).double()
+    x64, w64 = x.double(), w.double()
+    (xd, sx), (wd, sw) = dequantised(x), dequantised(w)
+    e = U * x64.abs() + V * sx  # per-element quantisation bounds of x and w
+    f = U * w64.abs() + V * sw
+    quantisation = e @ w64.abs().T + x64.abs() @ f.T + e @ f.T
+    rounding = HALF_ULP[out_dtype] * y.abs() + x.shape[1] * 2.0**-23 * (xd.abs() @ wd.abs().T)
+    err = (y - x64 @ w64.T).abs()
+    assert bool((err <= quantisation + rounding + SUBNORMAL_FLOOR[out_dtype]).all()), (err, quantisation)
+
+
+def test_the_derived_bound_is_nearly_reached():
+    # Not vacuous: a = 1 + 0.999 * 2^-4 sits just under the midpoint of e4m3's 1 and 1.125 (scale 1,
+    # set by the row's 448), so it rounds to 1, an error of ~0.94 of u |a| |w|.
+    a = 1.0 + 0.999 * 2.0**-4
+    x, w = torch.tensor([[448.0, a]]), torch.tensor([[0.0, 1.0]])
+    q, s = quantize_rowwise(w)
+    y = fp8_linear(x, q, s, out_dtype=torch.float32)
+    bound = U * a + V * 1.0
+    err = abs(y.item() - a)
+    assert 0.9 * bound < err <= bound
+
+
+def test_leading_dims_bias_and_empty_batches():
+    torch.manual_seed(0)
+    x, w, b = torch.randn(2, 3, 32), torch.randn(16, 32), torch.randn(16)
+    q, s = quantize_rowwise(w)
+    y = fp8_linear(x, q, s, bias=b, out_dtype=torch.float32)
+    flat = fp8_linear(x.reshape(6, 32), q, s, out_dtype=torch.float32) + b
+    assert y.shape == (2, 3, 16) and torch.equal(y.reshape(6, 16), flat)
+    assert fp8_linear(torch.zeros(0, 32), q, s, out_dtype=torch.bfloat16).shape == (0, 16)
+    assert fp8_linear(torch.zeros(2, 0, 32), q, s, bias=b, out_dtype=torch.bfloat16).shape == (2, 0, 16)
+
+
+def test_zero_rows_give_zero_outputs():
+    torch.manual_seed(1)
+    x, w = torch.randn(4, 32), torch.randn(16, 32)
+    x[2] = 0.0
+    q, s = quantize_rowwise(w)
+    y = fp8_linear(x, q, s, out_dtype=torch.bfloat16)
+    assert torch.equal(y[2], torch.zeros(16, dtype=torch.bfloat16)) and bool(y[[0, 1, 3]].ne(0).any())
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_non_finite_entries_propagate_as_nan_rows_and_columns(bad):
+    torch.manual_seed(2)
+    x, w = torch.randn(4, 32), torch.randn(16, 32)
+    q, s = quantize_rowwise(w)
+    clean = fp8_linear(x, q, s, out_dtype=torch.bfloat16)
+    x[1, 5] = bad
+    y = fp8_linear(x, q, s, out_dtype=torch.bfloat16)
+    assert bool(y[1].isnan().all())
+    assert torch.equal(y[[0, 2, 3]], clean[[0, 2, 3]])  # rows are quantised independently
+    w[7, 3] = bad
+    q, s = quantize_rowwise(w)
+    y = fp8_linear(torch.randn(4, 32), q, s, out_dtype=torch.bfloat16)
+    assert bool(y[:, 7].isnan().all()) and bool(y[:, [0, 1, 8, 15]].isfinite().all())
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(x=torch.randn(3, 31)), "K = 32"),
+    (dict(x=torch.randint(0, 3, (3, 32))), "floating"),
+    (dict(w_fp8=torch.randn(16, 32)), "float8_e4m3fn"),
+    (dict(w_fp8=torch.zeros(2, 16, 32, dtype=FP8_DTYPE)), r"\[M, K\]"),
+    (dict(w_scale=torch.ones(1, 16)), r"\[M, 1\]"),
+    (dict(w_scale=torch.ones(16, 1, dtype=torch.float64)), "float32"),
+    (dict(bias=torch.ones(15)), r"\[M\]"),
+    (dict(out_dtype=FP8_DTYPE), "high-precision"),
+])
+def test_bad_arguments_are_refused_up_front(change, match):
+    q, s = quantize_rowwise(torch.randn(16, 32))
+    args = dict(x=torch.randn(3, 32), w_fp8=q, w_scale=s, bias=None, out_dtype=torch.bfloat16) | change
+    with pytest.raises(ValueError, match=match):
+        fp8_linear(args.pop("x"), args.pop("w_fp8"), args.pop("w_scale"), **args)
+
+
+def test_quantize_refuses_other_layouts():
+    with pytest.raises(ValueError, match=r"\[N, K\]"):
+        quantize_rowwise(torch.randn(2, 3, 4))
+    with pytest.raises(ValueError, match="already"):
+        quantize_rowwise(torch.zeros(2, 4, dtype=FP8_DTYPE))
+
+
+# ---------------------------------------------------------------- fp8_linear_frozen (the update's base layers)
+
+
+@FAST
+@given(operands(), st.sampled_from([torch.bfloat16, torch.float32]), st.integers(0, 2**31 - 1))
+def test_frozen_gradient_is_the_weights_product_to_its_rounding(xw, dtype, seed):
+    x, w = (t.to(dtype) for t in xw)
+    q, s = quantize_rowwise(w)
+    x.requires_grad_(True)
+    y = fp8_linear_frozen(x, w, q, s, out_dtype=torch.bfloat16)
+    assert torch.equal(y, fp8_linear(x.detach(), q, s, out_dtype=torch.bfloat16))  # the forward is fp8_linear's
+    g = torch.randn(y.shape, generator=torch.Generator().manual_seed(seed)).to(y.dtype)
+    y.backward(g)
+    exact = g.to(dtype).double() @ w.double()
+    bound = HALF_ULP[dtype] * exact.abs() + w.shape[0] * 2.0**-23 * (g.double().abs() @ w.double().abs())
+    assert x.grad.dtype == dtype and bool(((x.grad.double() - exact).abs() <= bound + SUBNORMAL_FLOOR[dtype]).all())
+
+
+def test_frozen_gives_no_gradient_to_the_weight_and_refuses_a_trained_one():
+    w = torch.randn(16, 32)
+    q, s = quantize_rowwise(w)
+    x = torch.randn(3, 32, requires_grad=True)
+    fp8_linear_frozen(x, w, q, s, out_dtype=torch.float32).sum().backward()
+    assert w.grad is None and x.grad is not None and bool(x.grad.ne(0).any())
+    with pytest.raises(ValueError, match="weight requires grad"):
+        fp8_linear_frozen(x, w.requires_grad_(True), q, s, out_dtype=torch.float32)
+    with pytest.raises(ValueError, match="must match"):
+        fp8_linear_frozen(x, torch.randn(16, 31), q, s, out_dtype=torch.float32)

@@ -25,6 +25,11 @@
 #                             (STEP_ARGS= replaces them, e.g. the earlier rows' settings)
 #   fp8-rollout    p4, .bnb   the step's settings at 64 x 8, vLLM bf16 then FP8           none yet (docs/engines.md: FP8 rollouts)
 #                             (vllm_quantization=fp8): rollout times, logp_diff_mean
+#   fp8-trainer    p4, .bnb   the same step, critic off, bf16 then fp8=score,reference,   none yet (docs/performance.md: FP8 matmuls)
+#                             update on the same rollouts (bench_step after, after_fp8)
+#   fp8-learning   p4         the toy NLA, SEEDS (0 1 2), from each seed's SFT: bf16      none yet (both FP8 sections)
+#                             native with and without fp8=score,reference,update, vLLM
+#                             with and without vllm_quantization=fp8; paired tables
 #   step-ranks2    p4, .bnb,  the same step as a 2-rank torchrun job, each rank with its   Multi-GPU: 256 x 8, one and two GPUs (W5, W6)
 #                  x2         own vLLM engine (its JSON kept in /tmp/keep for step-ranks1)
 #   step-ranks1    p4, .bnb,  after step-ranks2 on the same machine: GPU0 the 1-rank job   Multi-GPU: 256 x 8, one and two GPUs (W5, W6)
@@ -130,6 +135,31 @@ case $stage in
       echo "[fp8-rollout] vllm_quantization=$q: exit $?"; step_lines "$OUT/fp8_$q.log"
     done
     pack fp8-rollout ;;
+  fp8-trainer)
+    # FP8 off and on for the frozen-weight matmuls on the same rollouts: the score, reference and update phases'
+    # times of the two paths (critic off: a co-trained critic trains in its scoring forward, which needs bf16).
+    need_vllm || exit 1; need_bnb
+    timeout -k 10 575 python3 bench/bench_step.py $STEP_ARGS --critic off --paths after,after_fp8 \
+      --fp8 "${FP8_PHASES:-score,reference,update}" --out "$OUT/fp8_trainer.json" > "$OUT/fp8_trainer.log" 2>&1
+    step_lines "$OUT/fp8_trainer.log"; pack fp8-trainer ;;
+  fp8-learning)
+    # Learning parity of both FP8 options on the toy NLA: per seed its demo (fp32 SFT and RL), then four RL
+    # variants from its SFT, one lane per seed (fp8-lane); held-out FVE paired with the same engine in bf16.
+    need_vllm || exit 1
+    for seed in ${SEEDS:-0 1 2}; do timeout -k 10 $((560 - SECONDS)) bash bench/gpu_session.sh fp8-lane $seed & done; wait
+    python3 bench/rl_variants.py table /tmp/fp8toy/seed*/ --out "$OUT/trainer" --against bf16 > "$OUT/trainer.md" 2>&1
+    python3 bench/rl_variants.py table /tmp/fp8toy/seed*/ --out "$OUT/rollout" --against vllm > "$OUT/rollout.md" 2>&1
+    tail -n 8 "$OUT/trainer.md" "$OUT/rollout.md"; tail -n 3 /tmp/fp8toy/*.log | grep -i "rror" ;;
+  fp8-lane)  # one seed of fp8-learning (run by it, under its timeout)
+    source /tmp/vllm_env.sh; export VLLM_LOGGING_LEVEL=WARNING
+    d=/tmp/fp8toy/seed$2; mkdir -p /tmp/fp8toy
+    [ -f $d/report.json ] || python3 -m nla_shell.cli demo --run-dir $d --seed $2 --device cuda > $d.log 2>&1 || exit 1
+    variant() { local name=$1; shift; [ -f $d/variants/$name/report.json ] ||
+      python3 bench/rl_variants.py variant $d $name "$@" > $d.$name.log 2>&1; }
+    variant bf16 dtype=bfloat16 engine=native
+    variant bf16_fp8 dtype=bfloat16 engine=native fp8=score,reference,update
+    variant vllm engine=vllm vllm_gpu_mem=0.05
+    variant vllm_fp8 engine=vllm vllm_gpu_mem=0.05 vllm_quantization=fp8 ;;
   step-ranks2)
     need_vllm || exit 1; need_bnb
     timeout -k 5 585 python3 bench/bench_step.py $STEP_ARGS --ranks 2 --case-timeout 570 \

@@ -16,6 +16,10 @@ settings. Parts:
     the estimate `logp_micro_batch=auto` uses; a group's prompt counted once, as `training.prefix`
     computes it).
   critic: the AR's bf16 gradients and one critic micro-batch's activations.
+  fp8 (`nla train fp8=`, nla_shell.models.fp8): e4m3 copies of the block matrices beside the bf16 ones,
+    1 byte per weight and a float32 scale per output row: the actor's base for reference/update
+    (resident, quantised once); the AR's backbone for score (resident when the AR is frozen, else
+    re-made inside the scoring block: a score phase).
 
 The step's peak is the resident parts plus its largest phase. The estimate errs high: compared with
 the one measured point (8B, 256 x 8, micro-batch 64, critic 64, AdamW8bit, after_all: 103.9 GiB in
@@ -70,6 +74,8 @@ class Settings:
     critic: bool = True  # train_critic
     ar_lora: bool = False  # an AR-LoRA checkpoint (nla sft --mode ar ar_lora=true): only its LoRA trains
     quant: str = "none"  # the AV's frozen base and a frozen or LoRA AR
+    fp8_actor: bool = False  # fp8=reference and/or update: FP8 copies of the actor's base matrices
+    fp8_score: bool = False  # fp8=score: FP8 copies of the AR backbone's matrices
     vllm_gpu_mem: float = 0.35
     vllm_sleep: int = 2
     vllm_max_seqs: int = 1024
@@ -126,6 +132,14 @@ def lora_params(shape: dict, r: int) -> int:
     return shape["num_hidden_layers"] * r * ((h + q) * 2 + (h + kv) * 2)
 
 
+def fp8_copy_bytes(shape: dict, layers: int) -> float:
+    """Bytes of FP8 copies of `layers` blocks' matrices: 1 per weight and a float32 scale per output row."""
+    h, inter, hd = shape["hidden_size"], shape["intermediate_size"], shape["head_dim"]
+    q, kv = shape["num_attention_heads"] * hd, shape["num_key_value_heads"] * hd
+    rows = q + 2 * kv + h + 2 * inter + h  # q, k, v, o, gate, up, down
+    return layers * (block_params(shape)[0] + 4 * rows)
+
+
 def model_bytes(shape: dict, layers: int, *, matrix_bytes: float, lm_head: bool) -> float:
     """Bytes of an LM of `layers` blocks: bf16 embeddings, norms (and an untied LM head), blocks at matrix_bytes."""
     matrices, norms = block_params(shape)
@@ -171,6 +185,11 @@ def estimate(shape_name: str, settings: Settings = Settings()) -> Estimate:
     resident["rollouts"] = s.prompts * s.group * (s.prompt_len + s.new_tokens) * 24
     if s.vllm_sleep == 0:
         resident["vLLM share"] = share
+    if s.fp8_actor:
+        resident["FP8 copies (actor)"] = fp8_copy_bytes(shape, layers)
+    ar_fp8 = fp8_copy_bytes(shape, ar_layers) if s.fp8_score else 0.0
+    if s.fp8_score and not (s.critic and not s.ar_lora):  # a frozen AR or AR-LoRA's base: quantised once
+        resident["FP8 copies (AR)"] = ar_fp8
 
     # A group's prompt once (training.prefix), its samples' responses each.
     policy_tokens = s.new_tokens + math.ceil(s.prompt_len / s.group)
@@ -182,6 +201,8 @@ def estimate(shape_name: str, settings: Settings = Settings()) -> Estimate:
                                         lora_bytes=4 if s.ar_lora else 0)
     phases = {
         "rollout": {"vLLM share": share if s.vllm_sleep else 0.0},
+        # A trained AR's copies live only while its scoring forward runs.
+        "score": {"FP8 copies (AR)": ar_fp8 if "FP8 copies (AR)" not in resident else 0.0},
         "update": {"LoRA grads": 4 * lora, "policy activations": min(s.micro_batch, samples) * policy},
         "critic": {"AR grads": (4 if s.ar_lora else 2) * ar_trained * s.critic + 4 * h * h * s.critic,
                    "AR activations": min(s.critic_micro_batch, samples) * critic_activations},

@@ -4,6 +4,7 @@ bench_step's JSONs) and bench_step's --shape on the tiny, tied geometry."""
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -99,3 +100,20 @@ def test_bench_step_tiny_with_a_tied_shape(tmp_path):
     record = json.loads(out.read_text())
     assert record["settings"]["shape"] == "0.6b" and not record["errors"]
     assert record["cases"][0]["shape"] == "0.6b"
+
+
+def test_fp8_copies_add_one_byte_per_base_weight_and_a_scale_per_row():
+    base = memory_model.estimate("8b")
+    with_actor = memory_model.estimate("8b", memory_model.Settings(fp8_actor=True))
+    shape = memory_model.QWEN3_SHAPES["8b"]
+    matrices, _ = memory_model.block_params(shape)
+    added = with_actor.resident["FP8 copies (actor)"] * memory_model.GIB
+    rows = 4096 + 2 * 1024 + 4096 + 2 * 12288 + 4096  # q, k, v, o, gate, up, down at the 8B shape
+    assert added == shape["num_hidden_layers"] * (matrices + 4 * rows)
+    assert math.isclose(with_actor.total - base.total, added / memory_model.GIB)
+    # A co-trained AR's copies exist only inside its scoring block, far below the update's peak.
+    co_trained = memory_model.estimate("8b", memory_model.Settings(fp8_score=True))
+    assert "FP8 copies (AR)" not in co_trained.resident and co_trained.total == base.total
+    assert co_trained.phases["score"]["FP8 copies (AR)"] > 0
+    frozen = memory_model.estimate("8b", memory_model.Settings(fp8_score=True, critic=False))
+    assert frozen.resident["FP8 copies (AR)"] == co_trained.phases["score"]["FP8 copies (AR)"]

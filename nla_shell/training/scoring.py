@@ -64,12 +64,11 @@ def score_explanations(
     Args: explanations: N texts (None = extraction failed); golds: [N, D].
     """
     inputs = [ar_token_ids(e, template, tokenizer, max_tokens=max_tokens) for e in explanations]
-    keep = [i for i, ids in enumerate(inputs) if ids is not None]
-    device = ar.value_head.weight.device
+    pred = ar_predictions(ar, inputs, pad_id=tokenizer.pad_token_id, micro_batch=micro_batch)
+    keep = torch.tensor([ids is not None for ids in inputs], dtype=torch.bool)
     mse = torch.full((len(inputs),), math.nan)
-    if keep:
-        pred = ar_predict(ar, [inputs[i] for i in keep], pad_id=tokenizer.pad_token_id, micro_batch=micro_batch, device=device)
-        mse[keep] = nla_core.reconstruction_mse(pred.cpu(), golds[keep].float(), scale=mse_scale)
+    if keep.any():
+        mse[keep] = nla_core.reconstruction_mse(pred[keep], golds[keep].float(), scale=mse_scale)
     return _scores(inputs, mse, reward_kind)
 
 

@@ -77,7 +77,7 @@ def main() -> None:
     from nla_shell.io.config import TrainConfig
     from nla_shell.models import trainable_parameters
     from nla_shell.training.scoring import score_and_train_critic
-    from nla_shell.training.setup import make_optimizer
+    from nla_shell.training.runtime import make_optimizer
 
     device = torch.device("cpu") if args.tiny else torch.device("cuda")
     dtype = torch.float32 if args.tiny else torch.bfloat16

@@ -89,7 +89,7 @@ def worker(args: argparse.Namespace) -> None:
     import nla_core
     from nla_shell.training import distributed
     from nla_shell.models import ARModel, ar_predict, trainable_parameters
-    from nla_shell.training.setup import make_optimizer
+    from nla_shell.training.runtime import make_optimizer
     from nla_shell.training.update import LossOptions, policy_update
 
     rank = distributed.rank_info()

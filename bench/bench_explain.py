@@ -313,7 +313,7 @@ def run_engine(engine: str, vectors: torch.Tensor, vectors_parquet: Path, args, 
                workdir: Path) -> None:
     """Load `engine`'s reader, time it offline, and (when it is the server engine) the server and corpus legs."""
     from nla_shell.serving.reader import load_reader
-    from nla_shell.training.setup import resolve_device
+    from nla_shell.training.runtime import resolve_device
 
     device = resolve_device(args.device, "auto")[0]
     base = {"engine": engine, "label": args.label, "sites": len(vectors), "batch": args.batch,
@@ -398,7 +398,7 @@ def main(argv: list[str] | None = None) -> None:
     resolve_inputs(args)
     from nla_shell.io.sidecars import load_sidecar
     from nla_shell.serving.reader import model_sidecar_path
-    from nla_shell.training.setup import resolve_device
+    from nla_shell.training.runtime import resolve_device
 
     device = resolve_device(args.device, "auto")[0]
     settings = {k: v for k, v in vars(args).items() if k != "worker"}

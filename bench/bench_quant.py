@@ -19,7 +19,7 @@ load it (`ARModel.from_pretrained`, truncated after block --extraction-layer, va
 mode `full` trains the whole bf16 backbone (the default critic), `none` / `8bit` / `4bit` a
 LoRA r128 on a bf16 / 8-bit / 4-bit frozen backbone (EasyNLA's `--use-lora` AR, which
 `ar_lora=true` builds). A step is the AR's forward over the batch, the critic's MSE to random
-targets, backward and the optimizer step (`setup.make_optimizer`: AdamW8bit when bitsandbytes
+targets, backward and the optimizer step (`runtime.make_optimizer`: AdamW8bit when bitsandbytes
 is installed); `pred_*` compare each mode's predictions before training with `none`'s,
 relative to their norm (`full` carries no LoRA, so it differs by the LoRA's small B too).
 
@@ -135,7 +135,7 @@ def run_ar_mode(mode: str, model_dir: Path, tokens: dict, args, device: torch.de
 
     from nla_core import resolve_target_scale
     from nla_shell.models import ARModel, trainable_parameters
-    from nla_shell.training.setup import make_optimizer
+    from nla_shell.training.runtime import make_optimizer
 
     torch.manual_seed(0)
     synthetic.free_memory(device)

@@ -183,7 +183,7 @@ class Context:
 
     def __init__(self, args, device: torch.device, dtype: torch.dtype, defaults: dict) -> None:
         from nla_shell.models import trainable_parameters
-        from nla_shell.training.setup import make_optimizer
+        from nla_shell.training.runtime import make_optimizer
 
         self.device, self.defaults = device, defaults
         self.tokenizer, tokens = syn.toy_tokenizer()
@@ -343,7 +343,8 @@ def trainer_state(ctx: Context, args, requests, group: int):
     from nla_shell.io.logging import NullLogger
     from nla_shell.training import distributed
     from nla_shell.training.canary import CanaryWatch
-    from nla_shell.training.setup import DataOrder, EvalEngine, RunState
+    from nla_shell.training.setup import EvalEngine, RunState
+    from nla_shell.training.runtime import DataOrder
 
     cfg = TrainConfig(
         av_ckpt="<random weights>", ar_ckpt="<random weights>", rl_parquet="<synthetic>", save_dir=os.devnull,

@@ -207,7 +207,7 @@ def main() -> None:
     args = parse_args()
     from nla_shell.io.config import TrainConfig
     from nla_shell.models import trainable_parameters
-    from nla_shell.training.setup import make_optimizer
+    from nla_shell.training.runtime import make_optimizer
     from nla_shell.training.update import LossOptions, policy_update
 
     device = torch.device("cpu") if args.tiny else torch.device("cuda")

@@ -68,7 +68,7 @@ class Settings:
     micro_batch: int = 64  # logp_micro_batch
     critic_micro_batch: int = 64  # critic_micro_batch
     lora_r: int = 128
-    adamw8bit: bool = True  # bitsandbytes installed: setup.make_optimizer picks AdamW8bit
+    adamw8bit: bool = True  # bitsandbytes installed: runtime.make_optimizer picks AdamW8bit
     bf16_autocast: bool = True
     gradient_checkpointing: bool = False
     critic: bool = True  # train_critic

@@ -77,7 +77,7 @@ class LocalCompleter:
     def _load(self) -> tuple[Any, Any]:
         if self._lm is None:
             from nla_shell.families import load_causal_lm, load_tokenizer
-            from nla_shell.training.setup import resolve_device
+            from nla_shell.training.runtime import resolve_device
 
             device, dtype = resolve_device(self.device_name, self.dtype_name)
             tokenizer = load_tokenizer(self.model)  # left padding needs a pad id: eos when there is none

@@ -55,7 +55,7 @@ from nla_shell.pipeline.documents import (
 from nla_shell.pipeline.markers import choose_injection_char, injection_char_candidates
 from nla_shell.io.sidecars import DEFAULT_AR_TEMPLATE, DEFAULT_AV_TEMPLATE, dataset_sidecar, write_sidecar
 from nla_shell.models.common import pad_right
-from nla_shell.training.setup import resolve_device, seed_everything
+from nla_shell.training.runtime import resolve_device, seed_everything
 
 __all__ = [
     "EXTRA_COLUMNS",

@@ -50,7 +50,7 @@ from nla_shell.pipeline.datagen import capture_activations
 from nla_shell.pipeline.splice import splice_kl
 from nla_shell.training.scoring import Scores, ar_predictions, score_explanations
 from nla_shell.training.checkpoint import file_sha256
-from nla_shell.training.setup import resolve_device
+from nla_shell.training.runtime import resolve_device
 
 OPTIONAL_COLUMNS = ("position", "context", "explanation")
 """Read when present: they label the samples; `explanation` enables the gold-AR score, `context` splice-KL."""

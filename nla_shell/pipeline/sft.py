@@ -38,7 +38,7 @@ from nla_shell.quant import require_quant
 from nla_shell.training.scoring import critic_step
 from nla_shell.training.preemption import StopSignals, boundary_save_due
 from nla_shell.training.runlock import RunDirLock
-from nla_shell.training.setup import DataOrder, make_optimizer, resolve_device, seed_everything
+from nla_shell.training.runtime import DataOrder, make_optimizer, resolve_device, seed_everything
 from nla_shell.training.update import response_batch
 
 

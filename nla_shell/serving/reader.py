@@ -30,7 +30,7 @@ from nla_shell.models import ARModel, Injector, base_model_dir, pad_right
 from nla_shell.pipeline.datagen import DatagenConfig, capture_activations
 from nla_shell.pipeline.evaluate import check_model_reads_training_data, load_av, tokenizer_dir
 from nla_shell.training.scoring import ar_predictions, ar_token_ids
-from nla_shell.training.setup import resolve_device
+from nla_shell.training.runtime import resolve_device
 
 EngineName = Literal["hf", "native", "vllm"]
 

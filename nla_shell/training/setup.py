@@ -8,12 +8,10 @@ moments and every rank's RNG stream from it: a resumed run goes on exactly where
 
 from __future__ import annotations
 
-import random
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from safetensors.torch import load_file
 
@@ -27,7 +25,6 @@ from nla_shell.io.data import (
     DataError, RLRow, build_prompt_ids, check_tokenizer, load_eval_rows, load_rows, parquet_num_rows, row_windows,
 )
 from nla_shell.io.logging import NullLogger, make_logger
-from nla_shell.io.progress import say_line
 from nla_shell.io.sidecars import injection_settings, load_sidecar
 from nla_shell.models import (
     ARModel, BackboneAutocast, CompiledBlockParts, FP8Linears, Injector, base_model_dir, eos_token_ids, inner_lm,
@@ -38,6 +35,7 @@ from nla_shell.training import distributed, sampling
 from nla_shell.training.canary import CanaryWatch
 from nla_shell.training.distributed import RankInfo
 from nla_shell.training.memory import resolve_micro_batches
+from nla_shell.training.runtime import DataOrder, make_optimizer, say, seed_everything
 from nla_shell.training.update import LossOptions
 
 
@@ -45,45 +43,6 @@ CRITIC_EMA_FILE = "critic_ema.safetensors"
 """A checkpoint's EMA of the critic's trained weights (critic_ema), in trainable_parameters order."""
 
 # --------------------------------------------------------------------------- small pieces
-
-
-def resolve_device(device: str, dtype: str, rank: RankInfo = RankInfo()) -> tuple[torch.device, torch.dtype]:
-    """"auto" -> cuda when available, else cpu; dtype "auto" -> bf16 on cuda, fp32 on cpu.
-
-    Under torchrun each rank takes its own GPU: "auto" and "cuda" become cuda:LOCAL_RANK.
-    """
-    dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device))
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device={device!r} but CUDA is not available; use device=cpu or device=auto")
-    if dev.type == "cuda" and rank.world_size > 1:
-        if dev.index is not None:
-            raise ConfigError(
-                f"config key 'device' = {device!r} is invalid under torchrun: every rank uses the GPU "
-                "of its LOCAL_RANK; use device=cuda or device=auto"
-            )
-        if rank.local_rank >= torch.cuda.device_count():
-            raise ConfigError(
-                f"rank {rank.rank} has LOCAL_RANK {rank.local_rank} but only {torch.cuda.device_count()} GPU(s) "
-                "are visible: launch at most one rank per GPU (--nproc / --nproc_per_node)"
-            )
-        dev = torch.device("cuda", rank.local_rank)
-    if dtype == "auto":
-        return dev, torch.bfloat16 if dev.type == "cuda" else torch.float32
-    return dev, {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
-
-
-def make_optimizer(params: list[torch.nn.Parameter], lr: float, *, device: torch.device, label: str) -> torch.optim.Optimizer:
-    """8-bit AdamW (bitsandbytes) on CUDA when installed, else torch AdamW; says which."""
-    if device.type == "cuda":
-        try:
-            import bitsandbytes as bnb
-
-            say(f"[optim] {label}: bitsandbytes AdamW8bit")
-            return bnb.optim.AdamW8bit(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
-        except ImportError:
-            pass
-    say(f"[optim] {label}: torch AdamW (fp32 moments)")
-    return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
 
 
 def make_engine(cfg: TrainConfig, actor, injector: Injector, tokenizer, *, layer_index: int,
@@ -121,40 +80,6 @@ def make_engine(cfg: TrainConfig, actor, injector: Injector, tokenizer, *, layer
         seed=distributed.rank_seed(cfg.seed, distributed.rank_info().rank) if distributed.active() else cfg.seed,
         per_rank=distributed.active(),
     )
-
-
-def say(message: str, *, error: bool = False) -> None:
-    """Print on rank 0 only: every rank runs the same story, one voice tells it (above the progress bar)."""
-    if distributed.is_main():
-        say_line(message, error=error)
-
-
-def seed_everything(seed: int) -> None:
-    """Seed python's, numpy's and torch's (CPU and CUDA) global RNGs."""
-    random.seed(seed)
-    torch.manual_seed(seed)
-    np.random.seed(seed)
-
-
-@dataclass
-class DataOrder:
-    """Epoch-wise seeded permutations of the training rows; the cursor is (epoch, offset)."""
-
-    n_rows: int
-    seed: int
-    epoch: int = 0
-    offset: int = 0
-
-    def next_batch(self, size: int) -> list[int]:
-        if self.offset + size > self.n_rows:
-            self.epoch, self.offset = self.epoch + 1, 0
-        order = np.random.default_rng([self.seed, self.epoch]).permutation(self.n_rows)
-        picked = order[self.offset : self.offset + size].tolist()
-        self.offset += size
-        return picked
-
-    def state(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "offset": self.offset}
 
 
 def load_train_and_eval_rows(cfg: TrainConfig, nla: nla_core.NLAConfig) -> tuple[list[RLRow], list[RLRow]]:

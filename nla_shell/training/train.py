@@ -44,7 +44,8 @@ from nla_shell.training import distributed, sampling
 from nla_shell.training.preemption import StopSignals, boundary_save_due
 from nla_shell.training.runlock import RunDirLock
 from nla_shell.training.scoring import score_explanations
-from nla_shell.training.setup import CRITIC_EMA_FILE, RunState, resolve_device, say, setup
+from nla_shell.training.setup import CRITIC_EMA_FILE, RunState, setup
+from nla_shell.training.runtime import resolve_device, say
 from nla_shell.training.step import train_step
 
 

@@ -30,7 +30,7 @@ from nla_shell.training.checkpoint import (
     set_rng_state,
 )
 from nla_shell.training.runlock import LOCK_NAME, RunDirBusy, RunDirLock
-from nla_shell.training.setup import seed_everything
+from nla_shell.training.runtime import seed_everything
 from nla_shell.io.config import ConfigError, TrainConfig, config_to_dict
 
 

@@ -23,7 +23,6 @@ from nla_shell.io.sidecars import load_sidecar
 from nla_shell.models import ARModel, FP8Linears, ar_predict, fp8_matmuls, inner_lm, reference_policy
 from nla_shell.models.fp8 import OUT_DTYPE
 from nla_shell.training import scoring
-from nla_shell.training.update import response_batch
 
 BASE = dict(av_ckpt="a", ar_ckpt="b", rl_parquet="c", save_dir="d")
 

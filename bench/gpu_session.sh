@@ -21,6 +21,7 @@
 #   vllm-tests     p4, x2     tests/gpu/test_vllm.py (steering, sync, TP=2, prefix-cache   Rollout engines: vLLM engine GPU tests;
 #                             leaks, sleep, per-rank engines); PYTEST_K= selects           Multi-GPU: Per-rank vLLM engines
 #   gpu-tests      -          the native engine's GPU tests and its CUDA-graph sampler     Rollout engines: Native CUDA-graph sampler
+#                             (and tests/gpu/test_fp8_gpu.py: the device's FP8 kernel at the 8B widths)
 #   step           p4, .bnb   one GRPO step at 256 x 8, critic on, the fastest settings    Step time: 256 x 8 ... (W3, W4); docs/performance.md
 #                             (STEP_ARGS= replaces them, e.g. the earlier rows' settings)
 #   fp8-rollout    p4, .bnb   the step's settings at 64 x 8, vLLM bf16 then FP8           none yet (docs/engines.md: FP8 rollouts)
@@ -117,7 +118,8 @@ case $stage in
     timeout -k 10 150 python3 -m pytest tests/gpu/test_native_gpu.py -q -p no:cacheprovider > "$OUT/native_gpu_test.log" 2>&1
     timeout -k 10 90 python3 -m pytest tests/gpu/test_learning_parity.py -q -s -p no:cacheprovider -k cuda_graph_sampler \
       > "$OUT/sampler_test.log" 2>&1
-    tail -n 3 "$OUT/native_gpu_test.log" "$OUT/sampler_test.log" ;;
+    timeout -k 10 90 python3 -m pytest tests/gpu/test_fp8_gpu.py -q -p no:cacheprovider > "$OUT/fp8_gpu_test.log" 2>&1
+    tail -n 3 "$OUT/native_gpu_test.log" "$OUT/sampler_test.log" "$OUT/fp8_gpu_test.log" ;;
   step)
     need_vllm || exit 1; need_bnb
     timeout -k 10 580 python3 bench/bench_step.py $STEP_ARGS --out "$OUT/step.json" > "$OUT/step.log" 2>&1

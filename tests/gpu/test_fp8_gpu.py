@@ -1,0 +1,63 @@
+"""nla_core.fp8 on the GPU: the device's rowwise-scaled `_scaled_mm` takes the widths `fp8=` converts and
+agrees with the same product on the CPU, and an FP8 swap of a bf16 module changes its output by FP8's bound.
+
+Skipped without a GPU of compute capability >= 9.0 (`nla_shell.models.fp8.MIN_CAPABILITY`). The CPU
+suite checks the arithmetic against float64 (tests/core/test_fp8.py); this file checks what only the
+device can say: that cuBLASLt accepts the shapes, strides and bf16 output the CPU path uses, and that its
+float32 accumulation matches the CPU's to the output's rounding.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import nla_core
+from nla_shell.models.fp8 import MIN_CAPABILITY, FP8Linears, fp8_matmuls
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < MIN_CAPABILITY,
+                       reason="needs a GPU of compute capability >= 9.0"),
+]
+
+CUDA = torch.device("cuda")
+QWEN3_8B_WIDTHS = [(4096, 4096), (4096, 1024), (4096, 12288), (12288, 4096)]
+"""(K, M) of the 8B shape's q/o, k/v, gate/up and down projections."""
+
+
+@pytest.mark.parametrize("k, m", QWEN3_8B_WIDTHS)
+def test_device_product_equals_the_cpu_product(k, m):
+    gen = torch.Generator().manual_seed(k + m)
+    x = torch.randn(3, 5, k, generator=gen).to(torch.bfloat16)  # leading dims flattened to 15 rows
+    w = (torch.randn(m, k, generator=gen) / k**0.5).to(torch.bfloat16)
+    bias = torch.randn(m, generator=gen).to(torch.bfloat16)
+    w_fp8, w_scale = nla_core.quantize_rowwise(w)
+    on_cpu = nla_core.fp8_linear(x, w_fp8, w_scale, bias=bias, out_dtype=torch.bfloat16)
+    on_gpu = nla_core.fp8_linear(x.to(CUDA), w_fp8.to(CUDA), w_scale.to(CUDA), bias=bias.to(CUDA),
+                                 out_dtype=torch.bfloat16).cpu()
+    assert on_gpu.shape == (3, 5, m) and on_gpu.dtype == torch.bfloat16
+    # The same fp8 operands and scales: only the float32 accumulation order and the bf16 rounding differ.
+    err = (on_gpu.float() - on_cpu.float()).abs()
+    assert float(err.max()) <= 2 * 2**-8 * float(on_cpu.float().abs().max()) + 1e-3
+    # And the product is FP8's approximation of the bf16 one (about 2^-3 of sum |x w| at most; far less typically).
+    exact = x.float().reshape(-1, k) @ w.float().T + bias.float()
+    rel = (on_gpu.float().reshape(-1, m) - exact).norm() / exact.norm()
+    assert float(rel) < 0.05
+
+
+def test_fp8_swap_of_a_bf16_mlp_on_the_device():
+    torch.manual_seed(0)
+    mlp = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(), torch.nn.Linear(512, 256))
+    mlp = mlp.to(CUDA, torch.bfloat16).requires_grad_(False)
+    x = torch.randn(64, 256, device=CUDA, dtype=torch.bfloat16)
+    copies = FP8Linears(mlp, label="test")
+    assert len(copies.layers) == 2 and copies.total == 2
+    with torch.no_grad():
+        ref = mlp(x).float()
+        with fp8_matmuls(copies):
+            got = mlp(x).float()
+        back = mlp(x).float()
+    assert torch.equal(back, ref)  # the eager forwards are back after the block
+    rel = (got - ref).norm() / ref.norm()
+    assert 0 < float(rel) < 0.1

@@ -346,6 +346,12 @@ class TrainConfig:
     not in the reference; unmeasured on the GPU as of 2026-12-01 (speed and learning parity to check:
     docs/performance.md)."""
 
+    @property
+    def critic_steps_after_scoring(self) -> bool:
+        """A co-trained critic steps in the scoring forward (reference), unless it learns from chosen pairs,
+        scores with an EMA or the step may draw again: then the scoring is no-grad and the step follows it."""
+        return self.critic_rollouts != "all" or self.critic_ema is not None or self.dynamic_sampling
+
     def __post_init__(self) -> None:
         normalize_fields(self)
         _check_train_config(self)
@@ -482,8 +488,7 @@ def _check_fp8(cfg: TrainConfig) -> None:
             "use quant=none, or leave fp8 empty")
     require(not cfg.compile_blocks, "fp8", phases, "the compiled blocks would trace the FP8 swap: set "
             "compile_blocks=false, or leave fp8 empty")
-    trains_in_scoring = cfg.train_critic and cfg.critic_rollouts == "all" and cfg.critic_ema is None \
-        and not cfg.dynamic_sampling
+    trains_in_scoring = cfg.train_critic and not cfg.critic_steps_after_scoring
     require("score" not in phases or not trains_in_scoring, "fp8", phases,
             "the critic trains in its scoring forward (train_critic, critic_rollouts=all), which needs gradients: "
             "drop score, or set critic_rollouts=best or critic_ema (the critic then steps after a no-grad scoring)")

@@ -259,13 +259,6 @@ class RunState:
             max_tokens=self.cfg.max_explanation_tokens, micro_batch=self.cfg.critic_micro_batch,
         )
 
-    @property
-    def critic_steps_after_scoring(self) -> bool:
-        """The critic steps in the scoring forward (reference), unless it learns from chosen pairs, scores
-        with an EMA or the step may draw again."""
-        cfg = self.cfg
-        return cfg.critic_rollouts != "all" or cfg.critic_ema is not None or cfg.dynamic_sampling
-
 
 def setup(cfg: TrainConfig, rank: RankInfo, device: torch.device, dtype: torch.dtype) -> RunState:
     """Validate every input, claim the run directory, build the models, engine and optimisers, and

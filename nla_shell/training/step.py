@@ -124,7 +124,7 @@ def score_phase(state: RunState, rolled: Rolled) -> Scored:
     explanations = [nla_core.extract_explanation(r.text) for r in rollouts]
     critic_loss = critic_grad_norm = math.nan
     time_critic = 0.0
-    if state.critic_optimizer is not None and not state.critic_steps_after_scoring:
+    if state.critic_optimizer is not None and not cfg.critic_steps_after_scoring:
         scores, critic_loss, critic_grad_norm, time_critic = score_and_train_critic(
             state.critic, state.critic_optimizer, state.tokenizer, explanations, golds, **state.score_kwargs,
             max_grad_norm=cfg.max_grad_norm,
@@ -140,7 +140,7 @@ def score_phase(state: RunState, rolled: Rolled) -> Scored:
     scores = shaped.scores
     group_ids = torch.tensor([r.prompt_index for r in rollouts])
     advantages = sampling.step_advantages(shaped.reward, group_ids, scale=cfg.advantage_scale)
-    if state.critic_optimizer is not None and state.critic_steps_after_scoring:
+    if state.critic_optimizer is not None and cfg.critic_steps_after_scoring:
         critic_loss, critic_grad_norm, time_critic = critic_phase(state, scores, golds, group_ids)
     varied = nla_core.group_has_variance(shaped.reward, group_ids).tolist() if rollouts else []
     varied_groups = int(distributed.all_reduce_sum([len({g for g, v in zip(group_ids.tolist(), varied) if v})])[0])

@@ -29,7 +29,7 @@ from nla_shell.io.sidecars import MODEL_SIDECAR, injection_settings, load_sideca
 from nla_shell.models import ARModel, Injector, base_model_dir, pad_right
 from nla_shell.pipeline.datagen import DatagenConfig, capture_activations
 from nla_shell.pipeline.evaluate import check_model_reads_training_data, load_av, tokenizer_dir
-from nla_shell.training.scoring import ar_predictions, ar_token_ids
+from nla_shell.training.scoring import ar_predictions, ar_token_ids, reconstruct_explanations
 from nla_shell.training.runtime import resolve_device
 
 EngineName = Literal["hf", "native", "vllm"]
@@ -193,12 +193,13 @@ class NLAReader:
         return results
 
     def _score(self, texts: Sequence[str | None], golds: torch.Tensor) -> tuple[dict[int, torch.Tensor], list[float | None]]:
-        """One AR pass over the explanations: {row: [D] float32 prediction on CPU} of the scored rows, and each
-        row's normalised MSE (None where the explanation could not be scored), as `score_explanations` gives it."""
-        pred = self._predict(texts)
-        mse = nla_core.reconstruction_mse(pred, golds.float(), scale=self.mse_scale)  # NaN rows stay NaN
-        mses = [float(m) if math.isfinite(float(m)) else None for m in mse]
-        return {i: pred[i] for i, m in enumerate(mses) if m is not None}, mses
+        """One AR pass over the explanations (the trainer's scoring pass, `reconstruct_explanations`): {row: [D]
+        float32 prediction on CPU} of the scored rows, and each row's normalised MSE (None where unscored)."""
+        read = reconstruct_explanations(self.critic, self.tokenizer, texts, golds,
+                                        template=self.nla.critic_prompt_template, mse_scale=self.mse_scale,
+                                        max_tokens=AR_MAX_TOKENS, micro_batch=64)
+        mses = [float(m) if math.isfinite(float(m)) else None for m in read.mse]
+        return {i: read.predictions[i] for i, m in enumerate(mses) if m is not None}, mses
 
     def _predict(self, texts: Sequence[str | None]) -> torch.Tensor:
         """[N, D] AR predictions from N explanations; NaN rows where one is absent or does not fit the AR."""

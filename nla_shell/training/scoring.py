@@ -47,6 +47,41 @@ def ar_predictions(ar: ARModel, inputs: Sequence[list[int] | None], *, pad_id: i
     return out
 
 
+class Reconstructions(NamedTuple):
+    """The AR's reading of N explanations."""
+
+    inputs: list[list[int] | None]
+    """AR token ids per sample (None: absent, empty-encoded or too long for the AR)."""
+    predictions: torch.Tensor
+    """[N, D] float32 on the CPU; NaN rows where inputs is None."""
+    mse: torch.Tensor
+    """[N] float32 normalised reconstruction MSE against the golds; NaN where inputs is None."""
+
+
+def reconstruct_explanations(
+    ar: ARModel,
+    tokenizer,
+    explanations: Sequence[str | None],
+    golds: torch.Tensor,
+    *,
+    template: str,
+    mse_scale: float | None,
+    max_tokens: int,
+    micro_batch: int,
+) -> Reconstructions:
+    """One micro-batched AR pass over N explanations: each one's prediction and its MSE to its gold.
+
+    Args: explanations: N texts (None = extraction failed); golds: [N, D].
+    """
+    inputs = [ar_token_ids(e, template, tokenizer, max_tokens=max_tokens) for e in explanations]
+    pred = ar_predictions(ar, inputs, pad_id=tokenizer.pad_token_id, micro_batch=micro_batch)
+    keep = torch.tensor([ids is not None for ids in inputs], dtype=torch.bool)
+    mse = torch.full((len(inputs),), math.nan)
+    if keep.any():
+        mse[keep] = nla_core.reconstruction_mse(pred[keep], golds[keep].float(), scale=mse_scale)
+    return Reconstructions(inputs, pred, mse)
+
+
 def score_explanations(
     ar: ARModel,
     tokenizer,
@@ -59,17 +94,13 @@ def score_explanations(
     max_tokens: int,
     micro_batch: int,
 ) -> Scores:
-    """Reconstruct each gold activation from its explanation with the AR, in micro-batches.
+    """Reconstruct each gold activation from its explanation with the AR, in micro-batches, and reward it.
 
     Args: explanations: N texts (None = extraction failed); golds: [N, D].
     """
-    inputs = [ar_token_ids(e, template, tokenizer, max_tokens=max_tokens) for e in explanations]
-    pred = ar_predictions(ar, inputs, pad_id=tokenizer.pad_token_id, micro_batch=micro_batch)
-    keep = torch.tensor([ids is not None for ids in inputs], dtype=torch.bool)
-    mse = torch.full((len(inputs),), math.nan)
-    if keep.any():
-        mse[keep] = nla_core.reconstruction_mse(pred[keep], golds[keep].float(), scale=mse_scale)
-    return _scores(inputs, mse, reward_kind)
+    read = reconstruct_explanations(ar, tokenizer, explanations, golds, template=template, mse_scale=mse_scale,
+                                    max_tokens=max_tokens, micro_batch=micro_batch)
+    return _scores(read.inputs, read.mse, reward_kind)
 
 
 def _scores(inputs: list[list[int] | None], mse: torch.Tensor, reward_kind: str) -> Scores:

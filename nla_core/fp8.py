@@ -27,7 +27,7 @@ import torch
 
 from nla_core._checks import require_floating, require_ndim, require_tensor
 
-__all__ = ["E4M3_MAX", "AMAX_FLOOR", "FP8_DTYPE", "quantize_rowwise", "fp8_linear", "fp8_linear_frozen"]
+__all__ = ["E4M3_MAX", "AMAX_FLOOR", "FP8_DTYPE", "quantize_rowwise", "fp8_linear", "fp8_linear_ste"]
 
 FP8_DTYPE = torch.float8_e4m3fn
 E4M3_MAX = float(torch.finfo(FP8_DTYPE).max)
@@ -51,10 +51,14 @@ def quantize_rowwise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     require_ndim("x", x, 2, "[N, K]")
     if x.dtype == FP8_DTYPE:
         raise ValueError("x is already float8_e4m3fn; quantize_rowwise takes the high-precision tensor")
-    x32 = x.detach().float()
-    scale = x32.abs().amax(dim=1, keepdim=True).clamp(min=AMAX_FLOOR) / E4M3_MAX
-    # The clamp only catches the division's rounding just past 448 (clamp keeps NaN).
-    q = (x32 / scale).clamp(-E4M3_MAX, E4M3_MAX).to(FP8_DTYPE).contiguous()
+    # AMAX_FLOOR and E4M3_MAX written out: under torch.compile(dynamic=True) dynamo makes a module-level
+    # float a graph input, which it cannot pass into an autograd.Function's forward (fp8_linear_ste's).
+    e4m3_max = torch.finfo(FP8_DTYPE).max
+    with torch.no_grad():
+        x32 = x.float()
+        scale = x32.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / e4m3_max
+        # The clamp only catches the division's rounding just past 448 (clamp keeps NaN).
+        q = (x32 / scale).clamp(-e4m3_max, e4m3_max).to(FP8_DTYPE).contiguous()
     return q, scale
 
 
@@ -117,23 +121,31 @@ def fp8_linear(
     return y.reshape(*x.shape[:-1], m)
 
 
-class _FrozenFP8Linear(torch.autograd.Function):
-    """Forward: fp8_linear. Backward: dL/dx = dL/dy @ W in W's dtype; nothing for W, its copies or the bias."""
+class _StraightThroughFP8Linear(torch.autograd.Function):
+    """Forward: fp8_linear. Backward: the linear map's gradients in W's dtype (see fp8_linear_ste)."""
 
     @staticmethod
     def forward(ctx, x, weight, w_fp8, w_scale, bias, out_dtype):
-        ctx.save_for_backward(weight)  # the frozen parameter itself: no copy is kept
+        trains = ctx.needs_input_grad[1]
+        # A frozen weight needs only itself for dL/dx (no copy kept); a trained one also x, for dL/dW.
+        ctx.save_for_backward(weight, x if trains else None)
         ctx.x_dtype = x.dtype
         return fp8_linear(x, w_fp8, w_scale, bias=bias, out_dtype=out_dtype)
 
     @staticmethod
     def backward(ctx, grad_y):
-        (weight,) = ctx.saved_tensors
-        grad_x = (grad_y.to(weight.dtype) @ weight).to(ctx.x_dtype)
-        return grad_x, None, None, None, None, None
+        weight, x = ctx.saved_tensors
+        g = grad_y.to(weight.dtype)
+        grad_x = (g @ weight).to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
+        grad_w = grad_b = None
+        if ctx.needs_input_grad[1]:
+            grad_w = g.reshape(-1, g.shape[-1]).t() @ x.reshape(-1, x.shape[-1]).to(weight.dtype)
+        if ctx.needs_input_grad[4]:
+            grad_b = g.reshape(-1, g.shape[-1]).sum(dim=0)
+        return grad_x, grad_w, None, None, grad_b, None
 
 
-def fp8_linear_frozen(
+def fp8_linear_ste(
     x: torch.Tensor,
     weight: torch.Tensor,
     w_fp8: torch.Tensor,
@@ -142,26 +154,28 @@ def fp8_linear_frozen(
     bias: torch.Tensor | None = None,
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
-    """`fp8_linear` in the forward, differentiable in x for a frozen weight (a LoRA's base layer in training).
+    """`fp8_linear` in the forward, differentiated as the linear map x W^T + b (straight-through).
 
     Forward: y = fp8_linear(x, w_fp8, w_scale, bias=bias, out_dtype=out_dtype), [..., M].
-    Backward: dL/dx = dL/dy @ W, [..., K], in W's own dtype (float32 accumulation), W the weight the
-    FP8 copy was made from; no gradient to W, its copy or the bias. So the backward matrix product
-    adds no quantisation error: against the float64 product of the same operands (dL/dy rounded to
-    W's dtype), |dL/dx_ik - (g W)_ik| <= ulp/2 |(g W)_ik| + M 2^-23 (|g| |W|)_ik, ulp/2 = 2^-8 in
-    bf16, 2^-24 in float32 (plus half the dtype's subnormal spacing, for results that small). This
-    is the gradient of the linear map x -> x W^T at the FP8 forward's activations (x's rounding
-    passed straight through, as quantised-forward training does). Not a transposed FP8 copy of W: that
-    would cost another byte per weight and put up to 2^-4 of each term's error into every gradient.
+    Backward, with g = dL/dy rounded to W's dtype and N the rows of x flattened:
+        dL/dx = g @ W                      [..., K], in x's dtype;
+        dL/dW = g^T @ x  (summed over N)   [M, K], only when W requires grad (x is then kept for it);
+        dL/db = sum_N g                    [M],    only when the bias requires grad;
+    each a product in W's own dtype (float32 accumulation), nothing for the FP8 copy. So the backward
+    adds no quantisation error: against the float64 product of the same operands, each entry is off
+    by at most ulp/2 of itself plus (inner size) 2^-23 of the product of absolute values (ulp/2 =
+    2^-8 in bf16, 2^-24 in float32, plus half the dtype's subnormal spacing for results that small).
+    These are the exact gradients of the linear map at the FP8 forward's activations (the forward's
+    rounding passed straight through, as quantised-forward training does). A frozen weight (a LoRA's
+    base layer in the policy update) keeps no copy of x; a trained one (a co-trained AR's backbone)
+    keeps x as nn.Linear does. No transposed FP8 copy of W is used: that would cost another byte per
+    weight and put up to 2^-4 of each term's error into every gradient.
 
-    Args: x: [..., K] floating; weight: [M, K], frozen (requires_grad False); w_fp8, w_scale:
-      `quantize_rowwise(weight)`; bias: [M] frozen, or None; out_dtype: as for fp8_linear.
-    Returns: [..., M] out_dtype, in the autograd graph of x.
+    Args: x: [..., K] floating; weight: [M, K], the weight the FP8 copy was made from (trained or
+      frozen); w_fp8, w_scale: `quantize_rowwise(weight)`; bias: [M] or None; out_dtype: as for fp8_linear.
+    Returns: [..., M] out_dtype, in the autograd graph of x, weight and bias.
     """
     require_floating("weight", weight)
     if weight.shape != w_fp8.shape:
         raise ValueError(f"weight {tuple(weight.shape)} and its FP8 copy w_fp8 {tuple(w_fp8.shape)} must match")
-    for name, frozen in (("weight", weight), ("bias", bias)):
-        if frozen is not None and frozen.requires_grad:
-            raise ValueError(f"{name} requires grad, but fp8_linear_frozen gives it none: it is for frozen weights")
-    return _FrozenFP8Linear.apply(x, weight, w_fp8, w_scale, bias, out_dtype)
+    return _StraightThroughFP8Linear.apply(x, weight, w_fp8, w_scale, bias, out_dtype)

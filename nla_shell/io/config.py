@@ -329,22 +329,21 @@ class TrainConfig:
     """Load the AV's frozen base and the (frozen) AR quantised with bitsandbytes (CUDA, engine=hf, pip install
     'nla[bnb]'); the LoRA trains in `dtype` on top."""
     fp8: tuple[Literal["score", "reference", "update"], ...] = ()
-    """Phases whose frozen-weight matrix products run in FP8 (comma-separated; empty: none): e4m3 with one
-    scale per row of each operand, by torch._scaled_mm (nla_core.fp8, nla_shell.models.fp8). "score": the
-    AR's no-grad scoring forward (its backbone's Linear layers; a co-trained AR's weights are re-quantised
-    from the current ones at every scoring block, an AR-LoRA's frozen base once; the LoRA and the float32
-    value head stay as they are); "reference": the KL reference pass (the actor's frozen base layers,
-    quantised once; an SFT reference adapter stays as it is); "update": the policy update's forwards
-    through those base layers (same copies), the backward to their inputs in `dtype` (g @ W, no gradient
-    to W; the LoRA factors as they are), so the trainer's log-probs are FP8 ones beside the engine's
-    (logp_diff_* measure the gap). Layers whose in- or out-features are not multiples of 16 stay in
-    `dtype` (start-up says how many convert). Memory: +1 byte per converted weight (frozen layers' copies
-    held for the run; the actor's once for reference and update). Each operand's element is off by up to
-    2^-4 of itself. The rollouts and the held-out eval run as before. Needs a Hopper GPU or later (or the
-    CPU); not with quant or compile_blocks, and not "score" with a critic that trains in its scoring
-    forward (train_critic with critic_rollouts=all, no critic_ema, no dynamic_sampling). An nla addition,
-    not in the reference; unmeasured on the GPU as of 2026-12-01 (speed and learning parity to check:
-    docs/performance.md)."""
+    """Phases whose matrix products with model weights run in FP8 (comma-separated; empty: none): e4m3 with
+    one scale per row of each operand, by torch._scaled_mm (nla_core.fp8, nla_shell.models.fp8). "score":
+    the AR's scoring forward (its backbone's Linear layers; a co-trained AR's weights are re-quantised from
+    the current ones at every scoring block, and its step's backward runs in `dtype`; an AR-LoRA's frozen
+    base is quantised once; the LoRA and the float32 value head stay as they are); "reference": the KL
+    reference pass (the actor's frozen base layers, quantised once; an SFT reference adapter stays as it
+    is); "update": the policy update's forwards through those base layers (same copies). Every backward is
+    the linear map's in `dtype` (straight-through: g @ W to the input, g^T @ x to a trained weight), so
+    the trainer's log-probs are FP8 ones beside the engine's (logp_diff_* measure the gap). Layers whose
+    in- or out-features are not multiples of 16 stay in `dtype` (start-up says how many convert). Memory:
+    +1 byte per converted weight, held for the run (the actor's once for reference and update). Each
+    operand's element is off by up to 2^-4 of itself. The rollouts and the held-out eval run as before.
+    Works with compile_blocks and bf16_autocast; needs a Hopper GPU or later (or the CPU); not with quant.
+    An nla addition, not in the reference; speed and learning parity measured on 2026-12-01:
+    docs/performance.md."""
 
     @property
     def critic_steps_after_scoring(self) -> bool:
@@ -486,12 +485,6 @@ def _check_fp8(cfg: TrainConfig) -> None:
     require(len(set(phases)) == len(phases), "fp8", phases, "name each phase once: a comma list of score, reference, update")
     require(cfg.quant == "none", "fp8", phases, f"FP8 copies are made of full-precision weights, not quant={cfg.quant}: "
             "use quant=none, or leave fp8 empty")
-    require(not cfg.compile_blocks, "fp8", phases, "the compiled blocks would trace the FP8 swap: set "
-            "compile_blocks=false, or leave fp8 empty")
-    trains_in_scoring = cfg.train_critic and not cfg.critic_steps_after_scoring
-    require("score" not in phases or not trains_in_scoring, "fp8", phases,
-            "the critic trains in its scoring forward (train_critic, critic_rollouts=all), which needs gradients: "
-            "drop score, or set critic_rollouts=best or critic_ema (the critic then steps after a no-grad scoring)")
 
 
 def require(ok: bool, key: str, value: Any, fix: str) -> None:

@@ -3,22 +3,26 @@
 `FP8Linears(backbone)` holds, per Linear layer of the backbone (peft's frozen `base_layer`s
 included, the LoRA factors `lora_A` / `lora_B` never), the weight quantised per output row to
 e4m3 (`nla_core.quantize_rowwise`); `with fp8_matmuls(copies):` routes those layers' forwards
-through `nla_core.fp8_linear` (x quantised per row, `torch._scaled_mm`, bf16 out) and puts the
-eager forwards back on exit. A frozen layer is differentiable in its input (`nla_core.fp8_linear_frozen`:
-the backward is g @ W in the weight's own dtype, nothing for W), so a LoRA trains through it (the
-policy update's base layers); a layer whose weight trains runs in FP8 only under no_grad. The bf16
-weights stay where they are: weight pushes, the update's backward and the critic's step read them.
+through `nla_core.fp8_linear_ste` (x quantised per row, `torch._scaled_mm`, bf16 out) and puts the
+eager forwards back on exit. The backward is the linear map's, in the weight's own dtype
+(straight-through): g @ W to the input, and g^T @ x to a weight that trains (a co-trained AR's
+backbone, which scores and takes its step on one forward), nothing to a frozen one (a LoRA's base
+layers). The bf16 weights stay where they are: weight pushes, the backwards and the optimizers read them.
 
-Memory: +1 byte per converted weight and 4 bytes per output row (the scale), held for the run by
-frozen layers (quantised once, here); a layer whose weight trains (a co-trained AR's backbone) is
-re-quantised from its current weight at the start of every block and its copy freed at the end,
-so a stale copy cannot exist: a block after the critic's optimizer step reads the new weights
-(and, with critic_ema, the EMA weights swapped in before the block).
+Memory: +1 byte per converted weight and 4 bytes per output row (the scale), held for the run.
+A frozen layer is quantised once, here; a layer whose weight trains is re-quantised from its
+current weight, in place, at the start of every block, so a stale copy cannot exist: a block
+after the critic's optimizer step reads the new weights (and, with critic_ema, the EMA weights
+swapped in before the block).
+
+Compiled blocks (`compile_blocks`): each layer's FP8 forward is made once, and its copies are
+updated in place, so a compiled MLP or LoRA layer that calls it sees the same function and tensors
+at every block: dynamo keeps two graphs (FP8 on and off) instead of tracing the swap again.
 
 Shape rule: a layer converts only when its in- and out-features are multiples of 16
 (`SCALED_MM_MULTIPLE`, what `_scaled_mm` needs on Hopper); the others stay in the model's
 dtype, and `summary()` says how many. The rule applies on every device, so a CPU run converts
-the layers a GPU run would. Not measured on a GPU as of 2026-12-01 (docs/performance.md).
+the layers a GPU run would.
 """
 
 from __future__ import annotations
@@ -56,10 +60,17 @@ class _Quantised:
     scale: torch.Tensor
     """[M, 1] float32."""
 
+    @classmethod
+    def of(cls, layer: nn.Linear) -> _Quantised:
+        with torch.no_grad():
+            return cls(*nla_core.quantize_rowwise(layer.weight))
 
-def _quantised(layer: nn.Linear) -> _Quantised:
-    with torch.no_grad():
-        return _Quantised(*nla_core.quantize_rowwise(layer.weight))
+    def refresh(self, layer: nn.Linear) -> None:
+        """Re-quantised from the layer's current weight, into the same tensors."""
+        with torch.no_grad():
+            weight, scale = nla_core.quantize_rowwise(layer.weight)
+            self.weight.copy_(weight)
+            self.scale.copy_(scale)
 
 
 class FP8Linears:
@@ -75,56 +86,55 @@ class FP8Linears:
         self.layers = [m for m in linears
                        if m.in_features % SCALED_MM_MULTIPLE == 0 and m.out_features % SCALED_MM_MULTIPLE == 0]
         self.total = len(linears)
-        self._frozen = {id(m): _quantised(m) for m in self.layers if not m.weight.requires_grad}
-        self._active: dict[int, _Quantised] | None = None
+        self._copies = {id(m): _Quantised.of(m) for m in self.layers}
+        # One forward per layer for the run: compiled callers then see the same function at every block.
+        self._forwards = {id(m): functools.partial(_fp8_forward, m, self._copies[id(m)]) for m in self.layers}
+        self._active = False
 
     @property
     def refreshed(self) -> int:
         """Converted layers whose weights train: re-quantised at every block."""
-        return len(self.layers) - len(self._frozen)
+        return sum(m.weight.requires_grad for m in self.layers)
 
     def summary(self) -> str:
         """One start-up line: how many layers convert, why the others do not, what it holds."""
         skipped = self.total - len(self.layers)
-        held = sum(m.weight.numel() + m.out_features * 4 for m in self.layers if id(m) in self._frozen)
+        held = sum(m.weight.numel() + m.out_features * 4 for m in self.layers)
         line = f"[fp8] {self.label}: {len(self.layers)} of {self.total} Linear layers in FP8"
         if skipped:
             line += f" ({skipped} not multiples of {SCALED_MM_MULTIPLE}: left in the model's dtype)"
-        if self._frozen:
-            line += f"; {len(self._frozen)} frozen, quantised once (+{held / 2**20:.1f} MiB)"
+        if frozen := len(self.layers) - self.refreshed:
+            line += f"; {frozen} frozen, quantised once"
         if self.refreshed:
             line += f"; {self.refreshed} trained, re-quantised from the current weights at each block"
+        line += f"; +{held / 2**20:.1f} MiB held"
         return line
 
     def __enter__(self) -> FP8Linears:
-        if self._active is not None:
+        if self._active:
             raise RuntimeError(f"[fp8] {self.label}: the FP8 matmuls are already active (no nesting)")
         for layer in self.layers:
             if "forward" in vars(layer):
                 raise RuntimeError(f"[fp8] {self.label}: a Linear layer already has a forward of its own "
-                                   "(compiled parts?); FP8 cannot be swapped in over it")
-        # Trained weights are quantised here, from what they are now: after the latest optimizer step.
-        self._active = {id(m): self._frozen[id(m)] if id(m) in self._frozen and not m.weight.requires_grad
-                        else _quantised(m) for m in self.layers}
+                                   "(compiled on its own?); FP8 cannot be swapped in over it")
+        for layer in self.layers:  # a trained weight, from what it is now: after the latest optimizer step
+            if layer.weight.requires_grad:
+                self._copies[id(layer)].refresh(layer)
         for layer in self.layers:
-            layer.forward = functools.partial(self._forward, layer, self._active[id(layer)])
+            layer.forward = self._forwards[id(layer)]
+        self._active = True
         return self
 
     def __exit__(self, *exc: object) -> None:
         for layer in self.layers:
             del layer.forward
-        self._active = None  # the trained layers' copies are freed
+        self._active = False
 
-    def _forward(self, layer: nn.Linear, quantised: _Quantised, x: torch.Tensor) -> torch.Tensor:
-        if not layer.weight.requires_grad:  # frozen: the gradient reaches x (g @ W in W's dtype), none W
-            y = nla_core.fp8_linear_frozen(x, layer.weight, quantised.weight, quantised.scale, bias=layer.bias,
-                                           out_dtype=OUT_DTYPE)
-        elif torch.is_grad_enabled():
-            raise RuntimeError(f"[fp8] {self.label}: an FP8 matmul gives a trained weight no gradient; "
-                               "use it under torch.no_grad()")
-        else:
-            y = nla_core.fp8_linear(x, quantised.weight, quantised.scale, bias=layer.bias, out_dtype=OUT_DTYPE)
-        return y.to(x.dtype)
+
+def _fp8_forward(layer: nn.Linear, quantised: _Quantised, x: torch.Tensor) -> torch.Tensor:
+    y = nla_core.fp8_linear_ste(x, layer.weight, quantised.weight, quantised.scale, bias=layer.bias,
+                                out_dtype=OUT_DTYPE)
+    return y.to(x.dtype)
 
 
 def fp8_matmuls(copies: FP8Linears | None) -> contextlib.AbstractContextManager:

@@ -125,10 +125,11 @@ def score_phase(state: RunState, rolled: Rolled) -> Scored:
     critic_loss = critic_grad_norm = math.nan
     time_critic = 0.0
     if state.critic_optimizer is not None and not cfg.critic_steps_after_scoring:
-        scores, critic_loss, critic_grad_norm, time_critic = score_and_train_critic(
-            state.critic, state.critic_optimizer, state.tokenizer, explanations, golds, **state.score_kwargs,
-            max_grad_norm=cfg.max_grad_norm,
-        )
+        with fp8_matmuls(state.fp8_score):  # the forward in FP8, its backward the bf16 weights' (straight-through)
+            scores, critic_loss, critic_grad_norm, time_critic = score_and_train_critic(
+                state.critic, state.critic_optimizer, state.tokenizer, explanations, golds, **state.score_kwargs,
+                max_grad_norm=cfg.max_grad_norm,
+            )
     else:
         with scoring_forward(state):
             scores = score_explanations(state.critic, state.tokenizer, explanations, golds, **state.score_kwargs)

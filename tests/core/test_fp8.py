@@ -13,7 +13,7 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from nla_core import E4M3_MAX, FP8_DTYPE, fp8_linear, fp8_linear_frozen, quantize_rowwise
+from nla_core import AMAX_FLOOR, E4M3_MAX, FP8_DTYPE, fp8_linear, fp8_linear_ste, quantize_rowwise
 
 FAST = settings(max_examples=60, deadline=None)
 U = 2.0**-4 + 2.0**-23
@@ -70,7 +70,7 @@ def test_each_nonzero_row_spans_the_e4m3_range(x):
 
 def test_zero_rows_quantise_to_zeros_with_a_positive_scale():
     q, s = quantize_rowwise(torch.zeros(3, 16))
-    assert torch.equal(q.float(), torch.zeros(3, 16)) and bool((s > 0).all())
+    assert torch.equal(q.float(), torch.zeros(3, 16)) and torch.equal(s, torch.full((3, 1), AMAX_FLOOR / E4M3_MAX))
 
 
 # ---------------------------------------------------------------- fp8_linear
@@ -179,31 +179,56 @@ def test_quantize_refuses_other_layouts():
         quantize_rowwise(torch.zeros(2, 4, dtype=FP8_DTYPE))
 
 
-# ---------------------------------------------------------------- fp8_linear_frozen (the update's base layers)
+# ---------------------------------------------------------------- fp8_linear_ste (the trainer's FP8 layers)
+
+
+def product_bound(exact, a, b, inner, dtype):
+    """|computed - exact| of a product in `dtype` (float32 accumulation): its rounding and the summation's."""
+    return HALF_ULP[dtype] * exact.abs() + inner * 2.0**-23 * (a.double().abs() @ b.double().abs()) + SUBNORMAL_FLOOR[dtype]
 
 
 @FAST
 @given(operands(), st.sampled_from([torch.bfloat16, torch.float32]), st.integers(0, 2**31 - 1))
-def test_frozen_gradient_is_the_weights_product_to_its_rounding(xw, dtype, seed):
+def test_input_gradient_is_the_weights_product_to_its_rounding(xw, dtype, seed):
     x, w = (t.to(dtype) for t in xw)
     q, s = quantize_rowwise(w)
     x.requires_grad_(True)
-    y = fp8_linear_frozen(x, w, q, s, out_dtype=torch.bfloat16)
+    y = fp8_linear_ste(x, w, q, s, out_dtype=torch.bfloat16)
     assert torch.equal(y, fp8_linear(x.detach(), q, s, out_dtype=torch.bfloat16))  # the forward is fp8_linear's
     g = torch.randn(y.shape, generator=torch.Generator().manual_seed(seed)).to(y.dtype)
     y.backward(g)
     exact = g.to(dtype).double() @ w.double()
-    bound = HALF_ULP[dtype] * exact.abs() + w.shape[0] * 2.0**-23 * (g.double().abs() @ w.double().abs())
-    assert x.grad.dtype == dtype and bool(((x.grad.double() - exact).abs() <= bound + SUBNORMAL_FLOOR[dtype]).all())
+    assert x.grad.dtype == dtype
+    assert bool(((x.grad.double() - exact).abs() <= product_bound(exact, g, w, w.shape[0], dtype)).all())
 
 
-def test_frozen_gives_no_gradient_to_the_weight_and_refuses_a_trained_one():
+@FAST
+@given(operands(), st.sampled_from([torch.bfloat16, torch.float32]), st.integers(0, 2**31 - 1))
+def test_trained_weight_and_bias_get_the_linear_maps_gradients(xw, dtype, seed):
+    x, w = (t.to(dtype) for t in xw)
+    q, s = quantize_rowwise(w)
+    gen = torch.Generator().manual_seed(seed)
+    bias = torch.randn(w.shape[0], generator=gen).to(dtype).requires_grad_(True)
+    w.requires_grad_(True)
+    y = fp8_linear_ste(x, w, q, s, bias=bias, out_dtype=torch.bfloat16)
+    g = torch.randn(y.shape, generator=gen).to(y.dtype)
+    y.backward(g)
+    gd = g.to(dtype)
+    exact_w = gd.double().t() @ x.double()
+    assert w.grad.dtype == dtype and x.grad is None
+    assert bool(((w.grad.double() - exact_w).abs() <= product_bound(exact_w, gd.t(), x, x.shape[0], dtype)).all())
+    exact_b = gd.double().sum(dim=0)
+    b_bound = HALF_ULP[dtype] * exact_b.abs() + x.shape[0] * 2.0**-23 * gd.double().abs().sum(dim=0)
+    assert bool(((bias.grad.double() - exact_b).abs() <= b_bound + SUBNORMAL_FLOOR[dtype]).all())
+
+
+def test_frozen_weight_gets_no_gradient_and_keeps_no_input():
     w = torch.randn(16, 32)
     q, s = quantize_rowwise(w)
     x = torch.randn(3, 32, requires_grad=True)
-    fp8_linear_frozen(x, w, q, s, out_dtype=torch.float32).sum().backward()
+    y = fp8_linear_ste(x, w, q, s, out_dtype=torch.float32)
+    assert [t is None for t in y.grad_fn.saved_tensors] == [False, True]  # the weight, not x
+    y.sum().backward()
     assert w.grad is None and x.grad is not None and bool(x.grad.ne(0).any())
-    with pytest.raises(ValueError, match="weight requires grad"):
-        fp8_linear_frozen(x, w.requires_grad_(True), q, s, out_dtype=torch.float32)
     with pytest.raises(ValueError, match="must match"):
-        fp8_linear_frozen(x, torch.randn(16, 31), q, s, out_dtype=torch.float32)
+        fp8_linear_ste(x, torch.randn(16, 31), q, s, out_dtype=torch.float32)

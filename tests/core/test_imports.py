@@ -57,7 +57,7 @@ PUBLIC_API = [
     "doc_disjoint_rows",
     "quantize_rowwise",
     "fp8_linear",
-    "fp8_linear_frozen",
+    "fp8_linear_ste",
 ]
 
 PACKAGE_DIR = Path(nla_core.__file__).resolve().parent

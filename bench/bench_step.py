@@ -27,11 +27,12 @@ Two paths per step, on the same rollouts:
   after_compile  "after" with the norms, MLPs, LoRA layers and rotary embedding of the actor's and
           the AR's blocks compiled (`compile_blocks`); compilation happens in the path's warm-up step.
   after_all   after_bf16 and after_compile together.
-  after_fp8   "after" with the frozen-weight matmuls of --fp8's phases in FP8 (`nla train fp8=`,
-          nla_shell.models.fp8): score (the AR's no-grad scoring forward; needs --critic off, since a
-          co-trained critic trains in its scoring forward), reference (the reference pass, timed
-          inside the update phase) and update (the policy forwards). The FP8 copies are made before the
-          phases, as the trainer's setup makes them.
+  after_fp8   "after" with the matmuls of --fp8's phases in FP8 (`nla train fp8=`, nla_shell.models.fp8):
+          score (the AR's scoring forward; a co-trained critic's step backward runs in bf16,
+          straight-through), reference (the reference pass, timed inside the update phase) and
+          update (the policy forwards). The FP8 copies are made before the phases, as the trainer's
+          setup makes them.
+  after_all_fp8  after_all with --fp8's phases in FP8: the fastest settings with fp8= on top.
 Paths run in the order given on the same rollouts; every path but the last leaves the
 weights as they were (its optimisers are lr-0 SGDs), so each sees the same weights; the step
 prints each path's loss, grad norm, KL, rewards and critic loss beside "before"'s ("after"'s for
@@ -50,7 +51,7 @@ completeness: decoding is bound by memory bandwidth, not arithmetic.
     python bench/bench_step.py --out bench/step.json                                   # H200, 32x8
     python bench/bench_step.py --cases 256x8 --paths after --out bench/step_256x8.json  # the issue's shape
     python bench/bench_step.py --engine vllm ...                                       # needs vllm + its plugin
-    python bench/bench_step.py --critic off --paths after,after_fp8 --out bench/step_fp8.json  # FP8 off and on
+    python bench/bench_step.py --paths after_all,after_all_fp8 --out bench/step_fp8.json  # FP8 off and on
     .venv/bin/python bench/bench_step.py --tiny --out /tmp/step.json                    # CPU smoke run
 
 --engine vllm runs vLLM beside the trainer in sleep mode (--vllm-sleep, default 2: weights
@@ -101,9 +102,10 @@ import torch  # noqa: E402
 
 import synthetic as syn  # noqa: E402
 
-PATHS = ("before", "after", "after_tf32", "after_bf16", "after_compile", "after_all", "after_fp8")
-AUTOCAST_PATHS = ("after_bf16", "after_all")
-COMPILE_PATHS = ("after_compile", "after_all")
+PATHS = ("before", "after", "after_tf32", "after_bf16", "after_compile", "after_all", "after_fp8", "after_all_fp8")
+AUTOCAST_PATHS = ("after_bf16", "after_all", "after_all_fp8")
+COMPILE_PATHS = ("after_compile", "after_all", "after_all_fp8")
+FP8_PATHS = ("after_fp8", "after_all_fp8")
 PEAK_TFLOPS = 790.0
 """bf16 dense matrix peak measured on the H200 (the issue's % of peak is against it)."""
 
@@ -151,8 +153,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # a rank: where rank 0 writes its record
     parser.add_argument("--prompt-len", type=int, default=None, help="default 96 (tiny 24)")
     parser.add_argument("--new-tokens", type=int, default=None, help="default TrainConfig's 160 (tiny 8)")
-    parser.add_argument("--fp8", default="score,reference",
-                        help="after_fp8: the phases whose frozen matmuls run in FP8, of score,reference,update (nla train's fp8=)")
+    parser.add_argument("--fp8", default="score,reference,update",
+                        help="after_fp8, after_all_fp8: the phases whose matmuls run in FP8, of score,reference,update "
+                             "(nla train's fp8=)")
     parser.add_argument("--profile", default=None, help="directory for torch.profiler tables of each path's "
                         "score and update phases, from its warm-up step on the first case")
     args = parser.parse_args()
@@ -169,11 +172,8 @@ def parse_args() -> argparse.Namespace:
     if not args.paths or set(args.paths) - set(PATHS):
         parser.error(f"--paths must name some of {PATHS}, got {args.paths}")
     args.fp8 = tuple(p for p in args.fp8.split(",") if p)
-    if "after_fp8" in args.paths:
-        if not args.fp8 or set(args.fp8) - {"score", "reference", "update"}:
-            parser.error(f"--fp8 must name some of score,reference,update, got {','.join(args.fp8)!r}")
-        if "score" in args.fp8 and args.critic:
-            parser.error("--fp8 score needs --critic off: a co-trained critic trains in its scoring forward (with grad)")
+    if set(FP8_PATHS) & set(args.paths) and (not args.fp8 or set(args.fp8) - {"score", "reference", "update"}):
+        parser.error(f"--fp8 must name some of score,reference,update, got {','.join(args.fp8)!r}")
     args.prompt_len = args.prompt_len or (24 if tiny else 96)
     return args
 
@@ -405,7 +405,7 @@ def run_path(ctx: Context, path: str, state, rolled, args, *, keep_weights: bool
         phases[name] = {"s": seconds, **memory}
         return out
 
-    if path == "after_fp8":  # the FP8 copies of --fp8's phases, made as the trainer's setup makes them
+    if path in FP8_PATHS:  # the FP8 copies of --fp8's phases, made as the trainer's setup makes them
         from nla_shell.training.setup import make_fp8_copies
 
         cfg = dataclasses.replace(state.cfg, fp8=args.fp8)

@@ -24,10 +24,11 @@
 #                             (and tests/gpu/test_fp8_gpu.py: the device's FP8 kernel at the 8B widths)
 #   step           p4, .bnb   one GRPO step at 256 x 8, critic on, the fastest settings    Step time: 256 x 8 ... (W3, W4); docs/performance.md
 #                             (STEP_ARGS= replaces them, e.g. the earlier rows' settings)
-#   fp8-rollout    p4, .bnb   the step's settings at 64 x 8, vLLM bf16 then FP8           none yet (docs/engines.md: FP8 rollouts)
-#                             (vllm_quantization=fp8): rollout times, logp_diff_mean
-#   fp8-trainer    p4, .bnb   the same step, critic off, bf16 then fp8=score,reference,   none yet (docs/performance.md: FP8 matmuls)
-#                             update on the same rollouts (bench_step after, after_fp8)
+#   fp8-step       p4, .bnb   the step at 256 x 8 with FP8: QUANT=none (default) runs the     FP8 (both options); docs/performance.md
+#                             fastest settings and the same + fp8=score,reference,update
+#                             on the same rollouts (after_all, after_all_fp8); QUANT=fp8 the
+#                             step with vLLM's FP8 rollouts too (after_all_fp8); and
+#                             tests/gpu/test_fp8_gpu.py + test_vllm.py -k fp8 first
 #   fp8-learning   p4         the toy NLA, SEEDS (0 1 2), from each seed's SFT: bf16      none yet (both FP8 sections)
 #                             native with and without fp8=score,reference,update, vLLM
 #                             with and without vllm_quantization=fp8; paired tables
@@ -124,26 +125,25 @@ case $stage in
     need_vllm || exit 1; need_bnb
     timeout -k 10 580 python3 bench/bench_step.py $STEP_ARGS --out "$OUT/step.json" > "$OUT/step.log" 2>&1
     step_lines "$OUT/step.log"; pack step ;;
-  fp8-rollout)
-    # The same step with vLLM in bf16, then in its online FP8 (each push re-quantised): the [step] lines give the
-    # rollout phase's time and logp_diff_mean (the update's mean |behaviour - trainer| log-prob; random weights),
-    # the [engine] lines vLLM's split of the rollout (wake, push, generate, sleep). At 64 x 8 (FP8_CASES=) so that
-    # both runs fit one call.
+  fp8-step)
+    # FP8 on top of the fastest step, on and off in one run. QUANT=none: the trainer's FP8 (score: the co-trained
+    # critic's forward, reference, update) against the same settings in bf16 on the same rollouts; QUANT=fp8: vLLM's
+    # online FP8 too (every push re-quantised), so the rollout phase's time and logp_diff_mean (the update's mean
+    # |behaviour - trainer| log-prob) are FP8's. The device's FP8 checks run first, under their own timeouts.
     need_vllm || exit 1; need_bnb
-    for q in none fp8; do
-      limit=280; [ $q = fp8 ] && limit=$((575 - SECONDS))
-      timeout -k 10 $limit python3 bench/bench_step.py $STEP_ARGS --cases "${FP8_CASES:-64x8}" --vllm-quantization $q \
-        --out "$OUT/fp8_$q.json" > "$OUT/fp8_$q.log" 2>&1
-      echo "[fp8-rollout] vllm_quantization=$q: exit $?"; step_lines "$OUT/fp8_$q.log"
-    done
-    pack fp8-rollout ;;
-  fp8-trainer)
-    # FP8 off and on for the frozen-weight matmuls on the same rollouts: the score, reference and update phases'
-    # times of the two paths (critic off: a co-trained critic trains in its scoring forward, which needs bf16).
-    need_vllm || exit 1; need_bnb
-    timeout -k 10 575 python3 bench/bench_step.py $STEP_ARGS --critic off --paths after,after_fp8 \
-      --fp8 "${FP8_PHASES:-score,reference,update}" --out "$OUT/fp8_trainer.json" > "$OUT/fp8_trainer.log" 2>&1
-    step_lines "$OUT/fp8_trainer.log"; pack fp8-trainer ;;
+    q=${QUANT:-none}
+    if [ $q = none ]; then
+      timeout -k 10 60 python3 -m pytest tests/gpu/test_fp8_gpu.py -q -p no:cacheprovider > "$OUT/fp8_gpu_test.log" 2>&1
+      tail -n 2 "$OUT/fp8_gpu_test.log"; paths=after_all,after_all_fp8
+    else
+      timeout -k 10 120 python3 -m pytest tests/gpu/test_vllm.py -q -s -p no:cacheprovider -k fp8 2>&1 \
+        | grep -v "$QUIET" > "$OUT/vllm_fp8_test.log"
+      tail -n 3 "$OUT/vllm_fp8_test.log"; paths=after_all_fp8
+    fi
+    timeout -k 10 $((585 - SECONDS)) python3 bench/bench_step.py $STEP_ARGS --paths ${FP8_STEP_PATHS:-$paths} \
+      --fp8 "${FP8_PHASES:-score,reference,update}" --vllm-quantization $q --out "$OUT/fp8_step_$q.json" \
+      > "$OUT/fp8_step_$q.log" 2>&1
+    echo "[fp8-step] QUANT=$q: exit $?"; step_lines "$OUT/fp8_step_$q.log"; pack fp8-step-$q ;;
   fp8-learning)
     # Learning parity of both FP8 options on the toy NLA: per seed its demo (fp32 SFT and RL), then four RL
     # variants from its SFT, one lane per seed (fp8-lane); held-out FVE paired with the same engine in bf16.

@@ -3,6 +3,7 @@ step being the trainer's."""
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 
@@ -80,17 +81,17 @@ def test_the_benchmarks_step_is_the_trainers(monkeypatch):
 
 
 def test_the_fp8_path_runs_the_trainers_fp8_copies(monkeypatch, capsys):
-    """after_fp8 is "after" with `nla train fp8=score,reference`'s copies: its numbers move off "after"'s
-    (the KL reference and the AR read FP8 products), and --fp8 score with a co-trained critic is refused."""
+    """after_fp8 is "after" with `nla train fp8=score,reference,update`'s copies: its numbers move off "after"'s
+    (the KL reference, the policy and the co-trained AR read FP8 products); a phase it does not know is refused."""
     import dataclasses
 
     from nla_shell.io.config import TrainConfig
 
-    monkeypatch.setattr(sys, "argv", ["bench_step.py", "--tiny", "--critic", "on", "--paths", "after_fp8"])
+    monkeypatch.setattr(sys, "argv", ["bench_step.py", "--tiny", "--paths", "after_fp8", "--fp8", "score,rollout"])
     with pytest.raises(SystemExit):
         bench_step.parse_args()
-    assert "--fp8 score needs --critic off" in capsys.readouterr().err
-    monkeypatch.setattr(sys, "argv", ["bench_step.py", "--tiny", "--critic", "off", "--paths", "after,after_fp8"])
+    assert "--fp8 must name some of score,reference,update" in capsys.readouterr().err
+    monkeypatch.setattr(sys, "argv", ["bench_step.py", "--tiny", "--critic", "on", "--paths", "after,after_fp8"])
     args = bench_step.parse_args()
     args.new_tokens = 8
     torch.manual_seed(0)
@@ -101,5 +102,6 @@ def test_the_fp8_path_runs_the_trainers_fp8_copies(monkeypatch, capsys):
     results, _ = bench_step.grpo_step(ctx, requests, 2, args, paths=["after", "after_fp8"])
     after, fp8 = results["after"][1], results["after_fp8"][1]
     out = capsys.readouterr().out
-    assert "[fp8] score: " in out and "[fp8] reference: " in out
+    assert "[fp8] score: " in out and "[fp8] reference+update: " in out
+    assert fp8["critic_loss"] != after["critic_loss"] and math.isfinite(fp8["critic_grad_norm"])
     assert fp8["kl_mean"] != after["kl_mean"] and fp8["reward"] != after["reward"]

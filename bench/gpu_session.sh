@@ -148,7 +148,8 @@ case $stage in
     # Learning parity of both FP8 options on the toy NLA: per seed its demo (fp32 SFT and RL), then four RL
     # variants from its SFT, one lane per seed (fp8-lane); held-out FVE paired with the same engine in bf16.
     need_vllm || exit 1
-    for seed in ${SEEDS:-0 1 2}; do timeout -k 10 $((560 - SECONDS)) bash bench/gpu_session.sh fp8-lane $seed & done; wait
+    # LIMIT: the seconds this stage may take (less when an install ran first in the same call).
+    for seed in ${SEEDS:-0 1 2}; do timeout -k 10 $((${LIMIT:-560} - SECONDS)) bash bench/gpu_session.sh fp8-lane $seed & done; wait
     python3 bench/rl_variants.py table /tmp/fp8toy/seed*/ --out "$OUT/trainer" --against bf16 > "$OUT/trainer.md" 2>&1
     python3 bench/rl_variants.py table /tmp/fp8toy/seed*/ --out "$OUT/rollout" --against vllm > "$OUT/rollout.md" 2>&1
     tail -n 8 "$OUT/trainer.md" "$OUT/rollout.md"; tail -n 3 /tmp/fp8toy/*.log | grep -i "rror" ;;

@@ -41,8 +41,12 @@ LEAK_PROMPT_LEN = 48  # three 16-token KV blocks; the marker sits in the second 
 LEAK_MARKER = 20  # the first token still sees it strongly, and a full cached block holds steered KV
 # bf16 engine vs bf16 HF forward: the issue measured 0.017 mean |dlogp| for this comparison.
 PARITY_MEAN = 0.03
-# fp8 engine (vllm_quantization=fp8) vs bf16 HF forward: a bound chosen before any measurement.
-FP8_PARITY_MEAN = 0.1
+# fp8 engine (vllm_quantization=fp8) vs bf16 HF forward. The bound first chosen before any measurement, 0.1,
+# failed in run Z (2026-12-01, H200): mean |dlogp| 0.189 after the first push and 0.196 after the second, on this
+# random model, while a stale push read 1.077. FP8's 2^-4 per operand element is large against random weights'
+# logits; on the trained toy NLA the same option measured 0.0056 (bench/RESULTS.md). The bound is now that
+# measurement with a margin; what guards a push is the stale-versus-new assertion.
+FP8_PARITY_MEAN = 0.3
 
 
 @pytest.fixture(scope="module")

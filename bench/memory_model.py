@@ -17,9 +17,9 @@ settings. Parts:
     computes it).
   critic: the AR's bf16 gradients and one critic micro-batch's activations.
   fp8 (`nla train fp8=`, nla_shell.models.fp8): e4m3 copies of the block matrices beside the bf16 ones,
-    1 byte per weight and a float32 scale per output row: the actor's base for reference/update
-    (resident, quantised once); the AR's backbone for score (resident when the AR is frozen, else
-    re-made inside the scoring block: a score phase).
+    1 byte per weight and a float32 scale per output row, resident: the actor's base for
+    reference/update (quantised once) and the AR's backbone for score (a trained AR's re-quantised
+    in place at each scoring block; measured at 8B, run Z: 6,629 + 4,604 MiB).
 
 The step's peak is the resident parts plus its largest phase. The estimate errs high: compared with
 the one measured point (8B, 256 x 8, micro-batch 64, critic 64, AdamW8bit, after_all: 103.9 GiB in
@@ -187,9 +187,8 @@ def estimate(shape_name: str, settings: Settings = Settings()) -> Estimate:
         resident["vLLM share"] = share
     if s.fp8_actor:
         resident["FP8 copies (actor)"] = fp8_copy_bytes(shape, layers)
-    ar_fp8 = fp8_copy_bytes(shape, ar_layers) if s.fp8_score else 0.0
-    if s.fp8_score and not (s.critic and not s.ar_lora):  # a frozen AR or AR-LoRA's base: quantised once
-        resident["FP8 copies (AR)"] = ar_fp8
+    if s.fp8_score:
+        resident["FP8 copies (AR)"] = fp8_copy_bytes(shape, ar_layers)
 
     # A group's prompt once (training.prefix), its samples' responses each.
     policy_tokens = s.new_tokens + math.ceil(s.prompt_len / s.group)
@@ -201,8 +200,6 @@ def estimate(shape_name: str, settings: Settings = Settings()) -> Estimate:
                                         lora_bytes=4 if s.ar_lora else 0)
     phases = {
         "rollout": {"vLLM share": share if s.vllm_sleep else 0.0},
-        # A trained AR's copies live only while its scoring forward runs.
-        "score": {"FP8 copies (AR)": ar_fp8 if "FP8 copies (AR)" not in resident else 0.0},
         "update": {"LoRA grads": 4 * lora, "policy activations": min(s.micro_batch, samples) * policy},
         "critic": {"AR grads": (4 if s.ar_lora else 2) * ar_trained * s.critic + 4 * h * h * s.critic,
                    "AR activations": min(s.critic_micro_batch, samples) * critic_activations},

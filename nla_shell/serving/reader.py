@@ -58,7 +58,7 @@ class ReaderSettings:
     """engine=vllm: longest sequence (prompt + explanation)."""
     vllm_quantization: VLLMQuantization = "none"
     """engine=vllm: vLLM's online FP8 of the AV's linear layers (as `nla train`'s vllm_quantization: the merged
-    weights are quantised as they are pushed); "none" reads in bf16. An nla addition; unmeasured on a GPU."""
+    weights are quantised as they are pushed); "none" reads in bf16. An nla addition; measured in training rollouts only (docs/engines.md)."""
     device: str = "auto"
     """"auto", "cpu", "cuda" or "cuda:N"."""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"

@@ -111,9 +111,11 @@ def test_fp8_copies_add_one_byte_per_base_weight_and_a_scale_per_row():
     rows = 4096 + 2 * 1024 + 4096 + 2 * 12288 + 4096  # q, k, v, o, gate, up, down at the 8B shape
     assert added == shape["num_hidden_layers"] * (matrices + 4 * rows)
     assert math.isclose(with_actor.total - base.total, added / memory_model.GIB)
-    # A co-trained AR's copies exist only inside its scoring block, far below the update's peak.
+    # The AR's copies are resident whether it trains (re-quantised in place) or not.
     co_trained = memory_model.estimate("8b", memory_model.Settings(fp8_score=True))
-    assert "FP8 copies (AR)" not in co_trained.resident and co_trained.total == base.total
-    assert co_trained.phases["score"]["FP8 copies (AR)"] > 0
     frozen = memory_model.estimate("8b", memory_model.Settings(fp8_score=True, critic=False))
-    assert frozen.resident["FP8 copies (AR)"] == co_trained.phases["score"]["FP8 copies (AR)"]
+    assert frozen.resident["FP8 copies (AR)"] == co_trained.resident["FP8 copies (AR)"] > 0
+    # What the trainer printed at the 8B shape in run Z (2026-12-01, bench/RESULTS.md, FP8): "+6629.3 MiB held"
+    # for the actor's 252 layers, "+4603.7 MiB held" for the 25-block AR's 175.
+    assert round(with_actor.resident["FP8 copies (actor)"] * 1024, 1) == 6629.3
+    assert round(co_trained.resident["FP8 copies (AR)"] * 1024, 1) == 4603.7

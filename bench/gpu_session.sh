@@ -7,7 +7,7 @@
 # Setup, once per fresh machine: stages part1, part2, part3, each run with `carry
 # .device-carry/vllm/pK`, bring the vLLM bundle into /tmp/parts. A stage that needs vLLM then runs
 # with `carry .device-carry/vllm/p4` and installs it (once per machine); a stage that needs
-# bitsandbytes (AdamW8bit, the quantised bases) carries `.bnb` (bitsandbytes 0.50.2 unzipped with
+# bitsandbytes (AdamW8bit, the quantised bases) carries `.bnb` (`bash bench/prepare_bnb.sh`: bitsandbytes 0.50.2 unzipped with
 # only its CUDA 13 libraries, so that it fits beside p4 in one call's 64 MiB). Stages marked x2 use
 # two GPUs (`nvidia-h200-x2`), the others one (GPU0).
 #

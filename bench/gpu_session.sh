@@ -36,8 +36,8 @@
 #                  x2         own vLLM engine (its JSON kept in /tmp/keep for step-ranks1)
 #   step-ranks1    p4, .bnb,  after step-ranks2 on the same machine: GPU0 the 1-rank job   Multi-GPU: 256 x 8, one and two GPUs (W5, W6)
 #                  x2         (prints the 2-rank speed-up), GPU1 the plain process
-#   scaling        p4, .bnb   one GRPO step per Qwen3 shape and batch, each case its own   Step time: Scaling across Qwen3 sizes;
-#                             process (SHAPES="0.6b 1.7b ...", CASES="256x8 64x8" split   docs/performance.md
+#   scaling        p4, .bnb   one GRPO step per Qwen3 shape and batch, the cases of alike  Step time: Scaling across Qwen3 sizes;
+#                             settings in one process (SHAPES="0.6b ...", CASES= split    docs/performance.md
 #                             the matrix over calls; micro-batches and vLLM's share from
 #                             bench/memory_model.py --bench-args; SCALING_ARGS= the rest)
 #   train8b        p4, x2     `nla train` at the 8B shape, 3 steps per engine             Step time: nla train at the 8B shape
@@ -177,17 +177,24 @@ case $stage in
   scaling)
     need_vllm || exit 1; need_bnb
     for shape in ${SHAPES:-0.6b 1.7b 4b 8b 14b}; do
+      # Cases whose settings memory_model gives alike share one process: a case's setup (the models, vLLM's
+      # start) took 74-76 s at 0.6B in run Z, before its compiled warm-up step.
+      declare -A together=(); order=()
       for case in ${CASES:-256x8 64x8}; do
-        left=$((585 - SECONDS))  # the call's 10 minutes; a case that cannot start in time is left for the next call
-        # A case takes 74-76 s of setup at 0.6B before its compiled warm-up (run Z): less than 200 s cannot finish it.
-        [ $left -gt 200 ] || { echo "[scaling] no time left for $shape $case"; continue; }
         fit=$(python3 bench/memory_model.py --shapes $shape --cases $case --bench-args)
-        # Its own process under a timeout: an OOM or a hang ends this case only; its JSON keeps the error.
-        timeout -k 10 $(( left < ${CASE_T:-400} ? left : ${CASE_T:-400} )) python3 bench/bench_step.py --shape $shape \
-          --cases $case $fit ${SCALING_ARGS:---engine vllm --paths after_all --prompt-block 4} \
-          --out "$OUT/scaling_${shape}_$case.json" > "$OUT/scaling_${shape}_$case.log" 2>&1
-        echo "[scaling] $shape $case: exit $? ($fit)"; step_lines "$OUT/scaling_${shape}_$case.log" | tail -n 4
+        [ -n "${together[$fit]+x}" ] && together[$fit]+=",$case" || { together[$fit]=$case; order+=("$fit"); }
       done
+      for fit in "${order[@]}"; do
+        cases=${together[$fit]}; name=scaling_${shape}_${cases//,/_}
+        left=$((585 - SECONDS))  # the call's 10 minutes; cases that cannot finish in time are left for the next call
+        [ $left -gt 200 ] || { echo "[scaling] no time left for $shape $cases"; continue; }
+        # Its own process under a timeout: an OOM or a hang ends these cases only; the JSON keeps the error.
+        timeout -k 10 $(( left < ${CASE_T:-400} ? left : ${CASE_T:-400} )) python3 bench/bench_step.py --shape $shape \
+          --cases $cases $fit ${SCALING_ARGS:---engine vllm --paths after_all --prompt-block 4} \
+          --out "$OUT/$name.json" > "$OUT/$name.log" 2>&1
+        echo "[scaling] $shape $cases: exit $? ($fit)"; step_lines "$OUT/$name.log" | tail -n 4
+      done
+      unset together
     done
     python3 bench/scaling_table.py "$OUT"/scaling_*.json | tee "$OUT/scaling_table.md"; pack scaling ;;
   train8b)

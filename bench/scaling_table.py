@@ -21,21 +21,25 @@ import memory_model  # noqa: E402
 PHASES = ("rollout", "score", "update", "critic")
 
 
-def settings_of(run: dict, prompts: int, group: int) -> memory_model.Settings:
-    """memory_model's settings for a bench_step run's case (its flags; AdamW8bit when it used it)."""
+def settings_of(run: dict, prompts: int, group: int, path: str | None = None) -> memory_model.Settings:
+    """memory_model's settings for a bench_step run's case on `path` (default: the run's first; its flags,
+    AdamW8bit when it used it, the FP8 copies of an FP8 path)."""
     s = run["settings"]
+    path = path or s["paths"][0]
+    fp8 = s.get("fp8", []) if path in ("after_fp8", "after_all_fp8") else []
     return dataclasses.replace(
         memory_model.Settings(), prompts=prompts, group=group, prompt_len=s["prompt_len"], new_tokens=s["new_tokens"],
         micro_batch=s["micro_batch"], critic_micro_batch=s["critic_micro_batch"], critic=s["critic"],
         adamw8bit=run.get("optimizers", {}).get("actor") == "AdamW8bit",
-        bf16_autocast=any(p in ("after_bf16", "after_all") for p in s["paths"]),
+        bf16_autocast=path in ("after_bf16", "after_all", "after_all_fp8"),
+        fp8_actor=bool({"reference", "update"} & set(fp8)), fp8_score="score" in fp8,
         vllm_gpu_mem=s["vllm_gpu_mem"], vllm_sleep=s["vllm_sleep"],
         vllm_max_seqs=s["vllm_max_seqs"] or memory_model.Settings.vllm_max_seqs)
 
 
-def settings_text(run: dict) -> str:
+def settings_text(run: dict, path: str) -> str:
     s = run["settings"]
-    return (f"{s['engine']}, {','.join(s['paths'])}, mb {s['micro_batch']}, critic mb {s['critic_micro_batch']}, "
+    return (f"{s['engine']}, {path}, mb {s['micro_batch']}, critic mb {s['critic_micro_batch']}, "
             f"vllm_gpu_mem {s['vllm_gpu_mem']}, sleep {s['vllm_sleep']}, max_seqs {s['vllm_max_seqs']}, "
             f"{run.get('optimizers', {}).get('actor', '?')}")
 
@@ -45,15 +49,20 @@ def rows(runs: list[dict]) -> list[str]:
     for run in runs:
         shape = run["settings"].get("shape", "8b")
         for c in run.get("cases", []):
-            est = memory_model.estimate(shape, settings_of(run, c["prompts"], c["group"]))
+            path = c.get("path", run["settings"]["paths"][0])
+            est = memory_model.estimate(shape, settings_of(run, c["prompts"], c["group"], path))
             phases = ", ".join(f"{p} {c['phases'][p]['s']:.1f}" for p in PHASES if p in c["phases"])
             lines.append(f"| {shape} | {c['prompts']}x{c['group']} | {c['step_s']:.1f} | {phases} | "
-                         f"{c['in_use_gib']:.1f} ({c['peak_gib']:.1f}) | {est.total:.1f} | {settings_text(run)} |")
-        if not run.get("cases"):
-            cases = ",".join(f"{p}x{g}" for p, g in run["settings"]["cases"])
-            error = "; ".join(run.get("errors", [])) or "no case finished (timed out?)"
-            est = memory_model.estimate(shape, settings_of(run, *run["settings"]["cases"][0]))
-            lines.append(f"| {shape} | {cases} | - | {error[:160]} | - | {est.total:.1f} | {settings_text(run)} |")
+                         f"{c['in_use_gib']:.1f} ({c['peak_gib']:.1f}) | {est.total:.1f} | {settings_text(run, path)} |")
+        finished = {(c["prompts"], c["group"]) for c in run.get("cases", [])}
+        for prompts, group in run["settings"]["cases"]:  # a case that did not finish: an OOM, a timeout
+            if (prompts, group) in finished:
+                continue
+            error = "; ".join(e for e in run.get("errors", []) if f"{prompts}x{group}" in e) or \
+                "no step finished (timed out?)"
+            est = memory_model.estimate(shape, settings_of(run, prompts, group))
+            lines.append(f"| {shape} | {prompts}x{group} | - | {error[:160]} | - | {est.total:.1f} | "
+                         f"{settings_text(run, run['settings']['paths'][0])} |")
     return lines
 
 

@@ -78,6 +78,20 @@ def test_gpus_before_hopper_are_refused(monkeypatch):
     require_fp8(torch.device("cuda", 0))
 
 
+def test_the_copies_stay_out_of_the_state_dict_and_the_parameters_and_a_cast_one_is_refused():
+    model = nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 16)).requires_grad_(False)
+    names = set(model.state_dict())
+    copies = FP8Linears(model, label="test")
+    assert set(model.state_dict()) == names and len(list(model.parameters())) == 4  # weight pushes, optimizers
+    assert model[0].fp8_weight.dtype == nla_core.FP8_DTYPE and model[0].fp8_scale.shape == (32, 1)
+    with copies:
+        assert isinstance(model[0], nn.Linear) and type(model[0]) is not nn.Linear
+    assert type(model[0]) is nn.Linear
+    model.to(torch.float64)  # casts every floating buffer, e4m3 included
+    with pytest.raises(RuntimeError, match="cast to torch.float64"):
+        copies.__enter__()
+
+
 def test_fp8_matmuls_refuse_nesting():
     model = nn.Linear(16, 16).requires_grad_(False)
     copies = FP8Linears(model, label="test")

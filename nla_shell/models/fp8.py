@@ -23,8 +23,9 @@ that is no longer e4m3. For the block each layer's class is `_FP8Linear` (an `nn
 forward reads those buffers), and `nn.Linear` again on exit.
 
 Compiled blocks (`compile_blocks`): a compiled MLP or LoRA layer that calls a converted layer guards
-on the layer's class, and reads the copies as graph inputs like the weight, so every layer of one
-shape shares two graphs (FP8 on and off) whatever the number of layers. (A per-layer forward, an
+on the layer's class, and reads the copies as graph inputs like the weight, so the layers share its
+graphs: FP8 on adds one set of variants to FP8 off's, whatever the number of layers (checked on the
+CPU with the "aot_eager" backend, tests/shell/test_fp8_trainer.py). (A per-layer forward, an
 instance attribute, was guarded on by identity: one recompile per layer, past dynamo's recompile
 limit at 36 blocks, and the rest ran eager.)
 

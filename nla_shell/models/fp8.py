@@ -15,9 +15,19 @@ current weight, in place, at the start of every block, so a stale copy cannot ex
 after the critic's optimizer step reads the new weights (and, with critic_ema, the EMA weights
 swapped in before the block).
 
-Compiled blocks (`compile_blocks`): each layer's FP8 forward is made once, and its copies are
-updated in place, so a compiled MLP or LoRA layer that calls it sees the same function and tensors
-at every block: dynamo keeps two graphs (FP8 on and off) instead of tracing the swap again.
+Where the copies live: on each converted layer, as non-persistent buffers `fp8_weight` [M, K] e4m3 and
+`fp8_scale` [M, 1] float32, so they follow the layer's `.to(device)` and stay out of `state_dict()`
+(the weight pushes and checkpoints) and `named_parameters()` (the optimizers, vLLM's weight loads).
+`Module.to(dtype)` would cast them too (e4m3 is a floating dtype): entering the block refuses a copy
+that is no longer e4m3. For the block each layer's class is `_FP8Linear` (an `nn.Linear` whose
+forward reads those buffers), and `nn.Linear` again on exit.
+
+Compiled blocks (`compile_blocks`): a compiled MLP or LoRA layer that calls a converted layer guards
+on the layer's class, and reads the copies as graph inputs like the weight, so the layers share its
+graphs: FP8 on adds one set of variants to FP8 off's, whatever the number of layers (checked on the
+CPU with the "aot_eager" backend, tests/shell/test_fp8_trainer.py). (A per-layer forward, an
+instance attribute, was guarded on by identity: one recompile per layer, past dynamo's recompile
+limit at 36 blocks, and the rest ran eager.)
 
 Shape rule: a layer converts only when its in- and out-features are multiples of 16
 (`SCALED_MM_MULTIPLE`, what `_scaled_mm` needs on Hopper); the others stay in the model's
@@ -28,8 +38,6 @@ the layers a GPU run would.
 from __future__ import annotations
 
 import contextlib
-import functools
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -53,26 +61,6 @@ def require_fp8(device: torch.device, *, what: str = "config key 'fp8'") -> None
                          f"but {device} is {major}.{minor}; leave fp8 empty on this GPU")
 
 
-@dataclass
-class _Quantised:
-    weight: torch.Tensor
-    """[M, K] float8_e4m3fn."""
-    scale: torch.Tensor
-    """[M, 1] float32."""
-
-    @classmethod
-    def of(cls, layer: nn.Linear) -> _Quantised:
-        with torch.no_grad():
-            return cls(*nla_core.quantize_rowwise(layer.weight))
-
-    def refresh(self, layer: nn.Linear) -> None:
-        """Re-quantised from the layer's current weight, into the same tensors."""
-        with torch.no_grad():
-            weight, scale = nla_core.quantize_rowwise(layer.weight)
-            self.weight.copy_(weight)
-            self.scale.copy_(scale)
-
-
 class FP8Linears:
     """The FP8 copies of `backbone`'s eligible Linear layers (see the module docstring).
 
@@ -86,9 +74,11 @@ class FP8Linears:
         self.layers = [m for m in linears
                        if m.in_features % SCALED_MM_MULTIPLE == 0 and m.out_features % SCALED_MM_MULTIPLE == 0]
         self.total = len(linears)
-        self._copies = {id(m): _Quantised.of(m) for m in self.layers}
-        # One forward per layer for the run: compiled callers then see the same function at every block.
-        self._forwards = {id(m): functools.partial(_fp8_forward, m, self._copies[id(m)]) for m in self.layers}
+        for layer in self.layers:  # a second set over the same layers replaces the first's copies
+            with torch.no_grad():
+                weight, scale = nla_core.quantize_rowwise(layer.weight)
+            layer.register_buffer("fp8_weight", weight, persistent=False)
+            layer.register_buffer("fp8_scale", scale, persistent=False)
         self._active = False
 
     @property
@@ -117,24 +107,37 @@ class FP8Linears:
             if "forward" in vars(layer):
                 raise RuntimeError(f"[fp8] {self.label}: a Linear layer already has a forward of its own "
                                    "(compiled on its own?); FP8 cannot be swapped in over it")
+            if layer.fp8_weight.dtype != nla_core.FP8_DTYPE:
+                raise RuntimeError(f"[fp8] {self.label}: a layer's FP8 copy was cast to {layer.fp8_weight.dtype} "
+                                   "(Module.to(dtype) after the copies were made?); make the FP8Linears after the cast")
         for layer in self.layers:  # a trained weight, from what it is now: after the latest optimizer step
             if layer.weight.requires_grad:
-                self._copies[id(layer)].refresh(layer)
+                with torch.no_grad():
+                    weight, scale = nla_core.quantize_rowwise(layer.weight)
+                    layer.fp8_weight.copy_(weight)
+                    layer.fp8_scale.copy_(scale)
         for layer in self.layers:
-            layer.forward = self._forwards[id(layer)]
+            layer.__class__ = _FP8Linear
         self._active = True
         return self
 
     def __exit__(self, *exc: object) -> None:
         for layer in self.layers:
-            del layer.forward
+            layer.__class__ = nn.Linear
         self._active = False
 
 
-def _fp8_forward(layer: nn.Linear, quantised: _Quantised, x: torch.Tensor) -> torch.Tensor:
-    y = nla_core.fp8_linear_ste(x, layer.weight, quantised.weight, quantised.scale, bias=layer.bias,
-                                out_dtype=OUT_DTYPE)
-    return y.to(x.dtype)
+class _FP8Linear(nn.Linear):
+    """A converted layer inside an FP8 block: the same module (weight, bias, the `fp8_weight` / `fp8_scale`
+    buffers FP8Linears registered), its product in FP8. x [..., K] -> [..., M] in x's dtype."""
+
+    fp8_weight: torch.Tensor
+    fp8_scale: torch.Tensor
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = nla_core.fp8_linear_ste(x, self.weight, self.fp8_weight, self.fp8_scale, bias=self.bias,
+                                    out_dtype=OUT_DTYPE)
+        return y.to(x.dtype)
 
 
 def fp8_matmuls(copies: FP8Linears | None) -> contextlib.AbstractContextManager:

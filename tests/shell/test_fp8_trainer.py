@@ -78,6 +78,20 @@ def test_gpus_before_hopper_are_refused(monkeypatch):
     require_fp8(torch.device("cuda", 0))
 
 
+def test_the_copies_stay_out_of_the_state_dict_and_the_parameters_and_a_cast_one_is_refused():
+    model = nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 16)).requires_grad_(False)
+    names = set(model.state_dict())
+    copies = FP8Linears(model, label="test")
+    assert set(model.state_dict()) == names and len(list(model.parameters())) == 4  # weight pushes, optimizers
+    assert model[0].fp8_weight.dtype == nla_core.FP8_DTYPE and model[0].fp8_scale.shape == (32, 1)
+    with copies:
+        assert isinstance(model[0], nn.Linear) and type(model[0]) is not nn.Linear
+    assert type(model[0]) is nn.Linear
+    model.to(torch.float64)  # casts every floating buffer, e4m3 included
+    with pytest.raises(RuntimeError, match="cast to torch.float64"):
+        copies.__enter__()
+
+
 def test_fp8_matmuls_refuse_nesting():
     model = nn.Linear(16, 16).requires_grad_(False)
     copies = FP8Linears(model, label="test")
@@ -379,3 +393,34 @@ def test_compiled_blocks_trace_the_fp8_layers_once(nla_run_inputs, tiny_tokenize
         assert numbers.loss == pytest.approx(eager.loss, rel=1e-3, abs=1e-6)
         assert relative_error(grad, eager_grad) < 0.1 * fp8_error
     assert all("forward" not in vars(m) for m in copies.layers)
+
+
+def test_compiled_blocks_compile_no_graph_per_fp8_layer(nla_run_inputs, tiny_tokenizer):
+    """The converted layers under a compiled LoRA layer or MLP share its graphs: once the first two blocks'
+    layers have run in FP8 (the first block's inputs need no gradient, the others' do: variants of their
+    own), converting the last block's too compiles nothing new, so a deep model stays
+    under dynamo's recompile limit. (A forward per layer, guarded on by identity, compiled one more variant
+    per layer: at the Qwen3-8B shape on 2026-12-01, 252 LoRA layers, past the limit of 64, and the rest of
+    the run eager and slower than bf16.)"""
+    from torch._dynamo.utils import counters
+
+    from nla_shell.models import CompiledBlockParts
+
+    actor, injector, rollouts, activations, advantages = fp8_update_inputs(nla_run_inputs, tiny_tokenizer)
+    blocks = families.decoder_blocks(actor)
+    first_blocks = FP8Linears(nn.ModuleList(blocks[:2]), label="update")
+    torch._dynamo.reset()
+    compiled = CompiledBlockParts(actor, backend="aot_eager")
+    try:
+        lora_update(actor, injector, rollouts, activations, advantages, tiny_tokenizer, None)
+        own_dtype = counters["stats"]["unique_graphs"]
+        lora_update(actor, injector, rollouts, activations, advantages, tiny_tokenizer, first_blocks)
+        graphs = counters["stats"]["unique_graphs"]
+        every_block = FP8Linears(families.backbone(inner_lm(actor)), label="update")
+        assert len(blocks) == 3 and 2 * len(every_block.layers) == 3 * len(first_blocks.layers)
+        numbers, _ = lora_update(actor, injector, rollouts, activations, advantages, tiny_tokenizer, every_block)
+        assert graphs > own_dtype and counters["stats"]["unique_graphs"] == graphs
+    finally:
+        compiled.remove()
+        torch._dynamo.reset()
+    assert math.isfinite(numbers.loss)

@@ -422,6 +422,8 @@ def run_path(ctx: Context, path: str, state, rolled, args, *, keep_weights: bool
         update = phase("update", lambda: step.update_phase(state, 0, scored))
         critic_loss, critic_norm, scores = scored.critic_loss, scored.critic_grad_norm, scored.scores
     ctx.optimizer.zero_grad(set_to_none=True)
+    for copies in {id(c): c for c in (state.fp8_score, state.fp8_reference, state.fp8_update) if c}.values():
+        copies.remove()  # the next path runs without them
     numbers = {"loss": update.loss, "grad_norm": update.grad_norm, "kl_mean": update.kl_mean,
                "clip_frac": update.clip_frac, "logp_diff_mean": update.logp_diff_mean,
                "critic_loss": critic_loss, "critic_grad_norm": critic_norm,

@@ -126,6 +126,13 @@ class FP8Linears:
             layer.__class__ = nn.Linear
         self._active = False
 
+    def remove(self) -> None:
+        """The copies off the layers (their memory freed): for a benchmark path that ends while the models live on."""
+        if self._active:
+            raise RuntimeError(f"[fp8] {self.label}: remove() inside the FP8 block")
+        for layer in self.layers:
+            del layer.fp8_weight, layer.fp8_scale
+
 
 class _FP8Linear(nn.Linear):
     """A converted layer inside an FP8 block: the same module (weight, bias, the `fp8_weight` / `fp8_scale`

@@ -90,6 +90,8 @@ def test_the_copies_stay_out_of_the_state_dict_and_the_parameters_and_a_cast_one
     model.to(torch.float64)  # casts every floating buffer, e4m3 included
     with pytest.raises(RuntimeError, match="cast to torch.float64"):
         copies.__enter__()
+    copies.remove()  # a benchmark path's end: the buffers go, the layers stay
+    assert not list(model.buffers()) and set(model.state_dict()) == names
 
 
 def test_fp8_matmuls_refuse_nesting():

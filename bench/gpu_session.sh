@@ -29,6 +29,10 @@
 #                             on the same rollouts (after_all, after_all_fp8); QUANT=fp8 the
 #                             step with vLLM's FP8 rollouts too (after_all_fp8); and
 #                             tests/gpu/test_fp8_gpu.py + test_vllm.py -k fp8 first
+#   profile        p4, .bnb   where the step's device time goes: torch.profiler tables     none yet (issue 31's profiler table)
+#                             (top ops by device time) of the score and update phases
+#                             of each path's warm-up step, bf16 and FP8 (after_all,
+#                             after_all_fp8), at 64 x 8 (PROFILE_CASES=)
 #   fp8-learning   p4         the toy NLA, SEEDS (0 1 2), from each seed's SFT: bf16      none yet (both FP8 sections)
 #                             native with and without fp8=score,reference,update, vLLM
 #                             with and without vllm_quantization=fp8; paired tables
@@ -144,6 +148,12 @@ case $stage in
       --fp8 "${FP8_PHASES:-score,reference,update}" --vllm-quantization $q --out "$OUT/fp8_step_$q.json" \
       > "$OUT/fp8_step_$q.log" 2>&1
     echo "[fp8-step] QUANT=$q: exit $?"; step_lines "$OUT/fp8_step_$q.log"; pack fp8-step-$q ;;
+  profile)
+    need_vllm || exit 1; need_bnb
+    timeout -k 10 575 python3 bench/bench_step.py $STEP_ARGS --cases "${PROFILE_CASES:-64x8}" \
+      --paths "${PROFILE_PATHS:-after_all,after_all_fp8}" --fp8 score,reference,update --profile "$OUT/profile" \
+      --out "$OUT/profile.json" > "$OUT/profile.log" 2>&1
+    step_lines "$OUT/profile.log"; head -n 14 "$OUT"/profile/*update.txt; pack profile ;;
   fp8-learning)
     # Learning parity of both FP8 options on the toy NLA: per seed its demo (fp32 SFT and RL), then four RL
     # variants from its SFT, one lane per seed (fp8-lane); held-out FVE paired with the same engine in bf16.

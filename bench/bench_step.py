@@ -408,7 +408,7 @@ def run_path(ctx: Context, path: str, state, rolled, args, *, keep_weights: bool
     if path in FP8_PATHS:  # the FP8 copies of --fp8's phases, made as the trainer's setup makes them
         from nla_shell.training.setup import make_fp8_copies
 
-        cfg = dataclasses.replace(state.cfg, fp8=args.fp8)
+        cfg = dataclasses.replace(state.cfg, fp8=args.fp8, compile_blocks=path in COMPILE_PATHS)
         fp8_score, fp8_reference, fp8_update = make_fp8_copies(cfg, ctx.actor, ctx.critic, device=ctx.device)
         state = dataclasses.replace(state, cfg=cfg, fp8_score=fp8_score, fp8_reference=fp8_reference,
                                     fp8_update=fp8_update)

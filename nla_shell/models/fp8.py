@@ -38,6 +38,7 @@ the layers a GPU run would.
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 from torch import nn
@@ -65,11 +66,15 @@ class FP8Linears:
     """The FP8 copies of `backbone`'s eligible Linear layers (see the module docstring).
 
     Args: backbone: the modules whose Linear layers convert (the AR's truncated backbone, the
-      actor's decoder); label: the phase, for messages.
+      actor's decoder); label: the phase, for messages; compile_backend: with compile_blocks, the
+      torch.compile backend that fuses each layer's FP8 product where no compiled block part
+      contains it (the attention's bare q/k/v/o projections): its input's quantisation, eager,
+      is several passes over the input per layer. None: eager there.
     """
 
-    def __init__(self, backbone: nn.Module, *, label: str) -> None:
+    def __init__(self, backbone: nn.Module, *, label: str, compile_backend: str | None = None) -> None:
         self.label = label
+        self._swap_class = _FP8Linear if compile_backend is None else _compiled_fp8_linear_class(compile_backend)
         linears = [m for name, m in backbone.named_modules() if type(m) is nn.Linear and ".lora_" not in f".{name}"]
         self.layers = [m for m in linears
                        if m.in_features % SCALED_MM_MULTIPLE == 0 and m.out_features % SCALED_MM_MULTIPLE == 0]
@@ -117,7 +122,7 @@ class FP8Linears:
                     layer.fp8_weight.copy_(weight)
                     layer.fp8_scale.copy_(scale)
         for layer in self.layers:
-            layer.__class__ = _FP8Linear
+            layer.__class__ = self._swap_class
         self._active = True
         return self
 
@@ -145,6 +150,22 @@ class _FP8Linear(nn.Linear):
         y = nla_core.fp8_linear_ste(x, self.weight, self.fp8_weight, self.fp8_scale, bias=self.bias,
                                     out_dtype=OUT_DTYPE)
         return y.to(x.dtype)
+
+
+@functools.cache
+def _compiled_fp8_linear_class(backend: str) -> type[_FP8Linear]:
+    """_FP8Linear whose product, outside compiled code, runs one compiled graph (dynamic shapes: every layer's
+    width and micro-batch); inside compiled code (a compiled MLP or LoRA layer) dynamo inlines it as it is."""
+    compiled = torch.compile(nla_core.fp8_linear_ste, dynamic=True, backend=backend)
+
+    class _CompiledFP8Linear(_FP8Linear):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if torch.compiler.is_compiling():
+                return super().forward(x)
+            return compiled(x, self.weight, self.fp8_weight, self.fp8_scale, bias=self.bias,
+                            out_dtype=OUT_DTYPE).to(x.dtype)
+
+    return _CompiledFP8Linear
 
 
 def fp8_matmuls(copies: FP8Linears | None) -> contextlib.AbstractContextManager:

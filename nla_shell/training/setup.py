@@ -398,9 +398,11 @@ def make_fp8_copies(cfg: TrainConfig, actor, critic: ARModel, *,
     if not cfg.fp8:
         return None, None, None
     require_fp8(device)
-    score = FP8Linears(families.backbone(critic.lm), label="score") if "score" in cfg.fp8 else None
+    backend = "inductor" if cfg.compile_blocks else None
+    score = FP8Linears(families.backbone(critic.lm), label="score", compile_backend=backend) if "score" in cfg.fp8 else None
     actor_phases = [phase for phase in ("reference", "update") if phase in cfg.fp8]
-    base = FP8Linears(families.backbone(inner_lm(actor)), label="+".join(actor_phases)) if actor_phases else None
+    base = (FP8Linears(families.backbone(inner_lm(actor)), label="+".join(actor_phases), compile_backend=backend)
+            if actor_phases else None)
     for copies in (score, base):
         if copies is not None:
             say(copies.summary())

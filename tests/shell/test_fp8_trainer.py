@@ -94,6 +94,25 @@ def test_the_copies_stay_out_of_the_state_dict_and_the_parameters_and_a_cast_one
     assert not list(model.buffers()) and set(model.state_dict()) == names
 
 
+def test_a_compile_backend_runs_the_same_fp8_product_compiled():
+    """compile_backend (compile_blocks): outside compiled code each layer's FP8 product is one compiled graph,
+    the same arithmetic as the eager one, gradients included ("aot_eager" traces what inductor would compile)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 48), nn.ReLU(), nn.Linear(48, 32))
+    model[0].requires_grad_(False)  # a frozen layer and a trained one
+    x = torch.randn(2, 5, 32, requires_grad=True)
+    results = []
+    for backend in (None, "aot_eager"):
+        with FP8Linears(model, label="test", compile_backend=backend):
+            y = model(x)
+            y.pow(2).sum().backward()
+        results.append((y.detach(), x.grad.clone(), model[2].weight.grad.clone()))
+        x.grad = model[2].weight.grad = model[2].bias.grad = None
+    for eager, compiled in zip(*results):
+        torch.testing.assert_close(compiled, eager, rtol=1e-6, atol=1e-6)
+    assert type(model[0]) is nn.Linear  # the eager class again after the block
+
+
 def test_fp8_matmuls_refuse_nesting():
     model = nn.Linear(16, 16).requires_grad_(False)
     copies = FP8Linears(model, label="test")

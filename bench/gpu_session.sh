@@ -171,6 +171,9 @@ case $stage in
       python3 bench/rl_variants.py variant $d $name "$@" > $d.$name.log 2>&1; }
     variant bf16 dtype=bfloat16 engine=native
     variant bf16_fp8 dtype=bfloat16 engine=native fp8=score,reference,update
+    # The lanes reach their vLLM variants together: starting three engines at once lost seed 1's vllm_fp8 in
+    # run Z ("No available memory for the cache blocks" at vllm_gpu_mem 0.05), so each lane waits its turn.
+    sleep $((15 * $2))
     variant vllm engine=vllm vllm_gpu_mem=0.05
     variant vllm_fp8 engine=vllm vllm_gpu_mem=0.05 vllm_quantization=fp8 ;;
   step-ranks2)

@@ -227,7 +227,8 @@ class RunState:
     save_dir: Path
     canary_watch: CanaryWatch
     fp8_score: FP8Linears | None = None
-    """With fp8=score: the AR backbone's FP8 copies, active in the step's no-grad scoring forwards."""
+    """With fp8=score: the AR backbone's FP8 copies, active in the step's scoring forwards (the co-trained
+    critic's, which it also steps on, included)."""
     fp8_reference: FP8Linears | None = None
     """With fp8=reference: the actor base's FP8 copies, active in the update's reference pass."""
     fp8_update: FP8Linears | None = None
@@ -392,9 +393,8 @@ def load_models(cfg: TrainConfig, nla: nla_core.NLAConfig, critic: ARModel, resu
 def make_fp8_copies(cfg: TrainConfig, actor, critic: ARModel, *,
                     device: torch.device) -> tuple[FP8Linears | None, FP8Linears | None, FP8Linears | None]:
     """The FP8 copies of fp8's phases, (score: the AR's backbone, reference and update: one set of the actor's
-    base), None for a phase in the model's dtype; each set said in a line (how many layers convert). Built once
-    the critic is frozen or trainable as the run has it: that decides which copies are kept and which are re-made
-    at every block."""
+    base), None for a phase in the model's dtype; each set said in a line (how many layers convert). With
+    compile_blocks, the converted layers outside the compiled block parts run compiled too (inductor)."""
     if not cfg.fp8:
         return None, None, None
     require_fp8(device)

@@ -2,8 +2,8 @@
 
     rollout  this rank's share of the global batch -> G explanations per prompt (and the canary)
     score    extraction -> AR -> reward -> group advantages; the critic's step (in the scoring
-             forward, or after it on chosen pairs); DAPO's redraws; with fp8=score the no-grad
-             scoring forwards' matmuls in FP8
+             forward, or after it on chosen pairs); DAPO's redraws; with fp8=score the scoring
+             forwards' matmuls in FP8 (the co-trained critic's step backward in its dtype)
     update   the micro-batched GRPO update of the LoRA (gradients summed over ranks); with
              fp8=reference / update the reference pass's / the policy forwards' base matmuls in FP8
     push     the updated weights to an engine that keeps its own copy, every vllm_sync_every steps

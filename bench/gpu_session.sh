@@ -43,7 +43,8 @@
 #   scaling        p4, .bnb   one GRPO step per Qwen3 shape and batch, the cases of alike  Step time: Scaling across Qwen3 sizes;
 #                             settings in one process (SHAPES="0.6b ...", CASES= split    docs/performance.md
 #                             the matrix over calls; micro-batches and vLLM's share from
-#                             bench/memory_model.py --bench-args; SCALING_ARGS= the rest)
+#                             bench/memory_model.py --bench-args, SHARED_FIT=1: the first
+#                             case's for all; SCALING_ARGS= the rest)
 #   train8b        p4, x2     `nla train` at the 8B shape, 3 steps per engine             Step time: nla train at the 8B shape
 #   update         .bnb       the policy update alone (bench_update) on 32 x 8 rollouts;   The policy update
 #                             VARIANTS=, UPDATE_ARGS= pick the variants of each table
@@ -193,8 +194,10 @@ case $stage in
       # Cases whose settings memory_model gives alike share one process: a case's setup (the models, vLLM's
       # start) took 74-76 s at 0.6B in run Z, before its compiled warm-up step.
       declare -A together=(); order=()
+      # SHARED_FIT=1: the first case's fit (list the largest first) serves all, so they share one process.
+      first=${CASES:-256x8}; first=${first%% *}
       for case in ${CASES:-256x8 64x8}; do
-        fit=$(python3 bench/memory_model.py --shapes $shape --cases $case --bench-args)
+        fit=$(python3 bench/memory_model.py --shapes $shape --cases $([ -n "${SHARED_FIT:-}" ] && echo $first || echo $case) --bench-args)
         [ -n "${together[$fit]+x}" ] && together[$fit]+=",$case" || { together[$fit]=$case; order+=("$fit"); }
       done
       for fit in "${order[@]}"; do

@@ -11,7 +11,11 @@ settings. Parts:
     moments take the bf16 parameter's dtype, 2 x 2 bytes, AdamW8bit's 2 x 1), the step's rollouts, and
     vLLM's share when it never sleeps (vllm_sleep=0).
   rollout: vLLM's share of the GPU (vllm_gpu_mem x the GPU) while it is awake (vllm_sleep 1, 2), or its
-    need (its bf16 weights + the KV cache of min(N, vllm_max_seqs) sequences) when larger.
+    need (its bf16 weights + the KV cache of min(N, vllm_max_seqs) sequences) when larger; and, measured
+    but not explained, about one more bf16 copy of the AV's weights plus 1 GiB (run AA, 2026-12-01: the
+    rollout phase held 3.5, 8.4 and 16.2 GiB above the rest of this estimate at 0.6B, 4B and 8B, where
+    the AV's weights are 1.1, 7.5 and 15.3 GiB; the score phase held no such excess, 93.2 measured
+    against 94.9 estimated at 8B, so it lives only while vLLM is awake; bench/RESULTS.md, "Scaling").
   update: the LoRA's float32 gradients and one micro-batch's activations (`memory.sequence_bytes`,
     the estimate `logp_micro_batch=auto` uses; a group's prompt counted once, as `training.prefix`
     computes it).
@@ -21,10 +25,10 @@ settings. Parts:
     reference/update (quantised once) and the AR's backbone for score (a trained AR's re-quantised
     in place at each scoring block; measured at 8B, run Z: 6,629 + 4,604 MiB).
 
-The step's peak is the resident parts plus its largest phase. The estimate errs high: compared with
-the one measured point (8B, 256 x 8, micro-batch 64, critic 64, AdamW8bit, after_all: 103.9 GiB in
-use, docs/performance.md) it gives 119.6 GiB, compile_blocks cutting the update's activations by
-about a fifth not being modelled. vLLM's own need (its weights + the KV cache of the concurrent
+The step's peak is the resident parts plus its largest phase. The update phase errs high: at 8B,
+256 x 8 (micro-batch 64, critic 64, AdamW8bit, after_all) it gives 119.6 GiB where run AA measured
+103.7 GiB in use, compile_blocks cutting the update's activations by about a fifth not being
+modelled; at 4B 77.5 against 75.6. vLLM's own need (its weights + the KV cache of the concurrent
 sequences) above its share counts in full: a short share makes vLLM preempt (or not start).
 
     python bench/memory_model.py                                  # the scaling matrix, markdown
@@ -183,7 +187,7 @@ def estimate(shape_name: str, settings: Settings = Settings()) -> Estimate:
     share = max(s.vllm_gpu_mem * s.gpu_gib * GIB, vllm_need)
     # The step's rollouts (ids, behaviour and reference log-probs, masks) kept until the update ends.
     resident["rollouts"] = s.prompts * s.group * (s.prompt_len + s.new_tokens) * 24
-    if s.vllm_sleep == 0:
+    if s.vllm_sleep == 0 and s.quant == "none":
         resident["vLLM share"] = share
     if s.fp8_actor:
         resident["FP8 copies (actor)"] = fp8_copy_bytes(shape, layers)
@@ -198,8 +202,15 @@ def estimate(shape_name: str, settings: Settings = Settings()) -> Estimate:
     critic_tokens = s.new_tokens + CRITIC_TEMPLATE_TOKENS
     critic_activations = sequence_bytes(ar_config, critic_tokens, grad=s.critic, dtype_bytes=activation_dtype,
                                         lora_bytes=4 if s.ar_lora else 0)
+    # Measured, not explained (the module docstring): about one AV-sized bf16 copy while vLLM is awake.
+    awake_excess = model_bytes(shape, layers, matrix_bytes=2.0, lm_head=True) + GIB
+    if s.vllm_sleep == 0 and s.quant == "none":  # a quantised base rolls out with engine=hf: no vLLM
+        resident["unaccounted while vLLM is awake (measured)"] = awake_excess
+    rollout = ({"vLLM share": share if s.vllm_sleep else 0.0,
+                **({"unaccounted while vLLM is awake (measured)": awake_excess} if s.vllm_sleep else {})}
+               if s.quant == "none" else {"generate's KV cache (engine=hf)": kv_tokens * kv_per_token})
     phases = {
-        "rollout": {"vLLM share": share if s.vllm_sleep else 0.0},
+        "rollout": rollout,
         "update": {"LoRA grads": 4 * lora, "policy activations": min(s.micro_batch, samples) * policy},
         "critic": {"AR grads": (4 if s.ar_lora else 2) * ar_trained * s.critic + 4 * h * h * s.critic,
                    "AR activations": min(s.critic_micro_batch, samples) * critic_activations},
@@ -209,23 +220,25 @@ def estimate(shape_name: str, settings: Settings = Settings()) -> Estimate:
 
 
 def fitting(shape_name: str, settings: Settings = Settings()) -> tuple[Estimate, list[str]]:
-    """The estimate with the existing options that make it fit, applied in turn until it does (cheapest
-    first: AdamW8bit, sleeping vLLM, halved micro-batches down to 8, gradient checkpointing, an AR-LoRA,
-    quant=8bit then 4bit), and those options as TrainConfig keys; the last estimate tried when none fits."""
-    steps = [
-        (lambda s: s.vllm_gpu_mem * s.gpu_gib < current.vllm_need_gib,
+    """The estimate with the existing options that make it fit, and those options as TrainConfig keys.
+
+    Greedy, cheapest first (vLLM's share up to its need, AdamW8bit, sleeping vLLM, halved micro-batches
+    down to 8, gradient checkpointing, an AR-LoRA, quant=8bit then 4bit): each round takes the first option
+    that lowers the peak (a smaller micro-batch does not help a step whose peak is the rollout, and helps
+    again once quant= drops vLLM), until the estimate fits or no option helps; then the last estimate.
+    """
+    vllm = lambda s: s.quant == "none"  # noqa: E731 - a quantised base rolls out with engine=hf
+    options = [
+        (lambda s: vllm(s) and s.vllm_gpu_mem * s.gpu_gib < current.vllm_need_gib,
          lambda s: dataclasses.replace(s, vllm_gpu_mem=math.ceil(20 * current.vllm_need_gib / s.gpu_gib) / 20),
          "vllm_gpu_mem={vllm_gpu_mem}"),
         (lambda s: not s.adamw8bit, lambda s: dataclasses.replace(s, adamw8bit=True), "AdamW8bit (pip install 'nla[bnb]')"),
-        (lambda s: s.vllm_sleep == 0, lambda s: dataclasses.replace(s, vllm_sleep=2), "vllm_sleep=2"),
-    ]
-    for _ in range(3):
-        steps.append((lambda s: s.micro_batch > 8, lambda s: dataclasses.replace(s, micro_batch=s.micro_batch // 2),
-                      "logp_micro_batch={micro_batch}"))
-        steps.append((lambda s: s.critic_micro_batch > 8,
-                      lambda s: dataclasses.replace(s, critic_micro_batch=s.critic_micro_batch // 2),
-                      "critic_micro_batch={critic_micro_batch}"))
-    steps += [
+        (lambda s: vllm(s) and s.vllm_sleep == 0, lambda s: dataclasses.replace(s, vllm_sleep=2), "vllm_sleep=2"),
+        (lambda s: s.micro_batch > 8, lambda s: dataclasses.replace(s, micro_batch=s.micro_batch // 2),
+         "logp_micro_batch={micro_batch}"),
+        (lambda s: s.critic_micro_batch > 8,
+         lambda s: dataclasses.replace(s, critic_micro_batch=s.critic_micro_batch // 2),
+         "critic_micro_batch={critic_micro_batch}"),
         (lambda s: not s.gradient_checkpointing, lambda s: dataclasses.replace(s, gradient_checkpointing=True),
          "gradient_checkpointing=true"),
         (lambda s: s.critic and not s.ar_lora, lambda s: dataclasses.replace(s, ar_lora=True),
@@ -234,14 +247,21 @@ def fitting(shape_name: str, settings: Settings = Settings()) -> tuple[Estimate,
         (lambda s: s.quant == "8bit", lambda s: dataclasses.replace(s, quant="4bit"), "quant=4bit (engine=hf)"),
     ]
     current, applied = estimate(shape_name, settings), []
-    for applies, apply, label in steps:
-        if current.fits and current.vllm_need_gib <= current.vllm_share_gib:
+    short_share = lambda e: vllm(e.settings) and e.vllm_need_gib > e.vllm_share_gib  # noqa: E731
+    while not current.fits or short_share(current):
+        for applies, apply, label in options:
+            if not applies(current.settings):
+                continue
+            candidate = estimate(shape_name, apply(current.settings))
+            # vLLM's share raised to its need adds memory, and is kept: below it vLLM preempts or does not start.
+            if candidate.total < current.total or short_share(current) and not short_share(candidate):
+                current = candidate
+                applied.append(label.format(**dataclasses.asdict(current.settings)))
+                break
+        else:
             break
-        if applies(current.settings):
-            current = estimate(shape_name, apply(current.settings))
-            applied.append(label.format(**dataclasses.asdict(current.settings)))
-    # A micro-batch halved twice reads as its last value only.
-    latest = {label.split("=")[0]: label for label in applied}
+    # A micro-batch halved twice reads as its last value only; vLLM's settings go with quant= (engine=hf).
+    latest = {label.split("=")[0]: label for label in applied if vllm(current.settings) or not label.startswith("vllm_")}
     return current, list(latest.values())
 
 
@@ -286,7 +306,7 @@ def main() -> None:
     parser.add_argument("--cases", default="256x8,64x8")
     parser.add_argument("--bench-args", action="store_true",
                         help="print bench_step's flags for the first shape and case, the micro-batches halved "
-                             "until the estimate fits (one line, for bench/gpu_session.sh's scaling stage)")
+                             "while that lowers the estimate, until it fits (one line, for bench/gpu_session.sh's scaling stage)")
     defaults = Settings()
     for field in dataclasses.fields(Settings):
         if field.name in ("prompts", "group") or field.type not in ("int", "float", "bool", "str"):
@@ -309,7 +329,10 @@ def main() -> None:
         while not e.fits and max(e.settings.micro_batch, e.settings.critic_micro_batch) > 1:
             s = e.settings
             bigger = "micro_batch" if s.micro_batch >= s.critic_micro_batch else "critic_micro_batch"
-            e = estimate(shape, dataclasses.replace(s, **{bigger: max(1, getattr(s, bigger) // 2)}))
+            smaller = estimate(shape, dataclasses.replace(s, **{bigger: max(1, getattr(s, bigger) // 2)}))
+            if smaller.total >= e.total:  # the peak is elsewhere (the rollout): smaller micro-batches only cost time
+                break
+            e = smaller
         print(bench_args(e))
         return
     print(table(shapes, cases, settings))

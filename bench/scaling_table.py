@@ -1,8 +1,11 @@
 """The scaling table: bench_step JSONs (bench/gpu_session.sh's `scaling` stage) beside the memory estimate.
 
 One markdown row per measured case: shape, case, step seconds, each phase's seconds, the device
-memory in use at most (`in_use_gib`; torch's peak counter in brackets), `memory_model`'s estimate at
-the run's settings, and those settings. A JSON without a case (an OOM, a timeout) gives a row with
+memory in use at most in each phase (`in_use_gib`, from cudaMemGetInfo: vLLM's memory and torch's
+cache included) beside `memory_model`'s estimate of the same phase at the run's settings (resident
+parts + the phase; bench_step's score phase is the model's critic phase), and those settings. torch's
+own peak counter is left out: it counts vLLM's sleep-mode pool, which is unmapped while vLLM sleeps,
+so it reads above the GPU's memory (145.5 GiB at 8B in run AA). A JSON without a case (an OOM, a timeout) gives a row with
 its error, so a size that does not fit is in the table too.
 
     python bench/scaling_table.py $OUT/scaling_*.json > bench/results/scaling.md
@@ -19,6 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import memory_model  # noqa: E402
 
 PHASES = ("rollout", "score", "update", "critic")
+MEMORY_PHASES = {"rollout": "rollout", "score": "critic", "update": "update"}
+"""bench_step's phases whose memory the table shows -> memory_model's phase of the same work."""
 
 
 def settings_of(run: dict, prompts: int, group: int, path: str | None = None) -> memory_model.Settings:
@@ -52,8 +57,11 @@ def rows(runs: list[dict]) -> list[str]:
             path = c.get("path", run["settings"]["paths"][0])
             est = memory_model.estimate(shape, settings_of(run, c["prompts"], c["group"], path))
             phases = ", ".join(f"{p} {c['phases'][p]['s']:.1f}" for p in PHASES if p in c["phases"])
+            shown = [p for p in MEMORY_PHASES if p in c["phases"]]
+            in_use = " / ".join(f"{c['phases'][p]['in_use_gib']:.1f}" for p in shown)
+            estimated = " / ".join(f"{phase_total(est, MEMORY_PHASES[p]):.1f}" for p in shown)
             lines.append(f"| {shape} | {c['prompts']}x{c['group']} | {c['step_s']:.1f} | {phases} | "
-                         f"{c['in_use_gib']:.1f} ({c['peak_gib']:.1f}) | {est.total:.1f} | {settings_text(run, path)} |")
+                         f"{in_use} | {estimated} | {settings_text(run, path)} |")
         finished = {(c["prompts"], c["group"]) for c in run.get("cases", [])}
         for prompts, group in run["settings"]["cases"]:  # a case that did not finish: an OOM, a timeout
             if (prompts, group) in finished:
@@ -61,13 +69,20 @@ def rows(runs: list[dict]) -> list[str]:
             error = "; ".join(e for e in run.get("errors", []) if f"{prompts}x{group}" in e) or \
                 "no step finished (timed out?)"
             est = memory_model.estimate(shape, settings_of(run, prompts, group))
-            lines.append(f"| {shape} | {prompts}x{group} | - | {error[:160]} | - | {est.total:.1f} | "
+            estimated = " / ".join(f"{phase_total(est, m):.1f}" for m in MEMORY_PHASES.values())
+            lines.append(f"| {shape} | {prompts}x{group} | - | {error[:160]} | - | {estimated} | "
                          f"{settings_text(run, run['settings']['paths'][0])} |")
     return lines
 
 
+def phase_total(estimate: memory_model.Estimate, phase: str) -> float:
+    """GiB the estimate holds during `phase`: the resident parts and the phase's own."""
+    return sum(estimate.resident.values()) + sum(estimate.phases[phase].values())
+
+
 def table(runs: list[dict]) -> str:
-    header = ["| shape | case | step s | phases (s) | device in use GiB (torch peak) | estimated GiB | settings |",
+    header = ["| shape | case | step s | phases (s) | in use GiB: rollout / score / update | estimated GiB, same phases "
+              "| settings |",
               "| --- | --- | ---: | --- | ---: | ---: | --- |"]
     return "\n".join(header + rows(runs))
 

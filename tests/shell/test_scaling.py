@@ -117,7 +117,8 @@ def test_fitting_keeps_only_options_that_help(shape, case, micro_batch, adamw8bi
 def _run(shape: str, cases: list | None, errors: list[str]) -> dict:
     step = {"case": "step", "shape": shape, "path": "after_all", "prompts": 64, "group": 8, "step_s": 12.5,
             "peak_gib": 90.0, "in_use_gib": 80.0,
-            "phases": {p: {"s": 3.0, "peak_gib": 1.0, "in_use_gib": 1.0} for p in scaling_table.PHASES}}
+            "phases": {p: {"s": 3.0, "peak_gib": 1.0, "in_use_gib": float(i)}
+                       for i, p in enumerate(("rollout", "score", "update"), 1)}}
     return {"settings": {"shape": shape, "cases": [[64, 8]], "prompt_len": 96, "new_tokens": 160, "micro_batch": 32,
                          "critic_micro_batch": 32, "critic": True, "paths": ["after_all"], "engine": "vllm",
                          "vllm_gpu_mem": 0.35, "vllm_sleep": 2, "vllm_max_seqs": 1024},
@@ -132,9 +133,11 @@ def test_scaling_table_assembles_cases_and_failures(tmp_path):
     table = scaling_table.table([json.loads(p.read_text()) for p in paths]).splitlines()
     assert len(table) == 4
     estimated_4b = memory_model.estimate("4b", memory_model.Settings(prompts=64, group=8, micro_batch=32,
-                                                                     critic_micro_batch=32)).total
-    assert table[2].startswith("| 4b | 64x8 | 12.5 |") and f"| {estimated_4b:.1f} |" in table[2]
-    assert "80.0 (90.0)" in table[2] and "AdamW8bit" in table[2]
+                                                                     critic_micro_batch=32))
+    held = [scaling_table.phase_total(estimated_4b, p) for p in ("rollout", "critic", "update")]
+    assert table[2].startswith("| 4b | 64x8 | 12.5 |") and "| " + " / ".join(f"{v:.1f}" for v in held) + " |" in table[2]
+    assert "| 1.0 / 2.0 / 3.0 |" in table[2] and "AdamW8bit" in table[2]
+    assert max(held) == estimated_4b.total
     assert table[3].startswith("| 14b | 64x8 | - |") and "OutOfMemoryError" in table[3]
 
 

@@ -275,7 +275,7 @@ def bench_args(estimate_: Estimate) -> str:
 
 def table(shapes: list[str], cases: list[tuple[int, int]], settings: Settings) -> str:
     """Markdown: per shape and case, the parts, the peak, and the options that make it fit."""
-    lines = ["| shape | case | AV weights | LoRA + moments | AR weights + moments | rollout (vLLM) | update | critic "
+    lines = ["| shape | case | AV weights | LoRA + moments | AR weights + moments | rollout (vLLM awake) | update | critic "
              "| peak phase | estimated GiB | fits 139 GiB | what does not fit | to fit (estimate after) |",
              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | --- | --- | --- |"]
     for shape in shapes:

@@ -263,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     args, unknown = parser.parse_known_args(argv)
     if unknown:
         parser.subcommand_parsers[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
-    from nla_shell.training.stopped import RunSpoiledError, RunStopped  # no torch: `nla plot` starts light
+    from nla_shell.training.stopped import OutOfGPUMemory, RunSpoiledError, RunStopped  # no torch: `nla plot` starts light
 
     try:
         if args.command != "plot":
@@ -281,9 +281,9 @@ def main(argv: list[str] | None = None) -> int:
         close_bars()
         print(f"nla {args.command}: interrupted", file=sys.stderr, flush=True)
         return 130
-    except (ConfigError, ValueError, OSError, ImportError, RunSpoiledError) as err:
-        # Bad input, a failed write (disk full, permission denied) or a run that would train on nonsense:
-        # one clear line naming the path or the cause, not a stack trace from deep inside a library.
+    except (ConfigError, ValueError, OSError, ImportError, RunSpoiledError, OutOfGPUMemory) as err:
+        # Bad input, a failed write (disk full, permission denied), a step too large for the GPU or a run that
+        # would train on nonsense: one clear line naming the path or the cause, not a stack trace from a library.
         close_bars()
         print(f"nla {args.command}: error: {err}", file=sys.stderr)
         return 2

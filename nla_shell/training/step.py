@@ -33,6 +33,7 @@ from nla_shell.training.scoring import (
     DeviceTimer, Scores, ShapedRewards, critic_step, score_and_train_critic, score_explanations, shape_rewards,
 )
 from nla_shell.training.setup import RunState
+from nla_shell.training.stopped import OutOfGPUMemory
 from nla_shell.training.runtime import say
 from nla_shell.training.update import UpdateStats, policy_update
 
@@ -74,12 +75,16 @@ def train_step(state: RunState, step: int) -> dict[str, Any]:
     t_step = time.perf_counter()
     if state.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(state.device)
-    rolled = rollout_phase(state, step)
-    scored = score_phase(state, rolled)
+    with phase_memory(state, "rollout", step):
+        rolled = rollout_phase(state, step)
+    with phase_memory(state, "score", step):
+        scored = score_phase(state, rolled)
     t0 = time.perf_counter()
-    update = update_phase(state, step, scored)
+    with phase_memory(state, "update", step):
+        update = update_phase(state, step, scored)
     time_update = time.perf_counter() - t0
-    time_sync = rolled.time_pushed + push_phase(state, step)
+    with phase_memory(state, "sync", step):
+        time_sync = rolled.time_pushed + push_phase(state, step)
     times = {"rollout": rolled.time_rollout + scored.time_extra_rollouts, "score": scored.time_score,
              "update": time_update, "critic": scored.time_critic, "sync": time_sync}
     return step_metrics(state, rolled, scored, update, times, t_step=t_step)
@@ -220,6 +225,23 @@ def push_phase(state: RunState, step: int) -> float:
 
 
 # --------------------------------------------------------------------------- pieces of the phases
+
+
+@contextlib.contextmanager
+def phase_memory(state: RunState, phase: str, step: int) -> Iterator[None]:
+    """A GPU out-of-memory error inside the block (torch's, or vLLM's "CUDA Error: out of memory" from its
+    sleep-mode allocator) -> OutOfGPUMemory naming the phase, the memory in use and the keys that lower it."""
+    try:
+        yield
+    except RuntimeError as err:
+        if "out of memory" not in str(err).lower() or isinstance(err, OutOfGPUMemory):
+            raise
+        in_use = total = None
+        if state.device.type == "cuda":
+            free, whole = torch.cuda.mem_get_info(state.device)
+            in_use, total = (whole - free) / 2**30, whole / 2**30
+        raise OutOfGPUMemory(phase, step, in_use_gib=in_use, total_gib=total) from err
+
 
 
 @contextlib.contextmanager

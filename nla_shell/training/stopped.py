@@ -30,3 +30,31 @@ class RunStopped(Exception):
 class RunSpoiledError(RuntimeError):
     """Going on would spoil the run silently (e.g. rollouts no longer steered); the CLI prints the message as
     one line and exits 2."""
+
+
+PHASE_FIXES = {
+    "rollout": "lower vllm_gpu_mem or vllm_max_seqs (vLLM's KV cache), or shrink the trainer's side: an AR-LoRA "
+               "ar_ckpt (nla sft --mode ar ar_lora=true) has no optimiser moments over the AR's backbone",
+    "score": "lower critic_micro_batch",
+    "update": "lower logp_micro_batch and ref_micro_batch, or set gradient_checkpointing=true",
+    "sync": "lower vllm_gpu_mem",
+}
+"""What lowers each phase's memory, by TrainConfig key (docs/performance.md, "Scaling across Qwen3 sizes")."""
+
+
+class OutOfGPUMemory(RuntimeError):
+    """A phase of the step did not fit the GPU. The CLI prints one line, the phase and the keys that lower
+    its memory, and exits 2; the run dir keeps its last checkpoint."""
+
+    def __init__(self, phase: str, step: int, *, in_use_gib: float | None, total_gib: float | None,
+                 checkpoint: Path | None = None) -> None:
+        self.phase, self.step, self.in_use_gib, self.total_gib = phase, step, in_use_gib, total_gib
+        memory = f" ({in_use_gib:.1f} of {total_gib:.1f} GiB in use)" if in_use_gib is not None else ""
+        resume = (f"rerun to resume from {checkpoint}" if checkpoint is not None
+                  else "no checkpoint yet")
+        super().__init__(f"the GPU ran out of memory in the {phase} phase of step {step}{memory}: "
+                         f"{PHASE_FIXES.get(phase, 'see docs/performance.md')}; {resume}")
+
+    def with_checkpoint(self, checkpoint: Path | None) -> "OutOfGPUMemory":
+        return OutOfGPUMemory(self.phase, self.step, in_use_gib=self.in_use_gib, total_gib=self.total_gib,
+                              checkpoint=checkpoint)

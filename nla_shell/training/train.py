@@ -47,6 +47,7 @@ from nla_shell.training.scoring import score_explanations
 from nla_shell.training.setup import CRITIC_EMA_FILE, RunState, setup
 from nla_shell.training.runtime import resolve_device, say
 from nla_shell.training.step import train_step
+from nla_shell.training.stopped import OutOfGPUMemory
 
 
 def check_paths(cfg: TrainConfig) -> None:
@@ -107,7 +108,10 @@ def loop(state: RunState, stop: StopSignals) -> Path:
                 save(state, step)
             finish(state, bar, step)
             raise stop.stopped(ckpt.latest_checkpoint(save_dir), command="train")
-        record = train_step(state, step)
+        try:
+            record = train_step(state, step)
+        except OutOfGPUMemory as err:  # the one-line error says where the run resumes from
+            raise err.with_checkpoint(ckpt.latest_checkpoint(save_dir)) from err.__cause__
         # The held-out eval (document-disjoint rows): rank 0 alone, the others wait.
         if state.eval_on and step % cfg.eval_every == 0:
             if rank.is_main:

@@ -258,6 +258,52 @@ def test_a_disk_full_checkpoint_is_one_line_and_leaves_nothing_torn(nla_run_inpu
     assert not list(run.glob("*step_*")) and not (run / LOCK_NAME).exists()
 
 
+def test_a_rollout_out_of_gpu_memory_is_one_line_naming_the_phase_and_the_checkpoint(nla_run_inputs, tmp_path,
+                                                                                       monkeypatch, capsys):
+    # What vLLM's sleep-mode allocator raised when a 14B step's KV cache would not wake (bench/RESULTS.md, run AA).
+    original, calls = HFRolloutEngine.generate, []
+
+    def generate(self, requests, *, group_size, max_new_tokens, **kwargs):
+        if group_size > 1:
+            calls.append(None)
+            if len(calls) == 2:
+                raise RuntimeError("CUDA Error: out of memory at /workspace/csrc/cumem_allocator.cpp:163")
+        return original(self, requests, group_size=group_size, max_new_tokens=max_new_tokens, **kwargs)
+
+    monkeypatch.setattr(HFRolloutEngine, "generate", generate)
+    run = tmp_path / "run"
+    assert cli.main(_train_args(nla_run_inputs, run, num_steps=3, eval_every=0)) == 2
+    line = _one_line_error(capsys)
+    assert line.startswith("nla train: error: the GPU ran out of memory in the rollout phase of step 1: lower "
+                           "vllm_gpu_mem or vllm_max_seqs"), line
+    assert line.endswith(f"rerun to resume from {run / 'step_000001'}"), line
+    assert (run / "step_000001").is_dir() and not (run / "step_000002").exists() and not (run / LOCK_NAME).exists()
+
+
+def test_an_update_out_of_gpu_memory_names_its_micro_batch_keys(nla_run_inputs, tmp_path, monkeypatch, capsys):
+    from nla_shell.training import step as step_module
+
+    def too_large(*args, **kwargs):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+
+    monkeypatch.setattr(step_module, "policy_update", too_large)
+    assert cli.main(_train_args(nla_run_inputs, tmp_path / "run", num_steps=1, eval_every=0)) == 2
+    line = _one_line_error(capsys)
+    assert "in the update phase of step 0: lower logp_micro_batch and ref_micro_batch" in line
+    assert line.endswith("no checkpoint yet"), line
+
+
+def test_other_runtime_errors_are_not_taken_for_out_of_memory(nla_run_inputs, tmp_path, monkeypatch):
+    from nla_shell.training import step as step_module
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("shape mismatch")
+
+    monkeypatch.setattr(step_module, "policy_update", broken)
+    with pytest.raises(RuntimeError, match="shape mismatch"):
+        cli.main(_train_args(nla_run_inputs, tmp_path / "run", num_steps=1, eval_every=0))
+
+
 # --------------------------------------------------------------------------- seeding
 
 

@@ -76,6 +76,17 @@ VLLM_CAPTURE_CAP = 512
 """vLLM's largest decode batch captured as a CUDA graph unless told otherwise."""
 
 
+def memory_awake_gib() -> dict[str, float]:
+    """GiB of the device in use while vLLM is awake, and torch's share of it (allocated, reserved), for the
+    step's engine stats: run AA measured about one bf16 copy of the AV's weights in use beyond vLLM's share
+    and the trainer's tensors during the rollout (bench/RESULTS.md, "Scaling"); these say whose it is."""
+    if not torch.cuda.is_initialized():  # no CUDA work has run (a CPU test's stand-in engine)
+        return {}
+    free, total = torch.cuda.mem_get_info()
+    return {"awake_in_use_gib": (total - free) / 2**30, "awake_torch_allocated_gib": torch.cuda.memory_allocated() / 2**30,
+            "awake_torch_reserved_gib": torch.cuda.memory_reserved() / 2**30}
+
+
 class VLLMRolloutEngine:
     """Samples rollouts with vLLM; the actor's LoRA-merged weights are pushed in by `sync_weights`.
 
@@ -397,6 +408,7 @@ class VLLMRolloutEngine:
         finally:
             self._awake_depth -= 1
             if outermost and self.sleep_level and not self._asleep:
+                self.last_stats.update(memory_awake_gib())
                 start = time.perf_counter()
                 self.llm.sleep(level=self.sleep_level)
                 self._asleep = True

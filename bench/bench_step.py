@@ -121,6 +121,9 @@ def parse_args() -> argparse.Namespace:
                         help="the Qwen3 geometry (with --tiny: the tiny one, tied as this shape ties its embeddings)")
     parser.add_argument("--cases", default=None, help="prompts x samples per step (default 32x8; tiny 2x2,3x2)")
     parser.add_argument("--critic", default="on", choices=["on", "off"], help="co-train the critic")
+    parser.add_argument("--ar-lora", action="store_true",
+                        help="the critic as an AR-LoRA (nla sft --mode ar ar_lora=true): only its LoRA and value head "
+                             "train, so no optimiser moments over its backbone")
     parser.add_argument("--paths", default="before,after", help=f"any of {','.join(PATHS)} (see above)")
     parser.add_argument("--micro-batch", type=int, default=16, help="after: logp_micro_batch of the policy update")
     parser.add_argument("--before-micro-batch", type=int, default=8, help="before: logp_micro_batch (the issue's 8)")
@@ -197,6 +200,9 @@ class Context:
         self.extraction_layer = syn.ar_extraction_layer(args.shape, tiny=args.tiny)
         self.critic = syn.random_ar(self.shape, extraction_layer=self.extraction_layer,
                                     vocab_size=len(self.tokenizer), device=device, dtype=dtype)
+        if args.ar_lora:  # as an AR-LoRA ar_ckpt trains: the backbone frozen, a LoRA (and the value head) trained
+            self.critic.add_lora(r=defaults["lora_r"], alpha=defaults["lora_alpha"], use_rslora=defaults["use_rslora"],
+                                 base_model=f"random {args.shape}")
         self.critic.requires_grad_(args.critic)
         self.optimizer = make_optimizer(trainable_parameters(self.actor), defaults["lr"], device=device, label="actor")
         self.critic_optimizer = (make_optimizer(trainable_parameters(self.critic), defaults["critic_lr"],
@@ -637,6 +643,10 @@ def run(args, rank, device: torch.device) -> None:
     # Which AdamW make_optimizer picked (AdamW8bit needs bitsandbytes): the memory estimate depends on it.
     record.data["optimizers"] = {"actor": type(ctx.optimizer).__name__,
                                  "critic": type(ctx.critic_optimizer).__name__ if ctx.critic_optimizer else None}
+    # What each optimiser steps (--ar-lora: the critic's LoRA and value head only), against the whole model.
+    record.data["parameters"] = {name: {"trained": sum(p.numel() for p in trainable_parameters(model)),
+                                        "all": sum(p.numel() for p in model.parameters())}
+                                 for name, model in (("actor", ctx.actor), ("critic", ctx.critic))}
     record.save()
     print(f"[setup] actor + critic + engine on {device} in {record.data['setup_s']:.1f}s"
           + (f" (each of {rank.world_size} ranks)" if rank.world_size > 1 else ""), flush=True)

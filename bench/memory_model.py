@@ -270,7 +270,7 @@ def bench_args(estimate_: Estimate) -> str:
     s = estimate_.settings
     return (f"--micro-batch {s.micro_batch} --critic-micro-batch {s.critic_micro_batch} --reference-micro-batch "
             f"{max(s.micro_batch, 16)} --vllm-gpu-mem {s.vllm_gpu_mem} --vllm-sleep {s.vllm_sleep} "
-            f"--vllm-max-seqs {s.vllm_max_seqs}")
+            f"--vllm-max-seqs {s.vllm_max_seqs}" + (" --ar-lora" if s.ar_lora else ""))
 
 
 def table(shapes: list[str], cases: list[tuple[int, int]], settings: Settings) -> str:
@@ -306,7 +306,7 @@ def main() -> None:
     parser.add_argument("--cases", default="256x8,64x8")
     parser.add_argument("--bench-args", action="store_true",
                         help="print bench_step's flags for the first shape and case, the micro-batches halved "
-                             "while that lowers the estimate, until it fits (one line, for bench/gpu_session.sh's scaling stage)")
+                             "while that lowers the estimate, until it fits, then an AR-LoRA if it still does not (one line, for bench/gpu_session.sh's scaling stage)")
     defaults = Settings()
     for field in dataclasses.fields(Settings):
         if field.name in ("prompts", "group") or field.type not in ("int", "float", "bool", "str"):
@@ -322,7 +322,7 @@ def main() -> None:
     shapes, cases = args.shapes.split(","), parse_cases(args.cases)
     if args.bench_args:
         (prompts, group), shape = cases[0], shapes[0]
-        # vLLM's share and the micro-batches only: bench_step has no switch for the other options.
+        # vLLM's share, the micro-batches and an AR-LoRA: bench_step has no switch for the other options.
         e = estimate(shape, dataclasses.replace(settings, prompts=prompts, group=group))
         share = max(e.settings.vllm_gpu_mem, math.ceil(20 * e.vllm_need_gib / e.settings.gpu_gib) / 20)
         e = estimate(shape, dataclasses.replace(e.settings, vllm_gpu_mem=share))
@@ -333,6 +333,8 @@ def main() -> None:
             if smaller.total >= e.total:  # the peak is elsewhere (the rollout): smaller micro-batches only cost time
                 break
             e = smaller
+        if not e.fits and e.settings.critic and not e.settings.ar_lora:
+            e = estimate(shape, dataclasses.replace(e.settings, ar_lora=True))
         print(bench_args(e))
         return
     print(table(shapes, cases, settings))

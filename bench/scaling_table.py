@@ -38,7 +38,7 @@ def settings_of(run: dict, prompts: int, group: int, path: str | None = None) ->
         adamw8bit=run.get("optimizers", {}).get("actor") == "AdamW8bit",
         bf16_autocast=path in ("after_bf16", "after_all", "after_all_fp8"),
         fp8_actor=bool({"reference", "update"} & set(fp8)), fp8_score="score" in fp8,
-        vllm_gpu_mem=s["vllm_gpu_mem"], vllm_sleep=s["vllm_sleep"],
+        ar_lora=s.get("ar_lora", False), vllm_gpu_mem=s["vllm_gpu_mem"], vllm_sleep=s["vllm_sleep"],
         vllm_max_seqs=s["vllm_max_seqs"] or memory_model.Settings.vllm_max_seqs)
 
 
@@ -46,7 +46,7 @@ def settings_text(run: dict, path: str) -> str:
     s = run["settings"]
     return (f"{s['engine']}, {path}, mb {s['micro_batch']}, critic mb {s['critic_micro_batch']}, "
             f"vllm_gpu_mem {s['vllm_gpu_mem']}, sleep {s['vllm_sleep']}, max_seqs {s['vllm_max_seqs']}, "
-            f"{run.get('optimizers', {}).get('actor', '?')}")
+            f"{run.get('optimizers', {}).get('actor', '?')}" + (", AR-LoRA" if s.get("ar_lora") else ""))
 
 
 def rows(runs: list[dict]) -> list[str]:

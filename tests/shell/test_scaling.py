@@ -141,16 +141,26 @@ def test_scaling_table_assembles_cases_and_failures(tmp_path):
     assert table[3].startswith("| 14b | 64x8 | - |") and "OutOfMemoryError" in table[3]
 
 
-def test_bench_step_tiny_with_a_tied_shape(tmp_path):
-    """--shape 0.6b on the tiny geometry builds the tied LM head and runs a step."""
+def test_bench_step_tiny_with_a_tied_shape_and_an_ar_lora(tmp_path):
+    """--shape 0.6b on the tiny geometry builds the tied LM head and runs a step; --ar-lora (what
+    memory_model's --bench-args adds where a full AR fine-tune does not fit: 14B) trains the critic's
+    LoRA and value head only, so its optimiser holds no moments over the backbone."""
     out = tmp_path / "step.json"
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_step.py"), "--tiny", "--shape", "0.6b",
-                           "--paths", "after", "--cases", "2x2", "--out", str(out)],
+                           "--paths", "after", "--cases", "2x2", "--ar-lora", "--out", str(out)],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     record = json.loads(out.read_text())
-    assert record["settings"]["shape"] == "0.6b" and not record["errors"]
-    assert record["cases"][0]["shape"] == "0.6b"
+    assert record["settings"]["shape"] == "0.6b" and record["settings"]["ar_lora"] and not record["errors"]
+    case = record["cases"][0]
+    assert case["shape"] == "0.6b" and math.isfinite(case["numbers"]["critic_loss"]) and case["numbers"]["critic_grad_norm"] > 0
+    assert "AR-LoRA" in scaling_table.table([record])
+    critic = record["parameters"]["critic"]
+    # The backbone frozen: a full fine-tune of this AR leaves 64 of its 100,160 parameters untrained (the bypassed
+    # final norm); the AR-LoRA leaves the backbone's ~96k (beside ~119k of LoRA and value head).
+    assert critic["trained"] > 0 and critic["all"] - critic["trained"] > critic["all"] / 3
+    assert memory_model.estimate("14b", memory_model.Settings(ar_lora=True)).resident["AR moments"] < \
+        memory_model.estimate("14b").resident["AR moments"] / 10
 
 
 def test_fp8_copies_add_one_byte_per_base_weight_and_a_scale_per_row():

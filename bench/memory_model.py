@@ -101,9 +101,13 @@ class Estimate:
     def peak_phase(self) -> str:
         return max(self.phases, key=lambda name: sum(self.phases[name].values()))
 
+    def phase_total(self, phase: str) -> float:
+        """GiB held during `phase`: the resident parts and the phase's own."""
+        return sum(self.resident.values()) + sum(self.phases[phase].values())
+
     @property
     def total(self) -> float:
-        return sum(self.resident.values()) + sum(self.phases[self.peak_phase].values())
+        return self.phase_total(self.peak_phase)
 
     @property
     def fits(self) -> bool:
@@ -181,14 +185,19 @@ def estimate(shape_name: str, settings: Settings = Settings()) -> Estimate:
     concurrent = min(s.prompts * s.group, s.vllm_max_seqs or s.prompts * s.group)
     # With prefix caching a group's samples share their prompt's blocks.
     kv_tokens = concurrent * (s.new_tokens + s.prompt_len / s.group)
-    vllm_need = model_bytes(shape, layers, matrix_bytes=2.0, lm_head=True) + kv_tokens * kv_per_token
+    vllm_weights = model_bytes(shape, layers, matrix_bytes=2.0, lm_head=True)
+    vllm_need = vllm_weights + kv_tokens * kv_per_token
     # vLLM takes its share; a share below its need preempts (or, below its weights, does not start), so
     # the need is what a step without preemption takes (`fitting` raises vllm_gpu_mem to it).
     share = max(s.vllm_gpu_mem * s.gpu_gib * GIB, vllm_need)
+    # While vLLM is awake: its share, and (measured, not explained: the module docstring) about one more
+    # bf16 copy of the AV's weights. A quantised base rolls out with engine=hf: no vLLM.
+    vllm_awake = {"vLLM share": share, "unaccounted while vLLM is awake (measured)": vllm_weights + GIB}
+    with_vllm = s.quant == "none"
     # The step's rollouts (ids, behaviour and reference log-probs, masks) kept until the update ends.
     resident["rollouts"] = s.prompts * s.group * (s.prompt_len + s.new_tokens) * 24
-    if s.vllm_sleep == 0 and s.quant == "none":
-        resident["vLLM share"] = share
+    if with_vllm and s.vllm_sleep == 0:
+        resident.update(vllm_awake)
     if s.fp8_actor:
         resident["FP8 copies (actor)"] = fp8_copy_bytes(shape, layers)
     if s.fp8_score:
@@ -202,13 +211,8 @@ def estimate(shape_name: str, settings: Settings = Settings()) -> Estimate:
     critic_tokens = s.new_tokens + CRITIC_TEMPLATE_TOKENS
     critic_activations = sequence_bytes(ar_config, critic_tokens, grad=s.critic, dtype_bytes=activation_dtype,
                                         lora_bytes=4 if s.ar_lora else 0)
-    # Measured, not explained (the module docstring): about one AV-sized bf16 copy while vLLM is awake.
-    awake_excess = model_bytes(shape, layers, matrix_bytes=2.0, lm_head=True) + GIB
-    if s.vllm_sleep == 0 and s.quant == "none":  # a quantised base rolls out with engine=hf: no vLLM
-        resident["unaccounted while vLLM is awake (measured)"] = awake_excess
-    rollout = ({"vLLM share": share if s.vllm_sleep else 0.0,
-                **({"unaccounted while vLLM is awake (measured)": awake_excess} if s.vllm_sleep else {})}
-               if s.quant == "none" else {"generate's KV cache (engine=hf)": kv_tokens * kv_per_token})
+    rollout = ((vllm_awake if s.vllm_sleep else {}) if with_vllm
+               else {"generate's KV cache (engine=hf)": kv_tokens * kv_per_token})
     phases = {
         "rollout": rollout,
         "update": {"LoRA grads": 4 * lora, "policy activations": min(s.micro_batch, samples) * policy},

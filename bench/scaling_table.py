@@ -59,7 +59,7 @@ def rows(runs: list[dict]) -> list[str]:
             phases = ", ".join(f"{p} {c['phases'][p]['s']:.1f}" for p in PHASES if p in c["phases"])
             shown = [p for p in MEMORY_PHASES if p in c["phases"]]
             in_use = " / ".join(f"{c['phases'][p]['in_use_gib']:.1f}" for p in shown)
-            estimated = " / ".join(f"{phase_total(est, MEMORY_PHASES[p]):.1f}" for p in shown)
+            estimated = " / ".join(f"{est.phase_total(MEMORY_PHASES[p]):.1f}" for p in shown)
             lines.append(f"| {shape} | {c['prompts']}x{c['group']} | {c['step_s']:.1f} | {phases} | "
                          f"{in_use} | {estimated} | {settings_text(run, path)} |")
         finished = {(c["prompts"], c["group"]) for c in run.get("cases", [])}
@@ -69,15 +69,10 @@ def rows(runs: list[dict]) -> list[str]:
             error = "; ".join(e for e in run.get("errors", []) if f"{prompts}x{group}" in e) or \
                 "no step finished (timed out?)"
             est = memory_model.estimate(shape, settings_of(run, prompts, group))
-            estimated = " / ".join(f"{phase_total(est, m):.1f}" for m in MEMORY_PHASES.values())
+            estimated = " / ".join(f"{est.phase_total(m):.1f}" for m in MEMORY_PHASES.values())
             lines.append(f"| {shape} | {prompts}x{group} | - | {error[:160]} | - | {estimated} | "
                          f"{settings_text(run, run['settings']['paths'][0])} |")
     return lines
-
-
-def phase_total(estimate: memory_model.Estimate, phase: str) -> float:
-    """GiB the estimate holds during `phase`: the resident parts and the phase's own."""
-    return sum(estimate.resident.values()) + sum(estimate.phases[phase].values())
 
 
 def table(runs: list[dict]) -> str:

@@ -243,7 +243,6 @@ def phase_memory(state: RunState, phase: str, step: int) -> Iterator[None]:
         raise OutOfGPUMemory(phase, step, in_use_gib=in_use, total_gib=total) from err
 
 
-
 @contextlib.contextmanager
 def scoring_forward(state: RunState) -> Iterator[None]:
     """How a no-grad scoring forward runs: on the critic's EMA weights when there is one, and with fp8=score

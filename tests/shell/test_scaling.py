@@ -87,7 +87,7 @@ def test_the_rollout_phase_matches_what_run_aa_measured():
     for shape in ("0.6b", "4b", "8b"):
         measured, run = _measured_rollout_in_use(shape)
         e = memory_model.estimate(shape, _settings_of(run))
-        estimated = sum(e.resident.values()) + sum(e.phases["rollout"].values())
+        estimated = e.phase_total("rollout")
         assert abs(estimated - measured) < 1.5, (shape, estimated, measured)
 
 
@@ -96,7 +96,7 @@ def test_14b_at_run_aas_settings_does_not_fit_its_rollout():
     record = json.loads(next(RUN_AA.glob("scaling_14b_*.json")).read_text())
     assert any("out of memory" in error for error in record["errors"])
     e = memory_model.estimate("14b", _settings_of(record["settings"]))
-    rollout = sum(e.resident.values()) + sum(e.phases["rollout"].values())
+    rollout = e.phase_total("rollout")
     assert rollout > e.settings.gpu_gib and not e.fits
 
 
@@ -134,7 +134,7 @@ def test_scaling_table_assembles_cases_and_failures(tmp_path):
     assert len(table) == 4
     estimated_4b = memory_model.estimate("4b", memory_model.Settings(prompts=64, group=8, micro_batch=32,
                                                                      critic_micro_batch=32))
-    held = [scaling_table.phase_total(estimated_4b, p) for p in ("rollout", "critic", "update")]
+    held = [estimated_4b.phase_total(p) for p in ("rollout", "critic", "update")]
     assert table[2].startswith("| 4b | 64x8 | 12.5 |") and "| " + " / ".join(f"{v:.1f}" for v in held) + " |" in table[2]
     assert "| 1.0 / 2.0 / 3.0 |" in table[2] and "AdamW8bit" in table[2]
     assert max(held) == estimated_4b.total

@@ -301,15 +301,16 @@ def forward_flops(config, *, layers: int, tokens: int, attention_pairs: int, log
             + 2.0 * config.vocab_size * d * logit_rows)
 
 
-def path_flops(config, rollouts, *, shared_prefix: bool, ar_tokens: list[int], critic_layers: int) -> dict[str, float]:
+def path_flops(config, rollouts, *, shared_prefix: bool, ar_tokens: list[int], critic_layers: int,
+               critic_trains_backbone: bool = True) -> dict[str, float]:
     """FLOPs each phase of a path executes.
 
     update: policy forward + reference forward + policy backward. The base weights are frozen,
     so the backward forms activation gradients only (about one forward, LoRA's own gradients
     are < 2 %), attention's backward costs two of its forwards, and the fused log-prob's
     backward recomputes the logits (two lm_head products). So 3 x blocks, 4 x attention,
-    4 x lm_head. score: one AR forward; critic: AR forward + backward with trainable
-    weights (3 x forward).
+    4 x lm_head. score: one AR forward; critic: AR forward + backward, 3 x forward with the
+    backbone trained, 2 x for an AR-LoRA (critic_trains_backbone=False: activation gradients only).
     """
     layers = config.num_hidden_layers
     tokens = pairs = rows = 0
@@ -333,7 +334,8 @@ def path_flops(config, rollouts, *, shared_prefix: bool, ar_tokens: list[int], c
                        attention_pairs=sum(t * (t + 1) // 2 for t in ar_tokens), logit_rows=0)
     generated = sum(r.response_len for r in rollouts)
     return {"rollout": forward_flops(config, layers=layers, tokens=generated, attention_pairs=0, logit_rows=generated),
-            "update": 3 * blocks + 4 * attention + 4 * logits, "score": ar, "critic": 3 * ar}
+            "update": 3 * blocks + 4 * attention + 4 * logits, "score": ar,
+            "critic": (3 if critic_trains_backbone else 2) * ar}
 
 
 # --------------------------------------------------------------------------- one step
@@ -494,7 +496,7 @@ def grpo_step(ctx: Context, requests, group: int, args, *, paths: list[str]):
                 numbers["own_logp_gap"] = behaviour_gap(ctx, own.rollouts, own.requests,
                                                         args.reference_micro_batch or 4 * args.micro_batch)
         flops = path_flops(ctx.config, rolled.rollouts, shared_prefix=path != "before", ar_tokens=ar_tokens,
-                           critic_layers=ctx.extraction_layer + 1)
+                           critic_layers=ctx.extraction_layer + 1, critic_trains_backbone=not args.ar_lora)
         critic_flops = flops.pop("critic")
         if "critic" in phases:
             flops["critic"] = critic_flops

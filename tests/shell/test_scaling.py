@@ -180,3 +180,18 @@ def test_fp8_copies_add_one_byte_per_base_weight_and_a_scale_per_row():
     # for the actor's 252 layers, "+4603.7 MiB held" for the 25-block AR's 175.
     assert round(with_actor.resident["FP8 copies (actor)"] * 1024, 1) == 6629.3
     assert round(co_trained.resident["FP8 copies (AR)"] * 1024, 1) == 4603.7
+
+
+def test_an_ar_lora_critic_counts_two_forwards_a_trained_backbone_three():
+    """bench_step's FLOP count: the critic's backward forms weight gradients only where the backbone trains."""
+    import bench_step
+    from types import SimpleNamespace
+
+    config = SimpleNamespace(hidden_size=64, intermediate_size=160, num_attention_heads=4, num_key_value_heads=2,
+                             head_dim=16, num_hidden_layers=3, vocab_size=101)
+    rollouts = [SimpleNamespace(prompt_len=6, response_len=n, prompt_index=0) for n in (3, 5)]
+    common = dict(shared_prefix=True, ar_tokens=[7, 9], critic_layers=2)
+    full = bench_step.path_flops(config, rollouts, **common)
+    lora = bench_step.path_flops(config, rollouts, **common, critic_trains_backbone=False)
+    assert full["score"] > 0 and full["critic"] == 3 * full["score"] and lora["critic"] == 2 * lora["score"]
+    assert {k: v for k, v in full.items() if k != "critic"} == {k: v for k, v in lora.items() if k != "critic"}

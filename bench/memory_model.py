@@ -11,11 +11,14 @@ settings. Parts:
     moments take the bf16 parameter's dtype, 2 x 2 bytes, AdamW8bit's 2 x 1), the step's rollouts, and
     vLLM's share when it never sleeps (vllm_sleep=0).
   rollout: vLLM's share of the GPU (vllm_gpu_mem x the GPU) while it is awake (vllm_sleep 1, 2), or its
-    need (its bf16 weights + the KV cache of min(N, vllm_max_seqs) sequences) when larger; and, measured
-    but not explained, about one more bf16 copy of the AV's weights plus 1 GiB (run AA, 2026-12-01: the
-    rollout phase held 3.5, 8.4 and 16.2 GiB above the rest of this estimate at 0.6B, 4B and 8B, where
-    the AV's weights are 1.1, 7.5 and 15.3 GiB; the score phase held no such excess, 93.2 measured
-    against 94.9 estimated at 8B, so it lives only while vLLM is awake; bench/RESULTS.md, "Scaling").
+    need (its bf16 weights + the KV cache of min(N, vllm_max_seqs) sequences) when larger; and, measured,
+    one more bf16 copy of the AV's weights plus 1 GiB: torch's cache holding the wake-up push's freed
+    buckets, which vLLM cannot map its KV cache into (run AA, 2026-12-01: the rollout phase held 3.5, 8.4
+    and 16.2 GiB above the rest of this estimate at 0.6B, 4B and 8B, where the AV's weights are 1.1, 7.5
+    and 15.3 GiB; run AB read torch's reserved-but-unallocated memory while vLLM was awake: 4.0 GiB at
+    1.7B, 15.2 at 8B, but 4.7 at 14B, where this term put the rollout 23.3 GiB high). The engine has
+    emptied torch's cache after the push since run AB (not measured yet), so the term is an upper
+    bound until a run shows what is left.
   update: the LoRA's float32 gradients and one micro-batch's activations (`memory.sequence_bytes`,
     the estimate `logp_micro_batch=auto` uses; a group's prompt counted once, as `training.prefix`
     computes it).
@@ -190,9 +193,9 @@ def estimate(shape_name: str, settings: Settings = Settings()) -> Estimate:
     # vLLM takes its share; a share below its need preempts (or, below its weights, does not start), so
     # the need is what a step without preemption takes (`fitting` raises vllm_gpu_mem to it).
     share = max(s.vllm_gpu_mem * s.gpu_gib * GIB, vllm_need)
-    # While vLLM is awake: its share, and (measured, not explained: the module docstring) about one more
-    # bf16 copy of the AV's weights. A quantised base rolls out with engine=hf: no vLLM.
-    vllm_awake = {"vLLM share": share, "unaccounted while vLLM is awake (measured)": vllm_weights + GIB}
+    # While vLLM is awake: its share, and (measured: the module docstring) about one more bf16 copy of
+    # the AV's weights in torch's cache. A quantised base rolls out with engine=hf: no vLLM.
+    vllm_awake = {"vLLM share": share, "torch's cache of the push (measured, an upper bound)": vllm_weights + GIB}
     with_vllm = s.quant == "none"
     # The step's rollouts (ids, behaviour and reference log-probs, masks) kept until the update ends.
     resident["rollouts"] = s.prompts * s.group * (s.prompt_len + s.new_tokens) * 24

@@ -83,7 +83,8 @@ def test_pipeline_walkthrough_runs_as_written(tmp_path, walkthrough_lm, monkeypa
         "export": [],
     }
     real = walkthrough_lm.name == "smollm2"
-    if real:  # SmolLM2 is 135M parameters: fewer RL steps on the CPU
+    if real:  # SmolLM2 is 135M parameters: fewer SFT and RL steps on the CPU
+        speed["sft"] += ["num_steps=5"]
         speed["train"] += ["num_steps=2", "eval_every=2"]
     monkeypatch.chdir(tmp_path)
     for line in lines[4:]:
@@ -97,8 +98,8 @@ def test_pipeline_walkthrough_runs_as_written(tmp_path, walkthrough_lm, monkeypa
                                env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
             continue
         argv = shlex.split(line)[1:]
-        if real:  # the RL run has 2 steps here: its checkpoint is step_000002
-            argv = [a.replace("rl/step_000010", "rl/step_000002") for a in argv]
+        if real:  # the SFT runs have 5 steps here, the RL run 2: their checkpoints are step_000005, step_000002
+            argv = [a.replace("rl/step_000010", "rl/step_000002").replace("/step_000020", "/step_000005") for a in argv]
         assert cli.main([*argv, *speed[argv[0]]]) == 0, line
     steps = 2 if real else 10
     out = capsys.readouterr().out
@@ -107,7 +108,8 @@ def test_pipeline_walkthrough_runs_as_written(tmp_path, walkthrough_lm, monkeypa
 
         from nla_shell.io.sidecars import load_sidecar
 
-        train = next(shlex.split(line.replace("$LM", env["LM"]))[1:] for line in lines if line.startswith("nla train"))
+        train = next(shlex.split(line.replace("$LM", env["LM"]).replace("/step_000020", "/step_000005"))[1:]
+                     for line in lines if line.startswith("nla train"))
         assert cli.main([*train, *speed["train"], "engine=native", "save_dir=rl_native"]) == 0
         assert (tmp_path / "rl_native" / f"step_{steps:06d}" / "adapter").is_dir()
         sidecar = load_sidecar(tmp_path / "data" / "rl.parquet.nla_meta.yaml")

@@ -33,6 +33,8 @@ Two paths per step, on the same rollouts:
           update (the policy forwards). The FP8 copies are made before the phases, as the trainer's
           setup makes them.
   after_all_fp8  after_all with --fp8's phases in FP8: the fastest settings with fp8= on top.
+  after_all_fp8_backward  after_all_fp8 with `backward` added to --fp8: the input gradients of the
+          update's (and a co-trained critic's) backward from transposed FP8 copies too.
 Paths run in the order given on the same rollouts; every path but the last leaves the
 weights as they were (its optimisers are lr-0 SGDs), so each sees the same weights; the step
 prints each path's loss, grad norm, KL, rewards and critic loss beside "before"'s ("after"'s for
@@ -102,10 +104,11 @@ import torch  # noqa: E402
 
 import synthetic as syn  # noqa: E402
 
-PATHS = ("before", "after", "after_tf32", "after_bf16", "after_compile", "after_all", "after_fp8", "after_all_fp8")
-AUTOCAST_PATHS = ("after_bf16", "after_all", "after_all_fp8")
-COMPILE_PATHS = ("after_compile", "after_all", "after_all_fp8")
-FP8_PATHS = ("after_fp8", "after_all_fp8")
+PATHS = ("before", "after", "after_tf32", "after_bf16", "after_compile", "after_all", "after_fp8", "after_all_fp8",
+         "after_all_fp8_backward")
+AUTOCAST_PATHS = ("after_bf16", "after_all", "after_all_fp8", "after_all_fp8_backward")
+COMPILE_PATHS = ("after_compile", "after_all", "after_all_fp8", "after_all_fp8_backward")
+FP8_PATHS = ("after_fp8", "after_all_fp8", "after_all_fp8_backward")
 PEAK_TFLOPS = 790.0
 """bf16 dense matrix peak measured on the H200 (the issue's % of peak is against it)."""
 
@@ -158,6 +161,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--new-tokens", type=int, default=None, help="default TrainConfig's 160 (tiny 8)")
     parser.add_argument("--fp8", default="score,reference,update",
                         help="after_fp8, after_all_fp8: the phases whose matmuls run in FP8, of score,reference,update "
+                             "and backward (their backwards' input gradients too) "
                              "(nla train's fp8=)")
     parser.add_argument("--profile", default=None, help="directory for torch.profiler tables of each path's "
                         "score and update phases, from its warm-up step on the first case")
@@ -175,8 +179,9 @@ def parse_args() -> argparse.Namespace:
     if not args.paths or set(args.paths) - set(PATHS):
         parser.error(f"--paths must name some of {PATHS}, got {args.paths}")
     args.fp8 = tuple(p for p in args.fp8.split(",") if p)
-    if set(FP8_PATHS) & set(args.paths) and (not args.fp8 or set(args.fp8) - {"score", "reference", "update"}):
-        parser.error(f"--fp8 must name some of score,reference,update, got {','.join(args.fp8)!r}")
+    phases = set(args.fp8) - {"backward"}
+    if set(FP8_PATHS) & set(args.paths) and (not phases or phases - {"score", "reference", "update"}):
+        parser.error(f"--fp8 must name some of score,reference,update (and backward), got {','.join(args.fp8)!r}")
     args.prompt_len = args.prompt_len or (24 if tiny else 96)
     return args
 
@@ -416,7 +421,8 @@ def run_path(ctx: Context, path: str, state, rolled, args, *, keep_weights: bool
     if path in FP8_PATHS:  # the FP8 copies of --fp8's phases, made as the trainer's setup makes them
         from nla_shell.training.setup import make_fp8_copies
 
-        cfg = dataclasses.replace(state.cfg, fp8=args.fp8, compile_blocks=path in COMPILE_PATHS)
+        fp8 = args.fp8 + ("backward",) if path == "after_all_fp8_backward" and "backward" not in args.fp8 else args.fp8
+        cfg = dataclasses.replace(state.cfg, fp8=fp8, compile_blocks=path in COMPILE_PATHS)
         fp8_score, fp8_reference, fp8_update = make_fp8_copies(cfg, ctx.actor, ctx.critic, device=ctx.device)
         state = dataclasses.replace(state, cfg=cfg, fp8_score=fp8_score, fp8_reference=fp8_reference,
                                     fp8_update=fp8_update)

@@ -27,7 +27,8 @@
 #   fp8-step       p4, .bnb   the step at 256 x 8 with FP8: QUANT=none (default) runs the     FP8 (both options); docs/performance.md
 #                             fastest settings and the same + fp8=score,reference,update
 #                             on the same rollouts (after_all, after_all_fp8); QUANT=fp8 the
-#                             step with vLLM's FP8 rollouts too (after_all_fp8); and
+#                             step with vLLM's FP8 rollouts too (after_all_fp8); FP8_STEP_PATHS=
+#                             after_all_fp8,after_all_fp8_backward: FP8 backwards too; and
 #                             tests/gpu/test_fp8_gpu.py + test_vllm.py -k fp8 first
 #   profile        p4, .bnb   where the step's device time goes: torch.profiler tables     none yet (issue 31's profiler table)
 #                             (top ops by device time) of the score and update phases

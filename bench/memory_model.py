@@ -23,10 +23,10 @@ settings. Parts:
     the estimate `logp_micro_batch=auto` uses; a group's prompt counted once, as `training.prefix`
     computes it).
   critic: the AR's bf16 gradients and one critic micro-batch's activations.
-  fp8 (`nla train fp8=`, nla_shell.models.fp8): e4m3 copies of the block matrices beside the bf16 ones,
-    1 byte per weight and a float32 scale per output row, resident: the actor's base for
-    reference/update (quantised once) and the AR's backbone for score (a trained AR's re-quantised
-    in place at each scoring block; measured at 8B, run Z: 6,629 + 4,604 MiB).
+  fp8 (`nla train fp8=`, nla_shell.models.fp8): e4m3 copies of the block matrices beside the bf16 ones
+    (with `backward`, a transposed copy of each too), 1 byte per weight and a float32 scale per row,
+    resident: the actor's base for reference/update (quantised once) and the AR's backbone for score
+    (a trained AR's re-quantised in place at each scoring block; measured at 8B, run Z: 6,629 + 4,604 MiB).
 
 The step's peak is the resident parts plus its largest phase. The update phase errs high: at 8B,
 256 x 8 (micro-batch 64, critic 64, AdamW8bit, after_all) it gives 119.6 GiB where run AA measured
@@ -83,6 +83,7 @@ class Settings:
     quant: str = "none"  # the AV's frozen base and a frozen or LoRA AR
     fp8_actor: bool = False  # fp8=reference and/or update: FP8 copies of the actor's base matrices
     fp8_score: bool = False  # fp8=score: FP8 copies of the AR backbone's matrices
+    fp8_backward: bool = False  # fp8=...,backward: a transposed copy beside each (the actor's counted as with update)
     vllm_gpu_mem: float = 0.35
     vllm_sleep: int = 2
     vllm_max_seqs: int = 1024
@@ -143,12 +144,14 @@ def lora_params(shape: dict, r: int) -> int:
     return shape["num_hidden_layers"] * r * ((h + q) * 2 + (h + kv) * 2)
 
 
-def fp8_copy_bytes(shape: dict, layers: int) -> float:
-    """Bytes of FP8 copies of `layers` blocks' matrices: 1 per weight and a float32 scale per output row."""
+def fp8_copy_bytes(shape: dict, layers: int, *, transposed: bool = False) -> float:
+    """Bytes of FP8 copies of `layers` blocks' matrices: 1 per weight and a float32 scale per output row
+    (transposed: per input column, the copy fp8=...,backward's input gradients read)."""
     h, inter, hd = shape["hidden_size"], shape["intermediate_size"], shape["head_dim"]
     q, kv = shape["num_attention_heads"] * hd, shape["num_key_value_heads"] * hd
     rows = q + 2 * kv + h + 2 * inter + h  # q, k, v, o, gate, up, down
-    return layers * (block_params(shape)[0] + 4 * rows)
+    columns = 3 * h + q + 2 * h + inter
+    return layers * (block_params(shape)[0] + 4 * (columns if transposed else rows))
 
 
 def model_bytes(shape: dict, layers: int, *, matrix_bytes: float, lm_head: bool) -> float:
@@ -203,8 +206,12 @@ def estimate(shape_name: str, settings: Settings = Settings()) -> Estimate:
         resident.update(vllm_awake)
     if s.fp8_actor:
         resident["FP8 copies (actor)"] = fp8_copy_bytes(shape, layers)
+        if s.fp8_backward:
+            resident["FP8 transposed copies (actor)"] = fp8_copy_bytes(shape, layers, transposed=True)
     if s.fp8_score:
         resident["FP8 copies (AR)"] = fp8_copy_bytes(shape, ar_layers)
+        if s.fp8_backward:
+            resident["FP8 transposed copies (AR)"] = fp8_copy_bytes(shape, ar_layers, transposed=True)
 
     # A group's prompt once (training.prefix), its samples' responses each.
     policy_tokens = s.new_tokens + math.ceil(s.prompt_len / s.group)

@@ -122,27 +122,30 @@ def fp8_linear(
 
 
 class _StraightThroughFP8Linear(torch.autograd.Function):
-    """Forward: fp8_linear. Backward: the linear map's gradients in W's dtype (see fp8_linear_ste)."""
+    """Forward: fp8_linear. Backward: the linear map's gradients, dL/dx in W's dtype or, given the
+    transposed copy, by fp8_linear (see fp8_linear_ste)."""
 
     @staticmethod
-    def forward(ctx, x, weight, w_fp8, w_scale, bias, out_dtype):
+    def forward(ctx, x, weight, w_fp8, w_scale, bias, out_dtype, wt_fp8, wt_scale):
         trains = ctx.needs_input_grad[1]
         # A frozen weight needs only itself for dL/dx (no copy kept); a trained one also x, for dL/dW.
-        ctx.save_for_backward(weight, x if trains else None)
-        ctx.x_dtype = x.dtype
+        ctx.save_for_backward(weight, x if trains else None, wt_fp8, wt_scale)
+        ctx.x_dtype, ctx.out_dtype = x.dtype, out_dtype
         return fp8_linear(x, w_fp8, w_scale, bias=bias, out_dtype=out_dtype)
 
     @staticmethod
     def backward(ctx, grad_y):
-        weight, x = ctx.saved_tensors
+        weight, x, wt_fp8, wt_scale = ctx.saved_tensors
         g = grad_y.to(weight.dtype)
-        grad_x = (g @ weight).to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
-        grad_w = grad_b = None
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_x = g @ weight if wt_fp8 is None else fp8_linear(grad_y, wt_fp8, wt_scale, out_dtype=ctx.out_dtype)
+            grad_x = grad_x.to(ctx.x_dtype)
         if ctx.needs_input_grad[1]:
             grad_w = g.reshape(-1, g.shape[-1]).t() @ x.reshape(-1, x.shape[-1]).to(weight.dtype)
         if ctx.needs_input_grad[4]:
             grad_b = g.reshape(-1, g.shape[-1]).sum(dim=0)
-        return grad_x, grad_w, None, None, grad_b, None
+        return grad_x, grad_w, None, None, grad_b, None, None, None
 
 
 def fp8_linear_ste(
@@ -153,6 +156,8 @@ def fp8_linear_ste(
     *,
     bias: torch.Tensor | None = None,
     out_dtype: torch.dtype,
+    wt_fp8: torch.Tensor | None = None,
+    wt_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`fp8_linear` in the forward, differentiated as the linear map x W^T + b (straight-through).
 
@@ -168,14 +173,25 @@ def fp8_linear_ste(
     These are the exact gradients of the linear map at the FP8 forward's activations (the forward's
     rounding passed straight through, as quantised-forward training does). A frozen weight (a LoRA's
     base layer in the policy update) keeps no copy of x; a trained one (a co-trained AR's backbone)
-    keeps x as nn.Linear does. No transposed FP8 copy of W is used: that would cost another byte per
-    weight and put up to 2^-4 of each term's error into every gradient.
+    keeps x as nn.Linear does.
+
+    FP8 backward (wt_fp8, wt_scale given: `quantize_rowwise(weight.T)`, W^T quantised per input feature):
+        dL/dx = fp8_linear(dL/dy, wt_fp8, wt_scale, out_dtype=out_dtype)      [..., K], in x's dtype,
+    the gradient's rows quantised along M, so dL/dx carries fp8_linear's error for the operands (g, W^T):
+    about 2^-3 of sum_m |g_im W_mk| per entry. dL/dW and dL/db stay as above (the input gradient is
+    the product a frozen layer's backward spends its time on). Costs another byte per weight.
 
     Args: x: [..., K] floating; weight: [M, K], the weight the FP8 copy was made from (trained or
-      frozen); w_fp8, w_scale: `quantize_rowwise(weight)`; bias: [M] or None; out_dtype: as for fp8_linear.
+      frozen); w_fp8, w_scale: `quantize_rowwise(weight)`; bias: [M] or None; out_dtype: as for fp8_linear;
+      wt_fp8 [K, M] float8_e4m3fn, wt_scale [K, 1] float32: `quantize_rowwise(weight.T)`, both or neither.
     Returns: [..., M] out_dtype, in the autograd graph of x, weight and bias.
     """
     require_floating("weight", weight)
     if weight.shape != w_fp8.shape:
         raise ValueError(f"weight {tuple(weight.shape)} and its FP8 copy w_fp8 {tuple(w_fp8.shape)} must match")
-    return _StraightThroughFP8Linear.apply(x, weight, w_fp8, w_scale, bias, out_dtype)
+    if (wt_fp8 is None) != (wt_scale is None):
+        raise ValueError("wt_fp8 and wt_scale come together (quantize_rowwise(weight.T)), or neither")
+    if wt_fp8 is not None and wt_fp8.shape != weight.shape[::-1]:
+        raise ValueError(f"wt_fp8 {tuple(wt_fp8.shape)} must be the transposed weight's [K, M] = "
+                         f"{tuple(weight.shape[::-1])}")
+    return _StraightThroughFP8Linear.apply(x, weight, w_fp8, w_scale, bias, out_dtype, wt_fp8, wt_scale)

@@ -7,9 +7,10 @@ through `nla_core.fp8_linear_ste` (x quantised per row, `torch._scaled_mm`, bf16
 eager forwards back on exit. The backward is the linear map's, in the weight's own dtype
 (straight-through): g @ W to the input, and g^T @ x to a weight that trains (a co-trained AR's
 backbone, which scores and takes its step on one forward), nothing to a frozen one (a LoRA's base
-layers). The bf16 weights stay where they are: weight pushes, the backwards and the optimizers read them.
+layers); with backward=True the input's g @ W is an FP8 product too (W^T quantised per input feature). The bf16 weights stay where they are: weight pushes, the backwards and the optimizers read them.
 
-Memory: +1 byte per converted weight and 4 bytes per output row (the scale), held for the run.
+Memory: +1 byte per converted weight and 4 bytes per output row (the scale), held for the run;
+with backward=True (`fp8=...,backward`) as much again for the transposed copy the input gradients use.
 A frozen layer is quantised once, here; a layer whose weight trains is re-quantised from its
 current weight, in place, at the start of every block, so a stale copy cannot exist: a block
 after the critic's optimizer step reads the new weights (and, with critic_ema, the EMA weights
@@ -70,10 +71,14 @@ class FP8Linears:
       torch.compile backend that fuses each layer's FP8 product where no compiled block part
       contains it (the attention's bare q/k/v/o projections): its input's quantisation, eager,
       is several passes over the input per layer. None: eager there.
+      backward: the backward's input gradients in FP8 too (`fp8_linear_ste` with the transposed copy,
+      `quantize_rowwise(weight.T)`, held as the buffers `fp8_weight_t` [K, M] and `fp8_scale_t` [K, 1]:
+      another byte per weight); False: in the weight's dtype, and those buffers are None.
     """
 
-    def __init__(self, backbone: nn.Module, *, label: str, compile_backend: str | None = None) -> None:
-        self.label = label
+    def __init__(self, backbone: nn.Module, *, label: str, compile_backend: str | None = None,
+                 backward: bool = False) -> None:
+        self.label, self.backward = label, backward
         self._swap_class = _FP8Linear if compile_backend is None else _compiled_fp8_linear_class(compile_backend)
         linears = [m for name, m in backbone.named_modules() if type(m) is nn.Linear and ".lora_" not in f".{name}"]
         self.layers = [m for m in linears
@@ -82,8 +87,11 @@ class FP8Linears:
         for layer in self.layers:  # a second set over the same layers replaces the first's copies
             with torch.no_grad():
                 weight, scale = nla_core.quantize_rowwise(layer.weight)
+                transposed, transposed_scale = nla_core.quantize_rowwise(layer.weight.t()) if backward else (None, None)
             layer.register_buffer("fp8_weight", weight, persistent=False)
             layer.register_buffer("fp8_scale", scale, persistent=False)
+            layer.register_buffer("fp8_weight_t", transposed, persistent=False)
+            layer.register_buffer("fp8_scale_t", transposed_scale, persistent=False)
         self._active = False
 
     @property
@@ -95,6 +103,8 @@ class FP8Linears:
         """One start-up line: how many layers convert, why the others do not, what it holds."""
         skipped = self.total - len(self.layers)
         held = sum(m.weight.numel() + m.out_features * 4 for m in self.layers)
+        if self.backward:
+            held += sum(m.weight.numel() + m.in_features * 4 for m in self.layers)
         line = f"[fp8] {self.label}: {len(self.layers)} of {self.total} Linear layers in FP8"
         if skipped:
             line += f" ({skipped} not multiples of {SCALED_MM_MULTIPLE}: left in the model's dtype)"
@@ -102,6 +112,8 @@ class FP8Linears:
             line += f"; {frozen} frozen, quantised once"
         if self.refreshed:
             line += f"; {self.refreshed} trained, re-quantised from the current weights at each block"
+        if self.backward:
+            line += "; input gradients in FP8 too (a transposed copy)"
         line += f"; +{held / 2**20:.1f} MiB held"
         return line
 
@@ -112,7 +124,8 @@ class FP8Linears:
             if "forward" in vars(layer):
                 raise RuntimeError(f"[fp8] {self.label}: a Linear layer already has a forward of its own "
                                    "(compiled on its own?); FP8 cannot be swapped in over it")
-            if layer.fp8_weight.dtype != nla_core.FP8_DTYPE:
+            if nla_core.FP8_DTYPE != layer.fp8_weight.dtype or (
+                    layer.fp8_weight_t is not None and layer.fp8_weight_t.dtype != nla_core.FP8_DTYPE):
                 raise RuntimeError(f"[fp8] {self.label}: a layer's FP8 copy was cast to {layer.fp8_weight.dtype} "
                                    "(Module.to(dtype) after the copies were made?); make the FP8Linears after the cast")
         for layer in self.layers:  # a trained weight, from what it is now: after the latest optimizer step
@@ -121,6 +134,10 @@ class FP8Linears:
                     weight, scale = nla_core.quantize_rowwise(layer.weight)
                     layer.fp8_weight.copy_(weight)
                     layer.fp8_scale.copy_(scale)
+                    if self.backward:
+                        weight, scale = nla_core.quantize_rowwise(layer.weight.t())
+                        layer.fp8_weight_t.copy_(weight)
+                        layer.fp8_scale_t.copy_(scale)
         for layer in self.layers:
             layer.__class__ = self._swap_class
         self._active = True
@@ -136,7 +153,7 @@ class FP8Linears:
         if self._active:
             raise RuntimeError(f"[fp8] {self.label}: remove() inside the FP8 block")
         for layer in self.layers:
-            del layer.fp8_weight, layer.fp8_scale
+            del layer.fp8_weight, layer.fp8_scale, layer.fp8_weight_t, layer.fp8_scale_t
 
 
 class _FP8Linear(nn.Linear):
@@ -145,10 +162,12 @@ class _FP8Linear(nn.Linear):
 
     fp8_weight: torch.Tensor
     fp8_scale: torch.Tensor
+    fp8_weight_t: torch.Tensor | None
+    fp8_scale_t: torch.Tensor | None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = nla_core.fp8_linear_ste(x, self.weight, self.fp8_weight, self.fp8_scale, bias=self.bias,
-                                    out_dtype=OUT_DTYPE)
+                                    out_dtype=OUT_DTYPE, wt_fp8=self.fp8_weight_t, wt_scale=self.fp8_scale_t)
         return y.to(x.dtype)
 
 
@@ -162,8 +181,8 @@ def _compiled_fp8_linear_class(backend: str) -> type[_FP8Linear]:
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             if torch.compiler.is_compiling():
                 return super().forward(x)
-            return compiled(x, self.weight, self.fp8_weight, self.fp8_scale, bias=self.bias,
-                            out_dtype=OUT_DTYPE).to(x.dtype)
+            return compiled(x, self.weight, self.fp8_weight, self.fp8_scale, bias=self.bias, out_dtype=OUT_DTYPE,
+                            wt_fp8=self.fp8_weight_t, wt_scale=self.fp8_scale_t).to(x.dtype)
 
     return _CompiledFP8Linear
 

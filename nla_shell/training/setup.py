@@ -399,9 +399,12 @@ def make_fp8_copies(cfg: TrainConfig, actor, critic: ARModel, *,
         return None, None, None
     require_fp8(device)
     backend = "inductor" if cfg.compile_blocks else None
-    score = FP8Linears(families.backbone(critic.lm), label="score", compile_backend=backend) if "score" in cfg.fp8 else None
+    backward = "backward" in cfg.fp8
+    score = (FP8Linears(families.backbone(critic.lm), label="score", compile_backend=backend, backward=backward)
+             if "score" in cfg.fp8 else None)
     actor_phases = [phase for phase in ("reference", "update") if phase in cfg.fp8]
-    base = (FP8Linears(families.backbone(inner_lm(actor)), label="+".join(actor_phases), compile_backend=backend)
+    base = (FP8Linears(families.backbone(inner_lm(actor)), label="+".join(actor_phases), compile_backend=backend,
+                       backward=backward and "update" in cfg.fp8)
             if actor_phases else None)
     for copies in (score, base):
         if copies is not None:

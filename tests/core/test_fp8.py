@@ -76,12 +76,17 @@ def test_zero_rows_quantise_to_zeros_with_a_positive_scale():
 # ---------------------------------------------------------------- fp8_linear
 
 
+def product(xw, out_dtype):
+    """(x, w, fp8_linear(x, quantize_rowwise(w))) for a drawn pair of operands."""
+    x, w = xw
+    q, s = quantize_rowwise(w)
+    return x, w, fp8_linear(x, q, s, out_dtype=out_dtype)
+
+
 @FAST
 @given(operands(), st.sampled_from([torch.bfloat16, torch.float32]))
 def test_product_is_the_dequantised_operands_product_to_output_rounding(xw, out_dtype):
-    x, w = xw
-    q, s = quantize_rowwise(w)
-    y = fp8_linear(x, q, s, out_dtype=out_dtype)
+    x, w, y = product(xw, out_dtype)
     assert y.dtype == out_dtype and y.shape == (x.shape[0], w.shape[0])
     xd, _ = dequantised(x)
     wd, _ = dequantised(w)
@@ -91,20 +96,24 @@ def test_product_is_the_dequantised_operands_product_to_output_rounding(xw, out_
     assert bool((err <= HALF_ULP[out_dtype] * exact.abs() + accumulation + SUBNORMAL_FLOOR[out_dtype]).all()), err
 
 
-@FAST
-@given(operands(), st.sampled_from([torch.bfloat16, torch.float32]))
-def test_error_against_the_exact_product_is_within_the_derived_bound(xw, out_dtype):
-    x, w = xw
-    q, s = quantize_rowwise(w)
-    y = fp8_linear(x, q, s, out_dtype=out_dtype).double()
+def derived_bound(x, w, y, out_dtype):
+    """fp8_linear's error bound (its docstring) for y = fp8_linear(x, quantize_rowwise(w)): quantisation of
+    both operands, the output's rounding and float32 accumulation."""
     x64, w64 = x.double(), w.double()
     (xd, sx), (wd, sw) = dequantised(x), dequantised(w)
     e = U * x64.abs() + V * sx  # per-element quantisation bounds of x and w
     f = U * w64.abs() + V * sw
     quantisation = e @ w64.abs().T + x64.abs() @ f.T + e @ f.T
-    rounding = HALF_ULP[out_dtype] * y.abs() + x.shape[1] * 2.0**-23 * (xd.abs() @ wd.abs().T)
-    err = (y - x64 @ w64.T).abs()
-    assert bool((err <= quantisation + rounding + SUBNORMAL_FLOOR[out_dtype]).all()), (err, quantisation)
+    rounding = HALF_ULP[out_dtype] * y.double().abs() + x.shape[1] * 2.0**-23 * (xd.abs() @ wd.abs().T)
+    return quantisation + rounding + SUBNORMAL_FLOOR[out_dtype]
+
+
+@FAST
+@given(operands(), st.sampled_from([torch.bfloat16, torch.float32]))
+def test_error_against_the_exact_product_is_within_the_derived_bound(xw, out_dtype):
+    x, w, y = product(xw, out_dtype)
+    err = (y.double() - x.double() @ w.double().T).abs()
+    assert bool((err <= derived_bound(x, w, y, out_dtype)).all()), err
 
 
 def test_the_derived_bound_is_nearly_reached():
@@ -227,8 +236,45 @@ def test_frozen_weight_gets_no_gradient_and_keeps_no_input():
     q, s = quantize_rowwise(w)
     x = torch.randn(3, 32, requires_grad=True)
     y = fp8_linear_ste(x, w, q, s, out_dtype=torch.float32)
-    assert [t is None for t in y.grad_fn.saved_tensors] == [False, True]  # the weight, not x
+    assert [t is None for t in y.grad_fn.saved_tensors] == [False, True, True, True]  # the weight, not x
     y.sum().backward()
     assert w.grad is None and x.grad is not None and bool(x.grad.ne(0).any())
     with pytest.raises(ValueError, match="must match"):
         fp8_linear_ste(x, torch.randn(16, 31), q, s, out_dtype=torch.float32)
+
+
+@FAST
+@given(operands(), st.integers(0, 2**31 - 1))
+def test_the_fp8_backward_input_gradient_is_within_fp8_linears_bound_for_g_and_w_transposed(xw, seed):
+    x, w = (t.to(torch.bfloat16) for t in xw)
+    q, s = quantize_rowwise(w)
+    qt, st_ = quantize_rowwise(w.t())
+    assert qt.shape == (w.shape[1], w.shape[0]) and st_.shape == (w.shape[1], 1)
+    x.requires_grad_(True)
+    y = fp8_linear_ste(x, w, q, s, out_dtype=torch.bfloat16, wt_fp8=qt, wt_scale=st_)
+    assert torch.equal(y, fp8_linear(x.detach(), q, s, out_dtype=torch.bfloat16))  # the forward is unchanged
+    g = torch.randn(y.shape, generator=torch.Generator().manual_seed(seed)).to(y.dtype)
+    y.backward(g)
+    assert x.grad.dtype == torch.bfloat16
+    torch.testing.assert_close(x.grad, fp8_linear(g, qt, st_, out_dtype=torch.bfloat16), rtol=0, atol=0)
+    err = (x.grad.double() - g.double() @ w.double()).abs()
+    assert bool((err <= derived_bound(g, w.t(), x.grad, torch.bfloat16)).all()), err
+
+
+def test_the_fp8_backward_leaves_a_trained_weights_gradient_as_it_was():
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(16, 32, generator=gen)
+    x, g = torch.randn(5, 32, generator=gen), torch.randn(5, 16, generator=gen).bfloat16().float()
+    q, s = quantize_rowwise(w)
+    qt, st_ = quantize_rowwise(w.t())
+    grads = []
+    for transposed in ({}, {"wt_fp8": qt, "wt_scale": st_}):
+        weight, inputs = w.clone().requires_grad_(True), x.clone().requires_grad_(True)
+        fp8_linear_ste(inputs, weight, q, s, out_dtype=torch.float32, **transposed).backward(g)
+        grads.append((weight.grad, inputs.grad))
+    torch.testing.assert_close(grads[0][0], grads[1][0], rtol=0, atol=0)
+    assert not torch.equal(grads[0][1], grads[1][1])  # the input's gradient is the FP8 product's
+    with pytest.raises(ValueError, match="both|neither"):
+        fp8_linear_ste(x, w, q, s, out_dtype=torch.float32, wt_fp8=qt)
+    with pytest.raises(ValueError, match=r"\[K, M\]"):
+        fp8_linear_ste(x, w, q, s, out_dtype=torch.float32, wt_fp8=q, wt_scale=s)

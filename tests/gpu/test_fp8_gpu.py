@@ -67,3 +67,24 @@ def test_fp8_swap_of_a_bf16_mlp_on_the_device():
     assert torch.equal(back, ref)  # the eager forwards are back after the block
     rel = (got - ref).norm() / ref.norm()
     assert 0 < float(rel) < 0.1
+
+
+@pytest.mark.parametrize("k, m", QWEN3_8B_WIDTHS)
+def test_the_fp8_backward_input_gradient_on_the_device(k, m):
+    """fp8=...,backward: dL/dx from the transposed copy (W^T quantised per input feature) is the device's FP8
+    product of the gradient and W^T, and FP8's approximation of the bf16 g @ W."""
+    gen = torch.Generator().manual_seed(k * m)
+    w = (torch.randn(m, k, generator=gen) / k**0.5).to(torch.bfloat16)
+    g = torch.randn(40, m, generator=gen).to(torch.bfloat16)
+    w_fp8, w_scale = (t.to(CUDA) for t in nla_core.quantize_rowwise(w))
+    wt_fp8, wt_scale = (t.to(CUDA) for t in nla_core.quantize_rowwise(w.t()))
+    x = torch.randn(40, k, generator=gen).to(CUDA, torch.bfloat16).requires_grad_(True)
+    y = nla_core.fp8_linear_ste(x, w.to(CUDA), w_fp8, w_scale, out_dtype=torch.bfloat16, wt_fp8=wt_fp8,
+                                wt_scale=wt_scale)
+    y.backward(g.to(CUDA))
+    grad = x.grad.cpu()
+    g_fp8, g_scale = nla_core.quantize_rowwise(g)
+    operands = (g_fp8.double() * g_scale.double()) @ (wt_fp8.cpu().double() * wt_scale.cpu().double()).T
+    assert float((grad.double() - operands).abs().max()) <= 2**-8 * float(operands.abs().max()) + 1e-3
+    exact = g.float() @ w.float()
+    assert float((grad.float() - exact).norm() / exact.norm()) < 0.05

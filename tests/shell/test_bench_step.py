@@ -91,6 +91,13 @@ def test_the_fp8_path_runs_the_trainers_fp8_copies(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         bench_step.parse_args()
     assert "--fp8 must name some of score,reference,update" in capsys.readouterr().err
+    monkeypatch.setattr(sys, "argv", ["bench_step.py", "--tiny", "--paths", "after_all_fp8_backward", "--fp8", "backward"])
+    with pytest.raises(SystemExit):  # backward alone names no phase whose backward it could make FP8
+        bench_step.parse_args()
+    assert "--fp8 must name some of score,reference,update (and backward)" in capsys.readouterr().err
+    monkeypatch.setattr(sys, "argv", ["bench_step.py", "--tiny", "--paths", "after_all_fp8_backward", "--fp8",
+                                      "update,backward"])
+    assert bench_step.parse_args().fp8 == ("update", "backward")
     monkeypatch.setattr(sys, "argv", ["bench_step.py", "--tiny", "--critic", "on", "--paths", "after,after_fp8"])
     args = bench_step.parse_args()
     args.new_tokens = 8

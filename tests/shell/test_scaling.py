@@ -183,6 +183,10 @@ def test_fp8_copies_add_one_byte_per_base_weight_and_a_scale_per_row():
     rows = 4096 + 2 * 1024 + 4096 + 2 * 12288 + 4096  # q, k, v, o, gate, up, down at the 8B shape
     assert added == shape["num_hidden_layers"] * (matrices + 4 * rows)
     assert math.isclose(with_actor.total - base.total, added / memory_model.GIB)
+    both = memory_model.estimate("8b", memory_model.Settings(fp8_actor=True, fp8_backward=True))
+    columns = 4096 + 4096 + 4096 + 4096 + 4096 + 4096 + 12288  # q, k, v, o, gate, up, down: their in-features
+    transposed = both.resident["FP8 transposed copies (actor)"] * memory_model.GIB
+    assert transposed == shape["num_hidden_layers"] * (matrices + 4 * columns)
     # The AR's copies are resident whether it trains (re-quantised in place) or not.
     co_trained = memory_model.estimate("8b", memory_model.Settings(fp8_score=True))
     frozen = memory_model.estimate("8b", memory_model.Settings(fp8_score=True, critic=False))

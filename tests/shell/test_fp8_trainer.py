@@ -402,49 +402,28 @@ def test_a_co_trained_critics_fp8_gradient_is_close_to_its_own(nla_run_inputs, t
             assert torch.equal(layer.fp8_weight_t.float(), q.float()) and torch.equal(layer.fp8_scale_t, scale)
 
 
-def test_compiled_blocks_trace_the_fp8_layers_once(nla_run_inputs, tiny_tokenizer):
-    """compile_blocks with fp8: the compiled LoRA layers and MLPs run the FP8 forwards (the update's numbers
-    are the eager FP8 update's), and entering the FP8 block again compiles nothing new ("aot_eager" traces
-    what inductor would compile, without a C++ build)."""
-    from torch._dynamo.utils import counters
+def test_compiled_blocks_run_the_fp8_layers_and_compile_no_graph_per_layer(nla_run_inputs, tiny_tokenizer):
+    """compile_blocks with fp8 ("aot_eager" traces what inductor would compile, without a C++ build):
 
-    from nla_shell.models import CompiledBlockParts
-
-    actor, injector, rollouts, activations, advantages = fp8_update_inputs(nla_run_inputs, tiny_tokenizer)
-    copies = FP8Linears(families.backbone(inner_lm(actor)), label="reference+update")
-    _, exact_grad = lora_update(actor, injector, rollouts, activations, advantages, tiny_tokenizer, None)
-    eager, eager_grad = lora_update(actor, injector, rollouts, activations, advantages, tiny_tokenizer, copies)
-    compiled = CompiledBlockParts(actor, backend="aot_eager")
-    try:
-        first, first_grad = lora_update(actor, injector, rollouts, activations, advantages, tiny_tokenizer, copies)
-        graphs = counters["stats"]["unique_graphs"]
-        again, again_grad = lora_update(actor, injector, rollouts, activations, advantages, tiny_tokenizer, copies)
-        assert counters["stats"]["unique_graphs"] == graphs
-    finally:
-        compiled.remove()
-    fp8_error = relative_error(eager_grad, exact_grad)
-    for numbers, grad in ((first, first_grad), (again, again_grad)):
-        # The compiled graphs round a few activations differently, and an element near an e4m3 midpoint then
-        # quantises the other way: the same FP8 update, to well under FP8's own error.
-        assert numbers.loss == pytest.approx(eager.loss, rel=1e-3, abs=1e-6)
-        assert relative_error(grad, eager_grad) < 0.1 * fp8_error
-    assert all("forward" not in vars(m) for m in copies.layers)
-
-
-def test_compiled_blocks_compile_no_graph_per_fp8_layer(nla_run_inputs, tiny_tokenizer):
-    """The converted layers under a compiled LoRA layer or MLP share its graphs: once the first two blocks'
-    layers have run in FP8 (the first block's inputs need no gradient, the others' do: variants of their
-    own), converting the last block's too compiles nothing new, so a deep model stays
-    under dynamo's recompile limit. (A forward per layer, guarded on by identity, compiled one more variant
-    per layer: at the Qwen3-8B shape on 2026-12-01, 252 LoRA layers, past the limit of 64, and the rest of
-    the run eager and slower than bf16.)"""
+    - the converted layers under a compiled LoRA layer or MLP share its graphs: once the first two blocks'
+      layers have run in FP8 (the first block's inputs need no gradient, the others' do: variants of their
+      own), converting the last block's too compiles nothing new, and neither does entering the block
+      again, so a deep model stays under dynamo's recompile limit. (A forward per layer, guarded on by
+      identity, compiled one more variant per layer: at the Qwen3-8B shape on 2026-12-01, 252 LoRA layers,
+      past the limit of 64, and the rest of the run eager and slower than bf16.)
+    - the compiled FP8 update's numbers are the eager FP8 update's.
+    """
     from torch._dynamo.utils import counters
 
     from nla_shell.models import CompiledBlockParts
 
     actor, injector, rollouts, activations, advantages = fp8_update_inputs(nla_run_inputs, tiny_tokenizer)
     blocks = families.decoder_blocks(actor)
+    copies = FP8Linears(families.backbone(inner_lm(actor)), label="reference+update")
+    _, exact_grad = lora_update(actor, injector, rollouts, activations, advantages, tiny_tokenizer, None)
+    eager, eager_grad = lora_update(actor, injector, rollouts, activations, advantages, tiny_tokenizer, copies)
     first_blocks = FP8Linears(nn.ModuleList(blocks[:2]), label="update")
+    assert len(blocks) == 3 and 2 * len(copies.layers) == 3 * len(first_blocks.layers)
     torch._dynamo.reset()
     compiled = CompiledBlockParts(actor, backend="aot_eager")
     try:
@@ -452,14 +431,20 @@ def test_compiled_blocks_compile_no_graph_per_fp8_layer(nla_run_inputs, tiny_tok
         own_dtype = counters["stats"]["unique_graphs"]
         lora_update(actor, injector, rollouts, activations, advantages, tiny_tokenizer, first_blocks)
         graphs = counters["stats"]["unique_graphs"]
-        every_block = FP8Linears(families.backbone(inner_lm(actor)), label="update")
-        assert len(blocks) == 3 and 2 * len(every_block.layers) == 3 * len(first_blocks.layers)
-        numbers, _ = lora_update(actor, injector, rollouts, activations, advantages, tiny_tokenizer, every_block)
+        every_block = FP8Linears(families.backbone(inner_lm(actor)), label="reference+update")  # the same copies
+        first, first_grad = lora_update(actor, injector, rollouts, activations, advantages, tiny_tokenizer, every_block)
+        again, again_grad = lora_update(actor, injector, rollouts, activations, advantages, tiny_tokenizer, every_block)
         assert graphs > own_dtype and counters["stats"]["unique_graphs"] == graphs
     finally:
         compiled.remove()
         torch._dynamo.reset()
-    assert math.isfinite(numbers.loss)
+    fp8_error = relative_error(eager_grad, exact_grad)
+    for numbers, grad in ((first, first_grad), (again, again_grad)):
+        # The compiled graphs round a few activations differently, and an element near an e4m3 midpoint then
+        # quantises the other way: the same FP8 update, to well under FP8's own error.
+        assert numbers.loss == pytest.approx(eager.loss, rel=1e-3, abs=1e-6)
+        assert relative_error(grad, eager_grad) < 0.1 * fp8_error
+    assert all("forward" not in vars(m) for m in every_block.layers)
 
 
 def test_the_fp8_backward_update_gradient_is_close_to_the_exact_one_and_farther_than_fp8_forwards(

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# The trainer's FP8 (fp8=score,reference,update) against bf16 on the toy NLA, on the CPU, paired by seed:
+# per seed its demo (fp32 SFT and RL), then 60 RL steps from that SFT in bf16 with and without FP8
+# (bench/rl_variants.py), as the GPU's fp8-learning stage does (bench/gpu_session.sh fp8-lane).
+#
+#   bash bench/fp8_learning_cpu.sh lane SEED...      # one lane (one core): the seeds one after another
+#   bash bench/fp8_learning_cpu.sh table             # the variants' table, then the parity rule's bound
+#
+# RUNS (default /tmp/fp8cpu) holds the seeds' run dirs. Run one lane per core, then the table.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+runs=${RUNS:-/tmp/fp8cpu}; mkdir -p "$runs"
+py=${PYTHON:-.venv/bin/python}
+case $1 in
+  lane)
+    shift; export OMP_NUM_THREADS=1
+    for seed in "$@"; do
+      d=$runs/seed$seed; start=$SECONDS
+      [ -f $d/report.json ] || $py -m nla_shell.cli demo --run-dir $d --seed $seed --device cpu > $d.log 2>&1 ||
+        { echo "seed $seed: the demo failed ($d.log)"; continue; }
+      demo=$((SECONDS - start))
+      [ -f $d/variants/bf16/report.json ] ||
+        $py bench/rl_variants.py variant $d bf16 dtype=bfloat16 engine=native > $d.bf16.log 2>&1
+      [ -f $d/variants/bf16_fp8/report.json ] ||
+        $py bench/rl_variants.py variant $d bf16_fp8 dtype=bfloat16 engine=native fp8=score,reference,update \
+          > $d.bf16_fp8.log 2>&1
+      echo "seed $seed: demo $demo s, both variants $((SECONDS - start - demo)) s"
+    done ;;
+  table)
+    $py bench/rl_variants.py table "$runs"/seed*/ --out "$runs/table" --against bf16
+    # The parity rule of tests/parity.py on the paired held-out FVE differences (bf16_fp8 - bf16).
+    $py - "$runs" <<'PY'
+import json, statistics, sys
+from pathlib import Path
+sys.path.insert(0, "tests")
+from parity import FVE_MARGIN, PairedShortfall
+diffs = {}
+for d in sorted(Path(sys.argv[1]).glob("seed*/variants")):
+    try:
+        fve = {v: json.loads((d / v / "report.json").read_text())["fve"] for v in ("bf16", "bf16_fp8")}
+    except FileNotFoundError:
+        continue
+    diffs[int(d.parent.name[4:])] = fve["bf16_fp8"] - fve["bf16"]
+if len(diffs) < 2:
+    sys.exit(f"fewer than 2 seeds with both variants in {sys.argv[1]}")
+s = PairedShortfall(n=len(diffs), mean=statistics.fmean(diffs.values()), sd=statistics.stdev(diffs.values()))
+print(f"bf16_fp8 - bf16, seeds {sorted(diffs)}: mean {s.mean:+.4f}, sd {s.sd:.4f}, one-sided 95 % lower bound "
+      f"{s.lower_bound:+.4f} ({'above' if s.lower_bound > -FVE_MARGIN else 'not above'} -{FVE_MARGIN}: parity "
+      f"{'shown' if s.lower_bound > -FVE_MARGIN else 'not shown'})")
+PY
+    ;;
+  *) echo "usage: bash bench/fp8_learning_cpu.sh lane SEED... | table" >&2; exit 2 ;;
+esac

@@ -101,7 +101,8 @@ class VLLMRolloutEngine:
     work, so the trainer's update can use them. Each block (`awake`, entered by every
     generation call) runs: torch.cuda.empty_cache() (the trainer's cached blocks go back to
     the device first) -> wake the weights -> push the actor if a push is due ->
-    torch.cuda.empty_cache() again (the push's freed buckets) -> wake the KV cache -> generate -> sleep. `sync_weights` while asleep only marks the push due.
+    torch.cuda.empty_cache() again (the push's freed buckets) -> wake the KV cache -> generate ->
+    sleep. `sync_weights` while asleep only marks the push due.
       level 1  copies the weights to pinned CPU memory at sleep and back at wake (2 x the
                weights over PCIe per step, and that much pinned host memory); any
                vllm_sync_every works.
@@ -433,8 +434,8 @@ class VLLMRolloutEngine:
             self.last_stats["push_s"] = self._push(self._weights_source)
         start = time.perf_counter()
         if torch.cuda.is_available():
-            # The push's merged buckets, freed, stay in torch's cache (about one bf16 copy of the
-            # actor, run AA); vLLM maps its KV cache outside that cache, so hand them back first.
+            # What the push freed (its merged buckets) stays in torch's cache, which vLLM cannot map
+            # its KV cache into: run AA's 14B ran out of memory here. Hand it back first.
             torch.cuda.empty_cache()
         self.llm.wake_up(tags=["kv_cache"])
         self.last_stats["wake_s"] = woke + time.perf_counter() - start

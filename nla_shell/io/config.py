@@ -340,8 +340,8 @@ class TrainConfig:
     the linear map's in `dtype` (straight-through: g @ W to the input, g^T @ x to a trained weight), so
     the trainer's log-probs are FP8 ones beside the engine's (logp_diff_* measure the gap). "backward"
     (with update and/or score): those phases' input gradients g @ W in FP8 too, from a transposed copy
-    quantised per input feature (+1 byte per weight again); g^T @ x to a trained weight stays in `dtype`. Layers whose
-    in- or out-features are not multiples of 16 stay in `dtype` (start-up says how many convert). Memory:
+    quantised per input feature (+1 byte per weight again); g^T @ x to a trained weight stays in `dtype`.
+    Layers whose in- or out-features are not multiples of 16 stay in `dtype` (start-up says how many convert). Memory:
     +1 byte per converted weight, held for the run (the actor's once for reference and update). Each
     operand's element is off by up to 2^-4 of itself. The rollouts and the held-out eval run as before.
     Works with compile_blocks and bf16_autocast; needs a Hopper GPU or later (or the CPU); not with quant.

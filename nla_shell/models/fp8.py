@@ -7,7 +7,8 @@ through `nla_core.fp8_linear_ste` (x quantised per row, `torch._scaled_mm`, bf16
 eager forwards back on exit. The backward is the linear map's, in the weight's own dtype
 (straight-through): g @ W to the input, and g^T @ x to a weight that trains (a co-trained AR's
 backbone, which scores and takes its step on one forward), nothing to a frozen one (a LoRA's base
-layers); with backward=True the input's g @ W is an FP8 product too (W^T quantised per input feature). The bf16 weights stay where they are: weight pushes, the backwards and the optimizers read them.
+layers); with backward=True the input's g @ W is an FP8 product too (W^T quantised per input
+feature). The bf16 weights stay where they are: weight pushes, the backwards and the optimizers read them.
 
 Memory: +1 byte per converted weight and 4 bytes per output row (the scale), held for the run;
 with backward=True (`fp8=...,backward`) as much again for the transposed copy the input gradients use.
@@ -85,14 +86,18 @@ class FP8Linears:
                        if m.in_features % SCALED_MM_MULTIPLE == 0 and m.out_features % SCALED_MM_MULTIPLE == 0]
         self.total = len(linears)
         for layer in self.layers:  # a second set over the same layers replaces the first's copies
-            with torch.no_grad():
-                weight, scale = nla_core.quantize_rowwise(layer.weight)
-                transposed, transposed_scale = nla_core.quantize_rowwise(layer.weight.t()) if backward else (None, None)
-            layer.register_buffer("fp8_weight", weight, persistent=False)
-            layer.register_buffer("fp8_scale", scale, persistent=False)
-            layer.register_buffer("fp8_weight_t", transposed, persistent=False)
-            layer.register_buffer("fp8_scale_t", transposed_scale, persistent=False)
+            for name, copy in self._quantised(layer.weight).items():
+                layer.register_buffer(name, copy, persistent=False)
         self._active = False
+
+    def _quantised(self, weight: torch.Tensor) -> dict[str, torch.Tensor | None]:
+        """A layer's copies by buffer name: `quantize_rowwise` of the weight and, with backward, of its
+        transpose (None without)."""
+        with torch.no_grad():
+            weight_fp8, scale = nla_core.quantize_rowwise(weight)
+            transposed, transposed_scale = nla_core.quantize_rowwise(weight.t()) if self.backward else (None, None)
+        return {"fp8_weight": weight_fp8, "fp8_scale": scale,
+                "fp8_weight_t": transposed, "fp8_scale_t": transposed_scale}
 
     @property
     def refreshed(self) -> int:
@@ -124,20 +129,16 @@ class FP8Linears:
             if "forward" in vars(layer):
                 raise RuntimeError(f"[fp8] {self.label}: a Linear layer already has a forward of its own "
                                    "(compiled on its own?); FP8 cannot be swapped in over it")
-            if nla_core.FP8_DTYPE != layer.fp8_weight.dtype or (
-                    layer.fp8_weight_t is not None and layer.fp8_weight_t.dtype != nla_core.FP8_DTYPE):
-                raise RuntimeError(f"[fp8] {self.label}: a layer's FP8 copy was cast to {layer.fp8_weight.dtype} "
+            cast = [c.dtype for c in (layer.fp8_weight, layer.fp8_weight_t)
+                    if c is not None and c.dtype != nla_core.FP8_DTYPE]
+            if cast:
+                raise RuntimeError(f"[fp8] {self.label}: a layer's FP8 copy was cast to {cast[0]} "
                                    "(Module.to(dtype) after the copies were made?); make the FP8Linears after the cast")
         for layer in self.layers:  # a trained weight, from what it is now: after the latest optimizer step
             if layer.weight.requires_grad:
-                with torch.no_grad():
-                    weight, scale = nla_core.quantize_rowwise(layer.weight)
-                    layer.fp8_weight.copy_(weight)
-                    layer.fp8_scale.copy_(scale)
-                    if self.backward:
-                        weight, scale = nla_core.quantize_rowwise(layer.weight.t())
-                        layer.fp8_weight_t.copy_(weight)
-                        layer.fp8_scale_t.copy_(scale)
+                for name, copy in self._quantised(layer.weight).items():
+                    if copy is not None:
+                        getattr(layer, name).copy_(copy)
         for layer in self.layers:
             layer.__class__ = self._swap_class
         self._active = True

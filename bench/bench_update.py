@@ -26,7 +26,8 @@ instead of TrainConfig.logp_prompt_block; pb1: one prompt forward per micro-batc
 (no reference pass: kl_beta 0 and no KL metric;
 its time against the same variant's with the pass is the pass's) and `synced` (the shared-prefix forward as it was before
 its host synchronisations were removed: the prompt mask always passed, so transformers reads it on
-the host, and pageable host-to-device copies), e.g. `16 16:synced 32:bf16+compile 64:bf16+compile+ref256`.
+the host, and pageable host-to-device copies), `fp8` (the trainer's fp8=reference,update: the base's
+forwards in FP8) and `fp8bw` (fp8=reference,update,backward: its input gradients too), e.g. `16 16:synced 32:bf16+compile 64:bf16+compile+ref256`.
 
     python bench/bench_update.py --cases 32x8 --variants 16,32,32:bf16 --out $OUT/update.json   # H200
     .venv/bin/python bench/bench_update.py --tiny --variants 2,4:compile --out /tmp/update.json  # CPU smoke
@@ -53,7 +54,7 @@ import synthetic as syn  # noqa: E402
 from bench_step import PEAK_TFLOPS, path_flops, write_profile_table  # noqa: E402
 from timeline import HostLead, idle_gaps  # noqa: E402
 
-OPTIONS = ("bf16", "compile", "mlpcompile", "norotary", "nohead", "noref", "synced")
+OPTIONS = ("bf16", "compile", "mlpcompile", "norotary", "nohead", "noref", "synced", "fp8", "fp8bw")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,12 +129,35 @@ def synthetic_rollouts(n_prompts: int, group: int, *, prompt_len: int, new_token
 
 @contextlib.contextmanager
 def options_installed(actor, options: frozenset[str]):
+    """The variant's options on the actor for the block; yields its FP8 copies (None without fp8/fp8bw)."""
     compiled = (actor,) if options & {"compile", "mlpcompile"} else ()
     with syn.trainer_options(actor, bf16_autocast="bf16" in options, compiled=compiled, lora_layers="mlpcompile" not in options,
                              rotary=not options & {"mlpcompile", "norotary"},
                              logprob_head=not options & {"mlpcompile", "norotary", "nohead"}):
         with synchronising_prefix_batches() if "synced" in options else contextlib.nullcontext():
-            yield
+            with fp8_copies(actor, options) as copies:
+                yield copies
+
+
+@contextlib.contextmanager
+def fp8_copies(actor, options: frozenset[str]):
+    """The FP8 copies of the actor's base as the trainer's setup makes them for fp8=reference,update
+    (`training.setup.make_fp8_copies`), with input gradients in FP8 too for `fp8bw`; removed after."""
+    if not options & {"fp8", "fp8bw"}:
+        yield None
+        return
+    from nla_shell import families
+    from nla_shell.models import inner_lm
+    from nla_shell.models.fp8 import FP8Linears
+
+    copies = FP8Linears(families.backbone(inner_lm(actor)), label="reference+update",
+                        compile_backend="inductor" if options & {"compile", "mlpcompile"} else None,
+                        backward="fp8bw" in options)
+    print(copies.summary(), flush=True)
+    try:
+        yield copies
+    finally:
+        copies.remove()
 
 
 @contextlib.contextmanager
@@ -229,34 +253,35 @@ def main() -> None:
     advantages = torch.randn(len(rollouts), generator=torch.Generator().manual_seed(2))
     flops = path_flops(config, rollouts, shared_prefix=True, ar_tokens=[], critic_layers=0)["update"]
 
-    def update(variant: Variant, n: int):
+    def update(variant: Variant, n: int, copies=None):
         return lambda: policy_update(
             actor, injector, optimizer, rollouts[:n], advantages[:n], activations[:n],
             loss=LossOptions(kl_beta=0.0, kl_metric=False) if "noref" in variant.options else LossOptions(),
             micro_batch=variant.micro_batch, max_grad_norm=defaults["max_grad_norm"], pad_id=tokenizer.pad_token_id,
             reference_micro_batch=variant.reference_micro_batch(args.reference_micro_batch),
-            prompt_block=variant.prompt_block(defaults["logp_prompt_block"]), step_optimizer=False)
+            prompt_block=variant.prompt_block(defaults["logp_prompt_block"]), step_optimizer=False,
+            fp8_reference=copies, fp8_update=copies)
 
     print(f"[setup] {args.prompts}x{args.group}, prompt {args.prompt_len} + {args.new_tokens} tokens, "
           f"{flops / 1e15:.2f} PFLOP per update", flush=True)
     for variant in args.variants:
         label = f"{args.prompts}x{args.group} mb {variant.name}"
         try:
-            with options_installed(actor, variant.options):
+            with options_installed(actor, variant.options) as copies:
                 warm = min(len(rollouts), 2 * max(variant.micro_batch, args.group))
-                update(variant, warm)()  # first-use costs (compilation, allocator growth)
+                update(variant, warm, copies)()  # first-use costs (compilation, allocator growth)
                 syn.free_memory(device)
-                seconds, stats, memory = syn.measured(update(variant, len(rollouts)), device)
+                seconds, stats, memory = syn.measured(update(variant, len(rollouts), copies), device)
                 profiled = {}
                 if args.profile_micro_batches:
                     n = min(len(rollouts), args.profile_micro_batches * variant.micro_batch)
                     table = Path(args.tables) / f"update_{variant.name.replace(':', '_').replace('+', '-')}.txt" if args.tables else None
-                    profiled = profiled_call(update(variant, n), device, table)
+                    profiled = profiled_call(update(variant, n, copies), device, table)
                 if args.lead:
                     from nla_shell.families import decoder_blocks
 
                     with HostLead(decoder_blocks(actor)) as lead:
-                        update(variant, len(rollouts))()
+                        update(variant, len(rollouts), copies)()
                     profiled["lead"] = lead.summary()
         except Exception as err:  # noqa: BLE001 - one variant's failure (out of memory) leaves the others
             record.error(label, err)

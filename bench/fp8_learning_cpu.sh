@@ -7,9 +7,12 @@
 #   bash bench/fp8_learning_cpu.sh table             # the variants' table, then the parity rule's bound
 #
 # RUNS (default /tmp/fp8cpu) holds the seeds' run dirs. Run one lane per core, then the table.
+# FP8 (default score,reference,update) is the variant's fp8= value and NAME (default bf16_fp8) its name, e.g.
+# FP8=score,reference,update,backward NAME=bf16_fp8bw for the FP8 backwards too.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 runs=${RUNS:-/tmp/fp8cpu}; mkdir -p "$runs"
+fp8=${FP8:-score,reference,update}; name=${NAME:-bf16_fp8}
 py=${PYTHON:-.venv/bin/python}
 case $1 in
   lane)
@@ -21,30 +24,29 @@ case $1 in
       demo=$((SECONDS - start))
       [ -f $d/variants/bf16/report.json ] ||
         $py bench/rl_variants.py variant $d bf16 dtype=bfloat16 engine=native > $d.bf16.log 2>&1
-      [ -f $d/variants/bf16_fp8/report.json ] ||
-        $py bench/rl_variants.py variant $d bf16_fp8 dtype=bfloat16 engine=native fp8=score,reference,update \
-          > $d.bf16_fp8.log 2>&1
+      [ -f $d/variants/$name/report.json ] ||
+        $py bench/rl_variants.py variant $d $name dtype=bfloat16 engine=native fp8=$fp8 > $d.$name.log 2>&1
       echo "seed $seed: demo $demo s, both variants $((SECONDS - start - demo)) s"
     done ;;
   table)
     $py bench/rl_variants.py table "$runs"/seed*/ --out "$runs/table" --against bf16
-    # The parity rule of tests/parity.py on the paired held-out FVE differences (bf16_fp8 - bf16).
-    $py - "$runs" <<'PY'
+    # The parity rule of tests/parity.py on the paired held-out FVE differences (NAME - bf16).
+    $py - "$runs" "$name" <<'PY'
 import json, statistics, sys
 from pathlib import Path
 sys.path.insert(0, "tests")
 from parity import FVE_MARGIN, PairedShortfall
-diffs = {}
+name, diffs = sys.argv[2], {}
 for d in sorted(Path(sys.argv[1]).glob("seed*/variants")):
     try:
-        fve = {v: json.loads((d / v / "report.json").read_text())["fve"] for v in ("bf16", "bf16_fp8")}
+        fve = {v: json.loads((d / v / "report.json").read_text())["fve"] for v in ("bf16", name)}
     except FileNotFoundError:
         continue
-    diffs[int(d.parent.name[4:])] = fve["bf16_fp8"] - fve["bf16"]
+    diffs[int(d.parent.name[4:])] = fve[name] - fve["bf16"]
 if len(diffs) < 2:
     sys.exit(f"fewer than 2 seeds with both variants in {sys.argv[1]}")
 s = PairedShortfall(n=len(diffs), mean=statistics.fmean(diffs.values()), sd=statistics.stdev(diffs.values()))
-print(f"bf16_fp8 - bf16, seeds {sorted(diffs)}: mean {s.mean:+.4f}, sd {s.sd:.4f}, one-sided 95 % lower bound "
+print(f"{name} - bf16, seeds {sorted(diffs)}: mean {s.mean:+.4f}, sd {s.sd:.4f}, one-sided 95 % lower bound "
       f"{s.lower_bound:+.4f} ({'above' if s.lower_bound > -FVE_MARGIN else 'not above'} -{FVE_MARGIN}: parity "
       f"{'shown' if s.lower_bound > -FVE_MARGIN else 'not shown'})")
 PY

@@ -30,6 +30,9 @@
 #                             step with vLLM's FP8 rollouts too (after_all_fp8); FP8_STEP_PATHS=
 #                             after_all_fp8,after_all_fp8_backward: FP8 backwards too; and
 #                             tests/gpu/test_fp8_gpu.py + test_vllm.py -k fp8 first
+#   fp8-kernels    -          the device's FP8 accumulation (bench/fp8_accumulation.py),   FP8: the device's accumulator; the update's
+#                             tests/gpu/test_fp8_gpu.py, then the update alone in bf16,   kernels in bf16 and FP8
+#                             fp8 and fp8bw with its profiler tables (bench_update, 32 x 8)
 #   profile        p4, .bnb   where the step's device time goes: torch.profiler tables     none yet (issue 31's profiler table)
 #                             (top ops by device time) of the score and update phases
 #                             of each path's warm-up step, bf16 and FP8 (after_all,
@@ -220,6 +223,14 @@ case $stage in
     ( export CUDA_VISIBLE_DEVICES=1; T=200 train8b hf && T=200 train8b native ) > "$OUT/train_8b.log" 2>&1 &
     CUDA_VISIBLE_DEVICES=0 T=270 train8b vllm > "$OUT/train_vllm.log" 2>&1
     wait; tail -n 4 "$OUT/train_8b.log" "$OUT/train_vllm.log" ;;
+  fp8-kernels)
+    timeout -k 10 60 python3 bench/fp8_accumulation.py --out "$OUT/fp8_accumulation.json" > "$OUT/fp8_accumulation.log" 2>&1
+    timeout -k 10 90 python3 -m pytest tests/gpu/test_fp8_gpu.py -q -p no:cacheprovider > "$OUT/fp8_gpu_test.log" 2>&1
+    cat "$OUT/fp8_accumulation.log"; tail -n 2 "$OUT/fp8_gpu_test.log"
+    timeout -k 10 $((${LIMIT:-560} - SECONDS)) python3 bench/bench_update.py --cases 32x8 --profile-micro-batches 4 \
+      --variants "${VARIANTS:-64:bf16+compile,64:bf16+compile+fp8,64:bf16+compile+fp8bw}" --tables "$OUT/update_tables" \
+      --out "$OUT/update.json" > "$OUT/update.log" 2>&1
+    grep "^\[update\]\|^\[idle\]\|rror" "$OUT/update.log"; pack fp8-kernels ;;
   update)
     # The variant sets of RESULTS.md's tables: 16,32,64,16:bf16,32:bf16,64:bf16,32:bf16+compile (micro-batch, bf16);
     # 16:synced,16,64:bf16+compile+synced,64:bf16+compile (host syncs); 64:bf16+mlpcompile,64:bf16+compile (LoRA layers);

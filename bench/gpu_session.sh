@@ -33,10 +33,10 @@
 #   fp8-kernels    -          the device's FP8 accumulation (bench/fp8_accumulation.py),   FP8: the device's accumulator; the update's
 #                             tests/gpu/test_fp8_gpu.py, then the update alone in bf16,   kernels in bf16 and FP8
 #                             fp8 and fp8bw with its profiler tables (bench_update, 32 x 8)
-#   profile        p4, .bnb   where the step's device time goes: torch.profiler tables     none yet (issue 31's profiler table)
-#                             (top ops by device time) of the score and update phases
-#                             of each path's warm-up step, bf16 and FP8 (after_all,
-#                             after_all_fp8), at 64 x 8 (PROFILE_CASES=)
+#   profile        p4, .bnb   where the step's device time goes: torch.profiler tables     FP8: where the update's time goes (run AC
+#                             (top ops by device time) of the score and update phases     profiled the warm-up; see there)
+#                             of a step on the warm-up's prompts after the measured one,
+#                             bf16 and FP8 (after_all, after_all_fp8), at 64 x 8 (PROFILE_CASES=)
 #   fp8-learning   p4         the toy NLA, SEEDS (0 1 2), from each seed's SFT: bf16      none yet (both FP8 sections)
 #                             native with and without fp8=score,reference,update, vLLM
 #                             with and without vllm_quantization=fp8; paired tables

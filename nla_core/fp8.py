@@ -14,7 +14,9 @@ range. Rounding to e4m3 (3 mantissa bits, round to nearest even) gives, per elem
 u being half of e4m3's relative spacing 2^-3 (plus the float32 division's rounding) and v half
 of its subnormal spacing 2^-9 (values below 2^-6 in scaled units). The product
     y_ij = s_i t_j sum_k q_ik r_jk       (w ~= r t, quantised the same way)
-is formed exactly in fp8 x fp8 and accumulated in float32 by the kernel, then rounded to out_dtype.
+is formed exactly in fp8 x fp8 and accumulated by the kernel, then rounded to out_dtype. The CPU's
+kernel sums in float32; the H200's (fast accumulation off) is off by up to about 3e-5 of sum_k |q_ik s_i r_jk t_j|
+(measured by bench/fp8_accumulation.py), more than float32's and far below FP8's own rounding.
 
 Non-finite inputs are propagated, not rejected (a check would need a device synchronisation):
 a NaN or inf in x's row i makes s_i or q_i NaN, so row i of the output is NaN; likewise a
@@ -81,7 +83,8 @@ def fp8_linear(
                                + ulp_out/2 |y_ij| + K 2^-23 sum_k |q_ik s_i| |r_jk t_j|,
 
     the last two terms the output rounding (2^-8 relative for bf16, plus half the subnormal spacing
-    for results that small) and float32 accumulation. For
+    for results that small) and float32 accumulation (the CPU's; the H200's accumulator errs more, see
+    the module docstring). For
     entries that quantise as normal e4m3 values this is about (2u + u^2) sum_k |x_ik w_jk| ~= 2^-3
     of the absolute product: FP8 is for products whose sum, not each term, carries the signal.
 

@@ -17,8 +17,8 @@ settings. Parts:
     phase held 3.5, 8.4 and 16.2 GiB above the rest of this estimate at 0.6B, 4B and 8B, where the AV's
     weights are 1.1, 7.5 and 15.3 GiB. Run AB read torch's reserved-but-unallocated memory while vLLM was
     awake: 4.0 GiB at 1.7B, 15.2 at 8B, but 4.7 at 14B, where this term put the rollout 23.3 GiB high.
-    The engine has emptied torch's cache after the push since run AB (not measured yet), so the term is
-    an upper bound until a run shows what is left.
+    The engine has emptied torch's cache after the push since run AB; run AC (2026-12-02) read the same
+    15.2 GiB at 8B (14.7 with vLLM's FP8), so that was not the cause, and the term stays an upper bound.
   update: the LoRA's float32 gradients and one micro-batch's activations (`memory.sequence_bytes`,
     the estimate `logp_micro_batch=auto` uses; a group's prompt counted once, as `training.prefix`
     computes it).
@@ -26,7 +26,8 @@ settings. Parts:
   fp8 (`nla train fp8=`, nla_shell.models.fp8): e4m3 copies of the block matrices beside the bf16 ones
     (with `backward`, a transposed copy of each too), 1 byte per weight and a float32 scale per row,
     resident: the actor's base for reference/update (quantised once) and the AR's backbone for score
-    (a trained AR's re-quantised in place at each scoring block; measured at 8B, run Z: 6,629 + 4,604 MiB).
+    (a trained AR's re-quantised in place at each scoring block; measured at 8B, run Z: 6,629 + 4,604 MiB;
+    the transposed copies added 10.7 GiB in use in run AC, where this estimate adds 10.9).
 
 The step's peak is the resident parts plus its largest phase. The update phase errs high: at 8B,
 256 x 8 (micro-batch 64, critic 64, AdamW8bit, after_all) it gives 119.6 GiB where run AA measured

@@ -435,7 +435,8 @@ class VLLMRolloutEngine:
         start = time.perf_counter()
         if torch.cuda.is_available():
             # What the push freed (its merged buckets) stays in torch's cache, which vLLM cannot map
-            # its KV cache into: run AA's 14B ran out of memory here. Hand it back first.
+            # its KV cache into: run AA's 14B ran out of memory here. Hand it back first. (At 8B, run AC's
+            # counters while awake were the same with it: what else torch holds then is not known.)
             torch.cuda.empty_cache()
         self.llm.wake_up(tags=["kv_cache"])
         self.last_stats["wake_s"] = woke + time.perf_counter() - start

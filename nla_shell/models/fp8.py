@@ -167,8 +167,12 @@ class _FP8Linear(nn.Linear):
     fp8_scale_t: torch.Tensor | None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = nla_core.fp8_linear_ste(x, self.weight, self.fp8_weight, self.fp8_scale, bias=self.bias,
-                                    out_dtype=OUT_DTYPE, wt_fp8=self.fp8_weight_t, wt_scale=self.fp8_scale_t)
+        return self._product(nla_core.fp8_linear_ste, x)
+
+    def _product(self, product, x: torch.Tensor) -> torch.Tensor:
+        """`product` (nla_core.fp8_linear_ste or a compiled one) of x with this layer's weight and copies."""
+        y = product(x, self.weight, self.fp8_weight, self.fp8_scale, bias=self.bias, out_dtype=OUT_DTYPE,
+                    wt_fp8=self.fp8_weight_t, wt_scale=self.fp8_scale_t)
         return y.to(x.dtype)
 
 
@@ -180,10 +184,7 @@ def _compiled_fp8_linear_class(backend: str) -> type[_FP8Linear]:
 
     class _CompiledFP8Linear(_FP8Linear):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            if torch.compiler.is_compiling():
-                return super().forward(x)
-            return compiled(x, self.weight, self.fp8_weight, self.fp8_scale, bias=self.bias, out_dtype=OUT_DTYPE,
-                            wt_fp8=self.fp8_weight_t, wt_scale=self.fp8_scale_t).to(x.dtype)
+            return self._product(nla_core.fp8_linear_ste if torch.compiler.is_compiling() else compiled, x)
 
     return _CompiledFP8Linear
 

@@ -8,11 +8,12 @@
 #
 # RUNS (default /tmp/fp8cpu) holds the seeds' run dirs. Run one lane per core, then the table.
 # FP8 (default score,reference,update) is the variant's fp8= value and NAME (default bf16_fp8) its name, e.g.
-# FP8=score,reference,update,backward NAME=bf16_fp8bw for the FP8 backwards too.
+# FP8=score,reference,update,backward NAME=bf16_fp8bw for the FP8 backwards too. EXTRA (default none) adds keys to
+# both variants and BASE (default bf16) names the bf16 one, e.g. EXTRA=train_critic=true BASE=bf16_critic.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 runs=${RUNS:-/tmp/fp8cpu}; mkdir -p "$runs"
-fp8=${FP8:-score,reference,update}; name=${NAME:-bf16_fp8}
+fp8=${FP8:-score,reference,update}; name=${NAME:-bf16_fp8}; base=${BASE:-bf16}; extra=${EXTRA:-}
 py=${PYTHON:-.venv/bin/python}
 case $1 in
   lane)
@@ -22,31 +23,31 @@ case $1 in
       [ -f $d/report.json ] || $py -m nla_shell.cli demo --run-dir $d --seed $seed --device cpu > $d.log 2>&1 ||
         { echo "seed $seed: the demo failed ($d.log)"; continue; }
       demo=$((SECONDS - start))
-      [ -f $d/variants/bf16/report.json ] ||
-        $py bench/rl_variants.py variant $d bf16 dtype=bfloat16 engine=native > $d.bf16.log 2>&1
+      [ -f $d/variants/$base/report.json ] ||
+        $py bench/rl_variants.py variant $d $base dtype=bfloat16 engine=native $extra > $d.$base.log 2>&1
       [ -f $d/variants/$name/report.json ] ||
-        $py bench/rl_variants.py variant $d $name dtype=bfloat16 engine=native fp8=$fp8 > $d.$name.log 2>&1
+        $py bench/rl_variants.py variant $d $name dtype=bfloat16 engine=native $extra fp8=$fp8 > $d.$name.log 2>&1
       echo "seed $seed: demo $demo s, both variants $((SECONDS - start - demo)) s"
     done ;;
   table)
-    $py bench/rl_variants.py table "$runs"/seed*/ --out "$runs/table" --against bf16
-    # The parity rule of tests/parity.py on the paired held-out FVE differences (NAME - bf16).
-    $py - "$runs" "$name" <<'PY'
+    $py bench/rl_variants.py table "$runs"/seed*/ --out "$runs/table" --against $base
+    # The parity rule of tests/parity.py on the paired held-out FVE differences (NAME - BASE).
+    $py - "$runs" "$name" "$base" <<'PY'
 import json, statistics, sys
 from pathlib import Path
 sys.path.insert(0, "tests")
 from parity import FVE_MARGIN, PairedShortfall
-name, diffs = sys.argv[2], {}
+name, base, diffs = sys.argv[2], sys.argv[3], {}
 for d in sorted(Path(sys.argv[1]).glob("seed*/variants")):
     try:
-        fve = {v: json.loads((d / v / "report.json").read_text())["fve"] for v in ("bf16", name)}
+        fve = {v: json.loads((d / v / "report.json").read_text())["fve"] for v in (base, name)}
     except FileNotFoundError:
         continue
-    diffs[int(d.parent.name[4:])] = fve[name] - fve["bf16"]
+    diffs[int(d.parent.name[4:])] = fve[name] - fve[base]
 if len(diffs) < 2:
     sys.exit(f"fewer than 2 seeds with both variants in {sys.argv[1]}")
 s = PairedShortfall(n=len(diffs), mean=statistics.fmean(diffs.values()), sd=statistics.stdev(diffs.values()))
-print(f"{name} - bf16, seeds {sorted(diffs)}: mean {s.mean:+.4f}, sd {s.sd:.4f}, one-sided 95 % lower bound "
+print(f"{name} - {base}, seeds {sorted(diffs)}: mean {s.mean:+.4f}, sd {s.sd:.4f}, one-sided 95 % lower bound "
       f"{s.lower_bound:+.4f} ({'above' if s.lower_bound > -FVE_MARGIN else 'not above'} -{FVE_MARGIN}: parity "
       f"{'shown' if s.lower_bound > -FVE_MARGIN else 'not shown'})")
 PY

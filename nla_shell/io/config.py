@@ -345,8 +345,8 @@ class TrainConfig:
     +1 byte per converted weight, held for the run (the actor's once for reference and update). Each
     operand's element is off by up to 2^-4 of itself. The rollouts and the held-out eval run as before.
     Works with compile_blocks and bf16_autocast; needs a Hopper GPU or later (or the CPU); not with quant.
-    An nla addition, not in the reference; speed measured on 2026-12-01 (the 8B step 8.4 % faster), learning
-    parity on the toy on 2026-12-02: docs/performance.md."""
+    An nla addition, not in the reference; speed measured on one H200 (the 8B step 8.4 % faster on 2026-12-01,
+    13.6 % with backward on 2026-12-02), learning parity on the toy on 2026-12-02: docs/performance.md."""
 
     @property
     def critic_steps_after_scoring(self) -> bool:

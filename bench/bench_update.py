@@ -253,7 +253,7 @@ def main() -> None:
     advantages = torch.randn(len(rollouts), generator=torch.Generator().manual_seed(2))
     flops = path_flops(config, rollouts, shared_prefix=True, ar_tokens=[], critic_layers=0)["update"]
 
-    def update(variant: Variant, n: int, copies=None):
+    def update(variant: Variant, n: int, copies):
         return lambda: policy_update(
             actor, injector, optimizer, rollouts[:n], advantages[:n], activations[:n],
             loss=LossOptions(kl_beta=0.0, kl_metric=False) if "noref" in variant.options else LossOptions(),

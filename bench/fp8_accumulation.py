@@ -58,8 +58,9 @@ def main() -> None:
                               "max_err_over_abs_terms": err})
                 print(f"K {k:5d} M {m:5d} {name:14s} inner {inner:5d} fast_accum {fast!s:5s}: "
                       f"max |err| / sum|terms| = {err:.3e}", flush=True)
-    Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
-                                          "rows": args.rows, "cases": cases}, indent=1))
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    Path(args.out).write_text(json.dumps({"device": name, "torch": torch.__version__, "rows": args.rows, "cases": cases},
+                                         indent=1))
 
 
 if __name__ == "__main__":

@@ -12,13 +12,14 @@ settings. Parts:
     vLLM's share when it never sleeps (vllm_sleep=0).
   rollout: vLLM's share of the GPU (vllm_gpu_mem x the GPU) while it is awake (vllm_sleep 1, 2), or its
     need (its bf16 weights + the KV cache of min(N, vllm_max_seqs) sequences) when larger; and, measured,
-    one more bf16 copy of the AV's weights plus 1 GiB: freed blocks in torch's cache (most likely the
-    wake-up push's buckets), which vLLM cannot map its KV cache into. Run AA, 2026-12-01: the rollout
+    one more bf16 copy of the AV's weights plus 1 GiB: blocks in torch's cache, which vLLM cannot map its KV
+    cache into (what holds them is not known; see run AC below). Run AA, 2026-12-01: the rollout
     phase held 3.5, 8.4 and 16.2 GiB above the rest of this estimate at 0.6B, 4B and 8B, where the AV's
     weights are 1.1, 7.5 and 15.3 GiB. Run AB read torch's reserved-but-unallocated memory while vLLM was
     awake: 4.0 GiB at 1.7B, 15.2 at 8B, but 4.7 at 14B, where this term put the rollout 23.3 GiB high.
     The engine has emptied torch's cache after the push since run AB; run AC (2026-12-02) read the same
-    15.2 GiB at 8B (14.7 with vLLM's FP8), so that was not the cause, and the term stays an upper bound.
+    15.2 GiB at 8B (14.7 with vLLM's FP8), so the push's freed buckets are not what holds it, and the term
+    stays an upper bound.
   update: the LoRA's float32 gradients and one micro-batch's activations (`memory.sequence_bytes`,
     the estimate `logp_micro_batch=auto` uses; a group's prompt counted once, as `training.prefix`
     computes it).

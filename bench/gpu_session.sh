@@ -50,6 +50,8 @@
 #                             bench/memory_model.py --bench-args, SHARED_FIT=1: the first
 #                             case's for all; SCALING_ARGS= the rest)
 #   train8b        p4, x2     `nla train` at the 8B shape, 3 steps per engine             Step time: nla train at the 8B shape
+#   train8b-fast   p4, .bnb   `nla train` at the 8B shape, 256 x 8, the fast settings     Step time: nla train at 256 x 8
+#                             (TRAIN_ARGS= adds keys), 3 steps, vLLM
 #   update         .bnb       the policy update alone (bench_update) on 32 x 8 rollouts;   The policy update
 #                             VARIANTS=, UPDATE_ARGS= pick the variants of each table
 #   critic         .bnb       the AR's score + critic step alone (bench_critic)            The critic: Critic micro-batch
@@ -223,6 +225,16 @@ case $stage in
     ( export CUDA_VISIBLE_DEVICES=1; T=200 train8b hf && T=200 train8b native ) > "$OUT/train_8b.log" 2>&1 &
     CUDA_VISIBLE_DEVICES=0 T=270 train8b vllm > "$OUT/train_vllm.log" 2>&1
     wait; tail -n 4 "$OUT/train_8b.log" "$OUT/train_vllm.log" ;;
+  train8b-fast)
+    # One GPU: `nla train` itself at the 8B shape, 256 prompts x 8, the fast settings of docs/performance.md
+    # (TRAIN_ARGS= adds keys, e.g. compile_scope=blocks), 3 steps; its per-step phase times in train_vllm.jsonl.
+    need_vllm || exit 1; need_bnb
+    [ -f /tmp/nla8b/data/rl.parquet ] || python3 bench/make_8b_run.py /tmp/nla8b --rows 1024 > "$OUT/make_8b.log" 2>&1
+    T=$((${LIMIT:-585} - SECONDS)) train8b vllm batch_prompts=256 group_size=8 train_critic=true vllm_sleep=2 \
+      logp_micro_batch=64 ref_micro_batch=64 critic_micro_batch=64 logp_prompt_block=4 vllm_max_seqs=1024 \
+      compile_blocks=true bf16_autocast=true dtype=bfloat16 fp8=score,reference,update,backward ${TRAIN_ARGS:-} \
+      > "$OUT/train_fast.log" 2>&1
+    grep -v "^INFO\|^WARNING\|^(EngineCore" "$OUT/train_fast.log" | tail -n 30; pack train8b-fast ;;
   fp8-kernels)
     timeout -k 10 60 python3 bench/fp8_accumulation.py --out "$OUT/fp8_accumulation.json" > "$OUT/fp8_accumulation.log" 2>&1
     timeout -k 10 90 python3 -m pytest tests/gpu/test_fp8_gpu.py -q -p no:cacheprovider > "$OUT/fp8_gpu_test.log" 2>&1

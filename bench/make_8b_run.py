@@ -8,6 +8,7 @@ the trainer needs to exercise every phase.
 
     python3 bench/make_8b_run.py /tmp/nla8b                   # on the GPU
     python3 bench/make_8b_run.py /tmp/nla14b --shape 14b      # another Qwen3 size
+    python3 bench/make_8b_run.py /tmp/nla8b --rows 1024       # rows for 256 prompts a step
     python3 bench/make_8b_run.py /tmp/nla8b --tiny            # CPU smoke: the tiny geometry
     nla train av_ckpt=/tmp/nla8b/av ar_ckpt=/tmp/nla8b/ar rl_parquet=/tmp/nla8b/data/rl.parquet ...
 """
@@ -28,7 +29,7 @@ from nla_shell.toy import builders as toy  # noqa: E402
 from nla_shell.models import ARModel  # noqa: E402
 
 
-def main(out: Path, *, tiny: bool, shape: str = "8b") -> None:
+def main(out: Path, *, tiny: bool, shape: str = "8b", rows: int = 96) -> None:
     t0 = time.perf_counter()
     device = torch.device("cpu" if tiny else "cuda")
     ar_layer = synthetic.ar_extraction_layer(shape, tiny=tiny)
@@ -44,7 +45,7 @@ def main(out: Path, *, tiny: bool, shape: str = "8b") -> None:
                                  dtype=torch.bfloat16, device=device)
     ar.save_pretrained(out / "ar")
     del ar
-    toy.make_toy_rl_dataset(out / "data", tokenizer, d_model=config.hidden_size, n_rows=96, n_docs=80, seed=0,
+    toy.make_toy_rl_dataset(out / "data", tokenizer, d_model=config.hidden_size, n_rows=rows, n_docs=max(80, rows), seed=0,
                             layer_index=ar_layer, row_group_size=32)
     print(f"[make_8b_run] wrote {out} ({'tiny' if tiny else shape}, AR layer {ar_layer}) in "
           f"{time.perf_counter() - t0:.1f}s", flush=True)
@@ -55,5 +56,6 @@ if __name__ == "__main__":
     parser.add_argument("out", type=Path)
     parser.add_argument("--tiny", action="store_true", help="CPU smoke: the tiny geometry")
     parser.add_argument("--shape", default="8b", choices=list(synthetic.QWEN3_SHAPES))
+    parser.add_argument("--rows", type=int, default=96, help="RL rows (batch_prompts x steps need as many)")
     args = parser.parse_args()
-    main(args.out, tiny=args.tiny, shape=args.shape)
+    main(args.out, tiny=args.tiny, shape=args.shape, rows=args.rows)

@@ -35,8 +35,6 @@ Two paths per step, on the same rollouts:
   after_all_fp8  after_all with --fp8's phases in FP8: the fastest settings with fp8= on top.
   after_all_fp8_backward  after_all_fp8 with `backward` added to --fp8: the input gradients of the
           update's (and a co-trained critic's) backward from transposed FP8 copies too.
-  after_all_blocks, after_all_fp8_backward_blocks  after_all and after_all_fp8_backward with
-          `compile_scope=blocks`: each decoder block compiled whole (its KV-cache write eager).
 Paths run in the order given on the same rollouts; every path but the last leaves the
 weights as they were (its optimisers are lr-0 SGDs), so each sees the same weights; the step
 prints each path's loss, grad norm, KL, rewards and critic loss beside "before"'s ("after"'s for
@@ -107,14 +105,10 @@ import torch  # noqa: E402
 import synthetic as syn  # noqa: E402
 
 PATHS = ("before", "after", "after_tf32", "after_bf16", "after_compile", "after_all", "after_fp8", "after_all_fp8",
-         "after_all_fp8_backward", "after_all_blocks", "after_all_fp8_backward_blocks")
-AUTOCAST_PATHS = ("after_bf16", "after_all", "after_all_fp8", "after_all_fp8_backward", "after_all_blocks",
-                  "after_all_fp8_backward_blocks")
-COMPILE_PATHS = ("after_compile", "after_all", "after_all_fp8", "after_all_fp8_backward", "after_all_blocks",
-                 "after_all_fp8_backward_blocks")
-BLOCK_SCOPE_PATHS = ("after_all_blocks", "after_all_fp8_backward_blocks")
-FP8_PATHS = ("after_fp8", "after_all_fp8", "after_all_fp8_backward", "after_all_fp8_backward_blocks")
-FP8_BACKWARD_PATHS = ("after_all_fp8_backward", "after_all_fp8_backward_blocks")
+         "after_all_fp8_backward")
+AUTOCAST_PATHS = ("after_bf16", "after_all", "after_all_fp8", "after_all_fp8_backward")
+COMPILE_PATHS = ("after_compile", "after_all", "after_all_fp8", "after_all_fp8_backward")
+FP8_PATHS = ("after_fp8", "after_all_fp8", "after_all_fp8_backward")
 PEAK_TFLOPS = 790.0
 """bf16 dense matrix peak measured on the H200 (the issue's % of peak is against it)."""
 
@@ -428,9 +422,8 @@ def run_path(ctx: Context, path: str, state, rolled, args, *, keep_weights: bool
     if path in FP8_PATHS:  # the FP8 copies of --fp8's phases, made as the trainer's setup makes them
         from nla_shell.training.setup import make_fp8_copies
 
-        fp8 = args.fp8 + ("backward",) if path in FP8_BACKWARD_PATHS and "backward" not in args.fp8 else args.fp8
-        cfg = dataclasses.replace(state.cfg, fp8=fp8, compile_blocks=path in COMPILE_PATHS,
-                                  compile_scope="blocks" if path in BLOCK_SCOPE_PATHS else "parts")
+        fp8 = args.fp8 + ("backward",) if path == "after_all_fp8_backward" and "backward" not in args.fp8 else args.fp8
+        cfg = dataclasses.replace(state.cfg, fp8=fp8, compile_blocks=path in COMPILE_PATHS)
         fp8_score, fp8_reference, fp8_update = make_fp8_copies(cfg, ctx.actor, ctx.critic, device=ctx.device)
         state = dataclasses.replace(state, cfg=cfg, fp8_score=fp8_score, fp8_reference=fp8_reference,
                                     fp8_update=fp8_update)
@@ -567,8 +560,7 @@ def path_arithmetic(ctx: Context, path: str, args):
     """The path's trainer options while its phases run: TF32, bf16 autocast, compiled block parts."""
     compiled = (ctx.actor, ctx.critic.lm) if path in COMPILE_PATHS else ()
     try:
-        with syn.trainer_options(ctx.actor, bf16_autocast=path in AUTOCAST_PATHS, compiled=compiled,
-                                 whole_blocks=path in BLOCK_SCOPE_PATHS):
+        with syn.trainer_options(ctx.actor, bf16_autocast=path in AUTOCAST_PATHS, compiled=compiled):
             if path in AUTOCAST_PATHS:
                 recapture(ctx, args)
             with tf32_matmuls(path == "after_tf32"):

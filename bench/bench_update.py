@@ -17,8 +17,7 @@ so one variant costs seconds, not minutes, and no engine or AR is built. Per var
   peak GiB     torch.cuda.max_memory_allocated during the timed update
 
 A variant is MICRO_BATCH[:OPTION+OPTION...], options `bf16` (bf16_autocast), `compile`
-(compile_blocks: norms, MLPs, LoRA layers, the rotary embedding and the log-prob head), `whole` (with `compile`:
-each decoder block compiled whole, compile_scope=blocks), `mlpcompile` (compile_blocks as
+(compile_blocks: norms, MLPs, LoRA layers, the rotary embedding and the log-prob head), `mlpcompile` (compile_blocks as
 it was before the LoRA layers joined: norms and MLPs only), `norotary` (with `compile`: the rotary
 embedding and the log-prob head left eager, compile_blocks before the rotary joined), `nohead` (with
 `compile`: the log-prob head's chunk arithmetic left eager, compile_blocks before it joined), `refN` (the reference pass at N samples a
@@ -55,7 +54,7 @@ import synthetic as syn  # noqa: E402
 from bench_step import PEAK_TFLOPS, path_flops, write_profile_table  # noqa: E402
 from timeline import HostLead, idle_gaps  # noqa: E402
 
-OPTIONS = ("bf16", "compile", "whole", "mlpcompile", "norotary", "nohead", "noref", "synced", "fp8", "fp8bw")
+OPTIONS = ("bf16", "compile", "mlpcompile", "norotary", "nohead", "noref", "synced", "fp8", "fp8bw")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,8 +80,6 @@ def parse_variant(text: str) -> Variant:
     chosen = frozenset(o for o in options.split("+") if o)
     unknown = {o for o in chosen - set(OPTIONS)
                if not (o.startswith("ref") and o[3:].isdigit() or o.startswith("pb") and o[2:].isdigit())}
-    if "whole" in chosen and "compile" not in chosen:
-        raise argparse.ArgumentTypeError(f"variant {text!r}: option whole needs compile (it is compile_blocks' scope)")
     if not size.isdigit() or unknown:
         raise argparse.ArgumentTypeError(f"variant {text!r}: MICRO_BATCH[:OPTION+...] with options from {OPTIONS}, "
                                          "refN or pbN")
@@ -134,8 +131,7 @@ def synthetic_rollouts(n_prompts: int, group: int, *, prompt_len: int, new_token
 def options_installed(actor, options: frozenset[str]):
     """The variant's options on the actor for the block; yields its FP8 copies (None without fp8/fp8bw)."""
     compiled = (actor,) if options & {"compile", "mlpcompile"} else ()
-    with syn.trainer_options(actor, bf16_autocast="bf16" in options, compiled=compiled, whole_blocks="whole" in options,
-                             lora_layers="mlpcompile" not in options,
+    with syn.trainer_options(actor, bf16_autocast="bf16" in options, compiled=compiled, lora_layers="mlpcompile" not in options,
                              rotary=not options & {"mlpcompile", "norotary"},
                              logprob_head=not options & {"mlpcompile", "norotary", "nohead"}):
         with synchronising_prefix_batches() if "synced" in options else contextlib.nullcontext():
@@ -272,8 +268,8 @@ def main() -> None:
         label = f"{args.prompts}x{args.group} mb {variant.name}"
         try:
             with options_installed(actor, variant.options) as copies:
-                # First-use costs (compilation, allocator growth): the whole update, so that every compiled
-                # variant it meets (a whole block's: masks, strides, the prompt blocks' deferred backward) exists.
+                # First-use costs (compilation, allocator growth): the whole update, so that every compiled variant
+                # the timed update meets exists (a warm-up on its first micro-batches need not meet them all).
                 update(variant, len(rollouts), copies)()
                 syn.free_memory(device)
                 seconds, stats, memory = syn.measured(update(variant, len(rollouts), copies), device)

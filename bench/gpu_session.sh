@@ -227,7 +227,7 @@ case $stage in
     wait; tail -n 4 "$OUT/train_8b.log" "$OUT/train_vllm.log" ;;
   train8b-fast)
     # One GPU: `nla train` itself at the 8B shape, 256 prompts x 8, the fast settings of docs/performance.md
-    # (TRAIN_ARGS= adds keys, e.g. compile_scope=blocks), 3 steps; its per-step phase times in train_vllm.jsonl.
+    # (TRAIN_ARGS= adds keys, e.g. vllm_quantization=fp8), 3 steps; its per-step phase times in train_vllm.jsonl.
     need_vllm || exit 1; need_bnb
     [ -f /tmp/nla8b/data/rl.parquet ] || python3 bench/make_8b_run.py /tmp/nla8b --rows 1024 > "$OUT/make_8b.log" 2>&1
     T=$((${LIMIT:-585} - SECONDS)) train8b vllm batch_prompts=256 group_size=8 train_critic=true vllm_sleep=2 \

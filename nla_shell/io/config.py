@@ -115,11 +115,6 @@ class TrainConfig:
     the AR's decoder blocks, and the actor's log-prob head's per-chunk arithmetic, fusing their element-wise
     kernels; the rest of the attention modules stays eager. Costs a compilation (tens of seconds) in the
     first step; same arithmetic up to float rounding."""
-    compile_scope: Literal["parts", "blocks"] = "parts"
-    """With compile_blocks, what one compiled region holds. "parts": each block's norms, MLP, LoRA layers and
-    rotary embedding apart (up to 13 regions a block). "blocks": each decoder block whole, attention included,
-    its KV-cache write left eager (4 regions a block): less host work per block, where FP8's faster matrix
-    products leave the GPU waiting on the host. An nla addition; same arithmetic up to float rounding."""
     logp_micro_batch: int | Literal["auto"] = "auto"
     """Sequences per micro-batch in the training forward (memory grows with it; same arithmetic up to summation
     order). "auto" chooses it at start-up: on a GPU from the memory free once the models and the engine are
@@ -372,7 +367,7 @@ RESUME_MUTABLE_KEYS: frozenset[str] = frozenset(
         "save_dir", "resume", "overwrite", "logger", "wandb_project", "wandb_name", "device",
         # Memory/speed knobs: mathematically neutral (not bit-exact: summation order moves).
         "logp_micro_batch", "logp_prompt_block", "critic_micro_batch", "gradient_checkpointing", "compile_blocks",
-        "compile_scope", "vllm_gpu_mem", "vllm_max_len", "vllm_tp", "vllm_sleep", "vllm_prefix_caching", "vllm_max_seqs",
+        "vllm_gpu_mem", "vllm_max_len", "vllm_tp", "vllm_sleep", "vllm_prefix_caching", "vllm_max_seqs",
         "vllm_kv_cache_gib", "ref_micro_batch",
         # A safety policy, not arithmetic.
         "vllm_canary",
@@ -412,8 +407,6 @@ def _check_train_config(cfg: TrainConfig) -> None:
     if cfg.eval_parquet is not None:
         require(cfg.eval_skip_rows is None, "eval_skip_rows", cfg.eval_skip_rows,
                  "leave it unset with eval_parquet (held-out rows then come from that file)")
-    require(cfg.compile_scope == "parts" or cfg.compile_blocks, "compile_scope", cfg.compile_scope,
-            "set compile_blocks=true too (the scope is of its compiled regions), or leave compile_scope=parts")
     require(
         cfg.group_size >= 2, "group_size", cfg.group_size,
         "use an integer >= 2: a group of one has no baseline to compare against",

@@ -78,16 +78,6 @@ class CompiledBlockParts:
     is being captured (the native engine's decode) the eager forward runs, so no compilation
     happens in a capture.
 
-    With `whole_blocks` each decoder block's forward is one compiled region instead, attention
-    included: the host work of a block's thirteen regions (LoRA projections, norms, rotary, MLP)
-    is then four calls (input norm; attention up to its KV-cache write; the attention after it;
-    the residuals and MLP), with the element-wise work between them fused. The cache write
-    (transformers' `Cache.update`) runs eager, a graph break: traced, every cache state compiled
-    a graph of its own. The attention passes the cache its `layer_idx`, an int attribute dynamo
-    would specialise on (one graph per block); with whole blocks such attributes are dynamic
-    (`allow_unspec_int_on_nn_module`), so the blocks share graphs. Both process-wide settings hold
-    while any instance with whole blocks is installed.
-
     The rotary embedding is a module-level function of the model's HF modeling file
     (`apply_rotary_pos_emb`, called by name from the attention's forward), so it is swapped in
     that module, for every model of the family in the process, until the last instance that
@@ -98,31 +88,24 @@ class CompiledBlockParts:
     [1024, V] logits where the eager ops (cast, log-sum-exp, exp, product, scatter, cast) each make one.
 
     Args: model: the actor (PEFT or not) or the AR's truncated LM; backend: torch.compile's;
-      whole_blocks: each block's forward compiled whole (`compile_scope=blocks`; lora_layers and
-        rotary then say nothing: both are inside);
       lora_layers: compile the LoRA layers too (False: the norms and MLPs only, for A/B benchmarks);
       rotary: compile the rotary embedding too (False: for A/B benchmarks);
       logprob_head: compile the log-prob head's chunk arithmetic too (False: for A/B benchmarks).
     """
 
-    def __init__(self, model: nn.Module, *, backend: str = "inductor", whole_blocks: bool = False,
-                 lora_layers: bool = True, rotary: bool = True, logprob_head: bool = True) -> None:
+    def __init__(self, model: nn.Module, *, backend: str = "inductor", lora_layers: bool = True,
+                 rotary: bool = True, logprob_head: bool = True) -> None:
         blocks = families.decoder_blocks(model)
-        if any("forward" in vars(m) for block in blocks for m in block.modules()):
+        self.modules = [m for block in blocks for m in _cache_free_parts(block, lora_layers)]
+        """The compiled sub-modules."""
+        if any("forward" in vars(m) for m in self.modules):
             raise ValueError("the model's blocks already run compiled parts: remove() the earlier CompiledBlockParts first")
-        self.whole_blocks = whole_blocks
-        """Whether each block is one compiled region (else its cache-free parts are)."""
-        self.modules = list(blocks) if whole_blocks else [m for block in blocks for m in _cache_free_parts(block, lora_layers)]
-        """The compiled modules: the blocks, or their sub-modules."""
-        self.rotary_homes = (sorted({home for block in blocks for home in _rotary_homes(block)}, key=lambda m: m.__name__)
-                             if rotary and not whole_blocks else [])
-        """The modeling modules whose `apply_rotary_pos_emb` runs compiled (a whole block inlines it)."""
+        self.rotary_homes = sorted({home for block in blocks for home in _rotary_homes(block)}, key=lambda m: m.__name__) if rotary else []
+        """The modeling modules whose `apply_rotary_pos_emb` runs compiled."""
         # One forward (the RMSNorm's) serves hidden and per-head inputs, with and without grad and
         # autocast, in the actor and the AR; a LoRA layer's, projections of three shapes with the
         # adapter on and off (the reference pass): more variants than dynamo's default 8 graphs per code.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-        if whole_blocks:
-            _hold_eager_cache_writes()
         for module in self.modules:
             module.forward = _compiled_unless_capturing(module.forward, backend=backend)
         for home in self.rotary_homes:
@@ -140,10 +123,6 @@ class CompiledBlockParts:
         rotary embedding once no other instance compiles it."""
         for module in self.modules:
             del module.forward
-        self.modules = []
-        if self.whole_blocks:
-            _release_eager_cache_writes()
-            self.whole_blocks = False
         for home in self.rotary_homes:
             eager, installs = _compiled_rotaries.pop(home)
             if installs > 1:
@@ -161,34 +140,6 @@ ROTARY_FUNCTION = "apply_rotary_pos_emb"
 
 _compiled_rotaries: dict[types.ModuleType, tuple[Callable, int]] = {}
 """Modeling module -> (its eager rotary function, CompiledBlockParts instances compiling it)."""
-
-
-_eager_cache_writes: dict[str, object] = {}
-"""While CompiledBlockParts with whole blocks are installed: "installs" (how many), "update" (transformers'
-own Cache.update) and "unspec" (dynamo's allow_unspec_int_on_nn_module before the first install)."""
-
-
-def _hold_eager_cache_writes() -> None:
-    """Cache.update left to eager Python (a graph break in compiled code) and the int attributes of modules
-    dynamic in compiled code, until the last `_release_eager_cache_writes`."""
-    from transformers.cache_utils import Cache
-
-    if not _eager_cache_writes:
-        _eager_cache_writes.update(installs=0, update=Cache.update,
-                                   unspec=torch._dynamo.config.allow_unspec_int_on_nn_module)
-        Cache.update = torch.compiler.disable(Cache.update)
-        torch._dynamo.config.allow_unspec_int_on_nn_module = True
-    _eager_cache_writes["installs"] += 1
-
-
-def _release_eager_cache_writes() -> None:
-    from transformers.cache_utils import Cache
-
-    _eager_cache_writes["installs"] -= 1
-    if not _eager_cache_writes["installs"]:
-        Cache.update = _eager_cache_writes["update"]
-        torch._dynamo.config.allow_unspec_int_on_nn_module = _eager_cache_writes["unspec"]
-        _eager_cache_writes.clear()
 
 
 _compiled_heads: "weakref.WeakKeyDictionary[nn.Module, nla_core.ChunkKernels]" = weakref.WeakKeyDictionary()

@@ -384,8 +384,8 @@ def load_models(cfg: TrainConfig, nla: nla_core.NLAConfig, critic: ARModel, resu
     critic.requires_grad_(cfg.train_critic)
     critic.eval()  # Qwen3 has no dropout: eval mode serves the gradient steps too
     if cfg.compile_blocks:  # for the run
-        CompiledBlockParts(actor, whole_blocks=cfg.compile_scope == "blocks")
-        CompiledBlockParts(critic.lm, whole_blocks=cfg.compile_scope == "blocks")
+        CompiledBlockParts(actor)
+        CompiledBlockParts(critic.lm)
     distributed.broadcast_parameters(trainable_parameters(actor))
     return actor, injector, critic
 

@@ -143,19 +143,12 @@ def test_temperature_other_than_one_is_refused():
     ["num_steps=0", "batch_prompts=-1", "group_size=1", "logp_micro_batch=0", "logp_prompt_block=0", "lr=0",
      "clip_eps=1.5", "vllm_gpu_mem=1.5", "vllm_kv_cache_gib=0", "device=tpu", "seed=-1", "eval_every=-1",
      "max_rows=0", "vllm_sync_every=-1", "length_penalty=-0.01", "length_margin=-1", "tis_cap=1.1",
-     "tis_cap=1.25,clip_eps_high=0.28", "compile_scope=blocks"],
+     "tis_cap=1.25,clip_eps_high=0.28"],
 )
 def test_out_of_range_values_are_refused(override):
     key = override.partition("=")[0]
     with pytest.raises(ConfigError, match=f"'{key}'"):
         make(*override.split(","))
-
-
-def test_compile_scope_blocks_goes_with_compile_blocks():
-    assert make("compile_blocks=true", "compile_scope=blocks").compile_scope == "blocks"
-    with pytest.raises(ConfigError, match="set compile_blocks=true") as err:
-        make("compile_scope=blocks")
-    assert "\n" not in str(err.value)
 
 
 def test_vllm_sync_every_zero_means_never_and_tis_cap_may_equal_the_upper_clip():

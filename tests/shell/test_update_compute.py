@@ -156,44 +156,6 @@ def test_compiled_block_parts_are_the_norms_mlps_and_lora_layers_and_keep_the_up
         torch.testing.assert_close(g, eager_grad, rtol=1e-4, atol=1e-6)
 
 
-def test_whole_compiled_blocks_keep_the_update_and_leave_the_cache_write_eager_until_removed(fp32_actor):
-    """compile_scope=blocks: each decoder block is one compiled region; the update's numbers are the eager
-    update's, another micro-batch size reuses the graphs, and the cache write (Cache.update) runs eager (a
-    graph break) with the blocks' int attributes dynamic, both until the last instance is removed."""
-    from torch._dynamo.utils import counters
-    from transformers.cache_utils import Cache
-
-    actor, injector, tokenizer, rollouts, requests = fp32_actor
-    eager, eager_grad = _update(actor, injector, tokenizer, rollouts, requests)
-    eager_write, unspec = Cache.update, torch._dynamo.config.allow_unspec_int_on_nn_module
-    torch._dynamo.reset()
-    compiled = CompiledBlockParts(actor, backend="aot_eager", whole_blocks=True)
-    other = CompiledBlockParts(type(inner_lm(actor))(inner_lm(actor).config), backend="aot_eager", whole_blocks=True)
-    try:
-        assert compiled.modules == list(families.decoder_blocks(actor)) and compiled.rotary_homes == []
-        assert Cache.update is not eager_write and torch._dynamo.config.allow_unspec_int_on_nn_module
-        with pytest.raises(ValueError, match="remove"):  # either scope over compiled blocks
-            CompiledBlockParts(actor, backend="aot_eager")
-        counters.clear()
-        stats, grad = _update(actor, injector, tokenizer, rollouts, requests)
-        assert any("Cache.update" in reason for reason in counters["graph_break"])
-        graphs = counters["stats"]["unique_graphs"]
-        larger, larger_grad = _update(actor, injector, tokenizer, rollouts, requests, micro_batch=9)
-        assert counters["stats"]["unique_graphs"] == graphs
-        other.remove()
-        assert Cache.update is not eager_write  # the actor's instance still holds it
-    finally:
-        compiled.remove()
-        other.remove()
-        torch._dynamo.reset()
-    assert Cache.update is eager_write and torch._dynamo.config.allow_unspec_int_on_nn_module == unspec
-    assert all("forward" not in vars(m) for m in families.decoder_blocks(actor))
-    for numbers, g in ((stats, grad), (larger, larger_grad)):
-        assert numbers.loss == pytest.approx(eager.loss, rel=1e-5, abs=1e-7)
-        assert numbers.kl_mean == pytest.approx(eager.kl_mean, rel=1e-5, abs=1e-9)
-        torch.testing.assert_close(g, eager_grad, rtol=1e-4, atol=1e-6)
-
-
 def test_the_rotary_embedding_stays_compiled_until_the_last_instance_compiling_it_is_removed(fp32_actor):
     """The actor and the AR of one family share their modeling module's rotary function: removing
     one CompiledBlockParts leaves the other's compiled; the eager function is back after both."""

@@ -179,12 +179,24 @@ def parse_args() -> argparse.Namespace:
     args.paths = [p for p in args.paths.split(",") if p]
     if not args.paths or set(args.paths) - set(PATHS):
         parser.error(f"--paths must name some of {PATHS}, got {args.paths}")
-    args.fp8 = tuple(p for p in args.fp8.split(",") if p)
-    phases = set(args.fp8) - {"backward"}
-    if set(FP8_PATHS) & set(args.paths) and (not phases or phases - {"score", "reference", "update"}):
-        parser.error(f"--fp8 must name some of score,reference,update (and backward), got {','.join(args.fp8)!r}")
+    args.fp8 = fp8_phases(parser, args.fp8, needed=bool(set(FP8_PATHS) & set(args.paths)))
     args.prompt_len = args.prompt_len or (24 if tiny else 96)
     return args
+
+
+def fp8_phases(parser: argparse.ArgumentParser, text: str, *, needed: bool) -> tuple[str, ...]:
+    """--fp8 as TrainConfig's fp8 (checked as `nla train` checks it); where `needed` (an FP8 path runs), at least
+    one phase beside backward."""
+    from nla_shell.io.config import ConfigError, TrainConfig, load_dataclass
+
+    required = {"av_ckpt": "-", "ar_ckpt": "-", "rl_parquet": "-", "save_dir": "-"}
+    try:
+        phases = load_dataclass(TrainConfig, required, [f"fp8={text}"]).fp8
+    except ConfigError as err:
+        parser.error(f"--fp8: {err}")
+    if needed and not set(phases) - {"backward"}:
+        parser.error(f"--fp8 {text!r}: an FP8 path needs a phase of score, reference, update")
+    return phases
 
 
 class Context:

@@ -161,7 +161,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--new-tokens", type=int, default=None, help="default TrainConfig's 160 (tiny 8)")
     parser.add_argument("--fp8", default="score,reference,update",
                         help="after_fp8, after_all_fp8: the phases whose matmuls run in FP8, of score,reference,update "
-                             "and backward (their backwards' input gradients too) "
+                             "and backward (their backwards' input gradients too), weight_grad (the critic's weight "
+                             "gradients too) "
                              "(nla train's fp8=)")
     parser.add_argument("--profile", default=None, help="directory for torch.profiler tables of each path's "
                         "score and update phases: one more step on the first case's warm-up prompts, "
@@ -179,22 +180,22 @@ def parse_args() -> argparse.Namespace:
     args.paths = [p for p in args.paths.split(",") if p]
     if not args.paths or set(args.paths) - set(PATHS):
         parser.error(f"--paths must name some of {PATHS}, got {args.paths}")
-    args.fp8 = fp8_phases(parser, args.fp8, needed=bool(set(FP8_PATHS) & set(args.paths)))
+    args.fp8 = fp8_phases(parser, args.fp8, needed=bool(set(FP8_PATHS) & set(args.paths)), critic=args.critic)
     args.prompt_len = args.prompt_len or (24 if tiny else 96)
     return args
 
 
-def fp8_phases(parser: argparse.ArgumentParser, text: str, *, needed: bool) -> tuple[str, ...]:
-    """--fp8 as TrainConfig's fp8 (checked as `nla train` checks it); where `needed` (an FP8 path runs), at least
-    one phase beside backward."""
+def fp8_phases(parser: argparse.ArgumentParser, text: str, *, needed: bool, critic: bool) -> tuple[str, ...]:
+    """--fp8 as TrainConfig's fp8 (checked as `nla train` checks it, with --critic as train_critic); where `needed`
+    (an FP8 path runs), at least one phase beside backward and weight_grad."""
     from nla_shell.io.config import ConfigError, TrainConfig, load_dataclass
 
-    required = {"av_ckpt": "-", "ar_ckpt": "-", "rl_parquet": "-", "save_dir": "-"}
+    required = {"av_ckpt": "-", "ar_ckpt": "-", "rl_parquet": "-", "save_dir": "-", "train_critic": critic}
     try:
         phases = load_dataclass(TrainConfig, required, [f"fp8={text}"]).fp8
     except ConfigError as err:
         parser.error(f"--fp8: {err}")
-    if needed and not set(phases) - {"backward"}:
+    if needed and not set(phases) - {"backward", "weight_grad"}:
         parser.error(f"--fp8 {text!r}: an FP8 path needs a phase of score, reference, update")
     return phases
 

@@ -94,16 +94,18 @@ def test_the_copies_stay_out_of_the_state_dict_and_the_parameters_and_a_cast_one
     assert not list(model.buffers()) and set(model.state_dict()) == names
 
 
-def test_a_compile_backend_runs_the_same_fp8_product_compiled():
+@pytest.mark.parametrize("weight_grad", [False, True], ids=["bf16_weight_grad", "fp8_weight_grad"])
+def test_a_compile_backend_runs_the_same_fp8_product_compiled(weight_grad):
     """compile_backend (compile_blocks): outside compiled code each layer's FP8 product is one compiled graph,
-    the same arithmetic as the eager one, gradients included ("aot_eager" traces what inductor would compile)."""
+    the same arithmetic as the eager one, gradients included ("aot_eager" traces what inductor would compile),
+    with the trained layer's weight gradient in FP8 too (its 10 rows padded to 16 in the traced backward)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 48), nn.ReLU(), nn.Linear(48, 32))
     model[0].requires_grad_(False)  # a frozen layer and a trained one
     x = torch.randn(2, 5, 32, requires_grad=True)
     results = []
     for backend in (None, "aot_eager"):
-        with FP8Linears(model, label="test", compile_backend=backend):
+        with FP8Linears(model, label="test", compile_backend=backend, weight_grad=weight_grad):
             y = model(x)
             y.pow(2).sum().backward()
         results.append((y.detach(), x.grad.clone(), model[2].weight.grad.clone()))

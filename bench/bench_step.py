@@ -35,6 +35,8 @@ Two paths per step, on the same rollouts:
   after_all_fp8  after_all with --fp8's phases in FP8: the fastest settings with fp8= on top.
   after_all_fp8_backward  after_all_fp8 with `backward` added to --fp8: the input gradients of the
           update's (and a co-trained critic's) backward from transposed FP8 copies too.
+  after_all_fp8_weight_grad  after_all_fp8_backward with `weight_grad` added too: the co-trained critic's
+          weight gradients as FP8 products (needs --critic on).
 Paths run in the order given on the same rollouts; every path but the last leaves the
 weights as they were (its optimisers are lr-0 SGDs), so each sees the same weights; the step
 prints each path's loss, grad norm, KL, rewards and critic loss beside "before"'s ("after"'s for
@@ -105,10 +107,12 @@ import torch  # noqa: E402
 import synthetic as syn  # noqa: E402
 
 PATHS = ("before", "after", "after_tf32", "after_bf16", "after_compile", "after_all", "after_fp8", "after_all_fp8",
-         "after_all_fp8_backward")
-AUTOCAST_PATHS = ("after_bf16", "after_all", "after_all_fp8", "after_all_fp8_backward")
-COMPILE_PATHS = ("after_compile", "after_all", "after_all_fp8", "after_all_fp8_backward")
-FP8_PATHS = ("after_fp8", "after_all_fp8", "after_all_fp8_backward")
+         "after_all_fp8_backward", "after_all_fp8_weight_grad")
+AUTOCAST_PATHS = ("after_bf16", "after_all", "after_all_fp8", "after_all_fp8_backward", "after_all_fp8_weight_grad")
+COMPILE_PATHS = ("after_compile", "after_all", "after_all_fp8", "after_all_fp8_backward", "after_all_fp8_weight_grad")
+FP8_PATHS = ("after_fp8", "after_all_fp8", "after_all_fp8_backward", "after_all_fp8_weight_grad")
+ADDED_FP8_PHASES = {"after_all_fp8_backward": ("backward",), "after_all_fp8_weight_grad": ("backward", "weight_grad")}
+"""What these paths add to --fp8."""
 PEAK_TFLOPS = 790.0
 """bf16 dense matrix peak measured on the H200 (the issue's % of peak is against it)."""
 
@@ -435,7 +439,7 @@ def run_path(ctx: Context, path: str, state, rolled, args, *, keep_weights: bool
     if path in FP8_PATHS:  # the FP8 copies of --fp8's phases, made as the trainer's setup makes them
         from nla_shell.training.setup import make_fp8_copies
 
-        fp8 = args.fp8 + ("backward",) if path == "after_all_fp8_backward" and "backward" not in args.fp8 else args.fp8
+        fp8 = args.fp8 + tuple(p for p in ADDED_FP8_PHASES.get(path, ()) if p not in args.fp8)
         cfg = dataclasses.replace(state.cfg, fp8=fp8, compile_blocks=path in COMPILE_PATHS)
         fp8_score, fp8_reference, fp8_update = make_fp8_copies(cfg, ctx.actor, ctx.critic, device=ctx.device)
         state = dataclasses.replace(state, cfg=cfg, fp8_score=fp8_score, fp8_reference=fp8_reference,

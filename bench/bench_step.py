@@ -35,8 +35,6 @@ Two paths per step, on the same rollouts:
   after_all_fp8  after_all with --fp8's phases in FP8: the fastest settings with fp8= on top.
   after_all_fp8_backward  after_all_fp8 with `backward` added to --fp8: the input gradients of the
           update's (and a co-trained critic's) backward from transposed FP8 copies too.
-  after_all_fp8_weight_grad  after_all_fp8_backward with `weight_grad` added too: the co-trained critic's
-          weight gradients as FP8 products (needs --critic on).
 Paths run in the order given on the same rollouts; every path but the last leaves the
 weights as they were (its optimisers are lr-0 SGDs), so each sees the same weights; the step
 prints each path's loss, grad norm, KL, rewards and critic loss beside "before"'s ("after"'s for
@@ -107,12 +105,10 @@ import torch  # noqa: E402
 import synthetic as syn  # noqa: E402
 
 PATHS = ("before", "after", "after_tf32", "after_bf16", "after_compile", "after_all", "after_fp8", "after_all_fp8",
-         "after_all_fp8_backward", "after_all_fp8_weight_grad")
-AUTOCAST_PATHS = ("after_bf16", "after_all", "after_all_fp8", "after_all_fp8_backward", "after_all_fp8_weight_grad")
-COMPILE_PATHS = ("after_compile", "after_all", "after_all_fp8", "after_all_fp8_backward", "after_all_fp8_weight_grad")
-FP8_PATHS = ("after_fp8", "after_all_fp8", "after_all_fp8_backward", "after_all_fp8_weight_grad")
-ADDED_FP8_PHASES = {"after_all_fp8_backward": ("backward",), "after_all_fp8_weight_grad": ("backward", "weight_grad")}
-"""What these paths add to --fp8."""
+         "after_all_fp8_backward")
+AUTOCAST_PATHS = ("after_bf16", "after_all", "after_all_fp8", "after_all_fp8_backward")
+COMPILE_PATHS = ("after_compile", "after_all", "after_all_fp8", "after_all_fp8_backward")
+FP8_PATHS = ("after_fp8", "after_all_fp8", "after_all_fp8_backward")
 PEAK_TFLOPS = 790.0
 """bf16 dense matrix peak measured on the H200 (the issue's % of peak is against it)."""
 
@@ -165,8 +161,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--new-tokens", type=int, default=None, help="default TrainConfig's 160 (tiny 8)")
     parser.add_argument("--fp8", default="score,reference,update",
                         help="after_fp8, after_all_fp8: the phases whose matmuls run in FP8, of score,reference,update "
-                             "and backward (their backwards' input gradients too), weight_grad (the critic's weight "
-                             "gradients too) "
+                             "and backward (their backwards' input gradients too) "
                              "(nla train's fp8=)")
     parser.add_argument("--profile", default=None, help="directory for torch.profiler tables of each path's "
                         "score and update phases: one more step on the first case's warm-up prompts, "
@@ -184,22 +179,22 @@ def parse_args() -> argparse.Namespace:
     args.paths = [p for p in args.paths.split(",") if p]
     if not args.paths or set(args.paths) - set(PATHS):
         parser.error(f"--paths must name some of {PATHS}, got {args.paths}")
-    args.fp8 = fp8_phases(parser, args.fp8, needed=bool(set(FP8_PATHS) & set(args.paths)), critic=args.critic)
+    args.fp8 = fp8_phases(parser, args.fp8, needed=bool(set(FP8_PATHS) & set(args.paths)))
     args.prompt_len = args.prompt_len or (24 if tiny else 96)
     return args
 
 
-def fp8_phases(parser: argparse.ArgumentParser, text: str, *, needed: bool, critic: bool) -> tuple[str, ...]:
-    """--fp8 as TrainConfig's fp8 (checked as `nla train` checks it, with --critic as train_critic); where `needed`
-    (an FP8 path runs), at least one phase beside backward and weight_grad."""
+def fp8_phases(parser: argparse.ArgumentParser, text: str, *, needed: bool) -> tuple[str, ...]:
+    """--fp8 as TrainConfig's fp8 (checked as `nla train` checks it); where `needed` (an FP8 path runs), at least
+    one phase beside backward."""
     from nla_shell.io.config import ConfigError, TrainConfig, load_dataclass
 
-    required = {"av_ckpt": "-", "ar_ckpt": "-", "rl_parquet": "-", "save_dir": "-", "train_critic": critic}
+    required = {"av_ckpt": "-", "ar_ckpt": "-", "rl_parquet": "-", "save_dir": "-"}
     try:
         phases = load_dataclass(TrainConfig, required, [f"fp8={text}"]).fp8
     except ConfigError as err:
         parser.error(f"--fp8: {err}")
-    if needed and not set(phases) - {"backward", "weight_grad"}:
+    if needed and not set(phases) - {"backward"}:
         parser.error(f"--fp8 {text!r}: an FP8 path needs a phase of score, reference, update")
     return phases
 
@@ -439,7 +434,7 @@ def run_path(ctx: Context, path: str, state, rolled, args, *, keep_weights: bool
     if path in FP8_PATHS:  # the FP8 copies of --fp8's phases, made as the trainer's setup makes them
         from nla_shell.training.setup import make_fp8_copies
 
-        fp8 = args.fp8 + tuple(p for p in ADDED_FP8_PHASES.get(path, ()) if p not in args.fp8)
+        fp8 = args.fp8 + ("backward",) if path == "after_all_fp8_backward" and "backward" not in args.fp8 else args.fp8
         cfg = dataclasses.replace(state.cfg, fp8=fp8, compile_blocks=path in COMPILE_PATHS)
         fp8_score, fp8_reference, fp8_update = make_fp8_copies(cfg, ctx.actor, ctx.critic, device=ctx.device)
         state = dataclasses.replace(state, cfg=cfg, fp8_score=fp8_score, fp8_reference=fp8_reference,

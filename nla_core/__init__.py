@@ -9,9 +9,7 @@ No I/O, no logging, no device synchronisation: usable from any RL loop.
 
 from nla_core.advantages import ADVANTAGE_SCALES, best_in_group, group_advantages, group_has_variance
 from nla_core.entropy import token_entropy, top_entropy_mask
-from nla_core.fp8 import (
-    AMAX_FLOOR, E4M3_MAX, FP8_DTYPE, SCALED_MM_MULTIPLE, fp8_linear, fp8_linear_ste, fp8_weight_gradient, quantize_rowwise,
-)
+from nla_core.fp8 import AMAX_FLOOR, E4M3_MAX, FP8_DTYPE, fp8_linear, fp8_linear_ste, quantize_rowwise
 from nla_core.injection import (
     INJECTION_STYLES,
     find_injection_sites,
@@ -87,7 +85,6 @@ __all__ = [
     "POLICY_LOSSES",
     "PolicyLossOutput",
     "REWARD_KINDS",
-    "SCALED_MM_MULTIPLE",
     "SampledTokens",
     "TIS_MODES",
     "actor_content",
@@ -103,7 +100,6 @@ __all__ = [
     "find_injection_sites",
     "fp8_linear",
     "fp8_linear_ste",
-    "fp8_weight_gradient",
     "fve",
     "group_advantages",
     "group_has_variance",

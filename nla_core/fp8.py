@@ -29,15 +29,11 @@ import torch
 
 from nla_core._checks import require_floating, require_ndim, require_tensor
 
-__all__ = ["E4M3_MAX", "AMAX_FLOOR", "FP8_DTYPE", "SCALED_MM_MULTIPLE", "quantize_rowwise", "fp8_linear",
-           "fp8_weight_gradient", "fp8_linear_ste"]
+__all__ = ["E4M3_MAX", "AMAX_FLOOR", "FP8_DTYPE", "quantize_rowwise", "fp8_linear", "fp8_linear_ste"]
 
 FP8_DTYPE = torch.float8_e4m3fn
 E4M3_MAX = float(torch.finfo(FP8_DTYPE).max)
 """448: e4m3fn's largest finite value, where each row's largest entry is scaled to."""
-SCALED_MM_MULTIPLE = 16
-"""`torch._scaled_mm` on Hopper (SM90) needs the inner size K and the output size M to be multiples of 16:
-the layers' widths are the caller's rule (fp8_linear); `fp8_weight_gradient` pads its inner size, the rows."""
 AMAX_FLOOR = 1e-12
 """The row amax is clamped to at least this before dividing (torchao's EPS), so an all-zero row
 gets a positive scale (and quantises to zeros) instead of 0 / 0."""
@@ -128,45 +124,16 @@ def fp8_linear(
     return y.reshape(*x.shape[:-1], m)
 
 
-def fp8_weight_gradient(g: torch.Tensor, x: torch.Tensor, *, out_dtype: torch.dtype) -> torch.Tensor:
-    """dL/dW = g^T @ x (summed over the N rows) as an FP8 product, both operands quantised along N.
-
-        dL/dW = fp8_linear(pad(g)^T, *quantize_rowwise(pad(x)^T), out_dtype)        [M, K],
-
-    g^T's rows (one per output feature) and x^T's rows (one per input feature) each with their own
-    scale over the N rows, which are zero-padded to a multiple of SCALED_MM_MULTIPLE (zero rows add
-    nothing to the sum, and quantise to zeros). It carries fp8_linear's bound for the operands
-    (g^T, x^T): about 2^-3 of sum_n |g_nm x_nk| per entry, where the product in the weight's dtype
-    errs by its rounding only.
-
-    Args: g: [N, M] floating (dL/dy, rows flattened); x: [N, K] floating (the layer's input);
-      out_dtype: as for fp8_linear.
-    Returns: [M, K] out_dtype (zeros when N = 0).
-    """
-    require_floating("g", g)
-    require_floating("x", x)
-    require_ndim("g", g, 2, "[N, M]")
-    require_ndim("x", x, 2, "[N, K]")
-    if g.shape[0] != x.shape[0]:
-        raise ValueError(f"g {tuple(g.shape)} and x {tuple(x.shape)} must have the same rows N")
-    if g.shape[0] == 0:
-        return g.new_zeros((g.shape[1], x.shape[1]), dtype=out_dtype)
-    pad = -g.shape[0] % SCALED_MM_MULTIPLE
-    g, x = torch.nn.functional.pad(g, (0, 0, 0, pad)), torch.nn.functional.pad(x, (0, 0, 0, pad))
-    x_fp8, x_scale = quantize_rowwise(x.t())
-    return fp8_linear(g.t(), x_fp8, x_scale, out_dtype=out_dtype)
-
-
 class _StraightThroughFP8Linear(torch.autograd.Function):
     """Forward: fp8_linear. Backward: the linear map's gradients, dL/dx in W's dtype or, given the
-    transposed copy, by fp8_linear; dL/dW in W's dtype or by fp8_weight_gradient (see fp8_linear_ste)."""
+    transposed copy, by fp8_linear (see fp8_linear_ste)."""
 
     @staticmethod
-    def forward(ctx, x, weight, w_fp8, w_scale, bias, out_dtype, wt_fp8, wt_scale, fp8_weight_grad):
+    def forward(ctx, x, weight, w_fp8, w_scale, bias, out_dtype, wt_fp8, wt_scale):
         trains = ctx.needs_input_grad[1]
         # A frozen weight needs only itself for dL/dx (no copy kept); a trained one also x, for dL/dW.
         ctx.save_for_backward(weight, x if trains else None, wt_fp8, wt_scale)
-        ctx.x_dtype, ctx.out_dtype, ctx.fp8_weight_grad = x.dtype, out_dtype, fp8_weight_grad
+        ctx.x_dtype, ctx.out_dtype = x.dtype, out_dtype
         return fp8_linear(x, w_fp8, w_scale, bias=bias, out_dtype=out_dtype)
 
     @staticmethod
@@ -178,12 +145,10 @@ class _StraightThroughFP8Linear(torch.autograd.Function):
             grad_x = g @ weight if wt_fp8 is None else fp8_linear(grad_y, wt_fp8, wt_scale, out_dtype=ctx.out_dtype)
             grad_x = grad_x.to(ctx.x_dtype)
         if ctx.needs_input_grad[1]:
-            rows_g, rows_x = g.reshape(-1, g.shape[-1]), x.reshape(-1, x.shape[-1])
-            grad_w = (fp8_weight_gradient(grad_y.reshape(-1, g.shape[-1]), rows_x, out_dtype=ctx.out_dtype).to(weight.dtype)
-                      if ctx.fp8_weight_grad else rows_g.t() @ rows_x.to(weight.dtype))
+            grad_w = g.reshape(-1, g.shape[-1]).t() @ x.reshape(-1, x.shape[-1]).to(weight.dtype)
         if ctx.needs_input_grad[4]:
             grad_b = g.reshape(-1, g.shape[-1]).sum(dim=0)
-        return grad_x, grad_w, None, None, grad_b, None, None, None, None
+        return grad_x, grad_w, None, None, grad_b, None, None, None
 
 
 def fp8_linear_ste(
@@ -196,7 +161,6 @@ def fp8_linear_ste(
     out_dtype: torch.dtype,
     wt_fp8: torch.Tensor | None = None,
     wt_scale: torch.Tensor | None = None,
-    fp8_weight_grad: bool = False,
 ) -> torch.Tensor:
     """`fp8_linear` in the forward, differentiated as the linear map x W^T + b (straight-through).
 
@@ -220,15 +184,9 @@ def fp8_linear_ste(
     about 2^-3 of sum_m |g_im W_mk| per entry. dL/dW and dL/db stay as above (the input gradient is
     the product a frozen layer's backward spends its time on). Costs another byte per weight.
 
-    FP8 weight gradient (fp8_weight_grad=True, for a trained weight):
-        dL/dW = fp8_weight_gradient(dL/dy, x, out_dtype=out_dtype)              [M, K], in W's dtype,
-    both operands quantised along the N rows: about 2^-3 of sum_n |g_nm x_nk| per entry. No copy is
-    held for it (x is quantised in the backward, as it is kept now).
-
     Args: x: [..., K] floating; weight: [M, K], the weight the FP8 copy was made from (trained or
       frozen); w_fp8, w_scale: `quantize_rowwise(weight)`; bias: [M] or None; out_dtype: as for fp8_linear;
-      wt_fp8 [K, M] float8_e4m3fn, wt_scale [K, 1] float32: `quantize_rowwise(weight.T)`, both or neither;
-      fp8_weight_grad: a trained weight's gradient in FP8 (above); nothing for a frozen one.
+      wt_fp8 [K, M] float8_e4m3fn, wt_scale [K, 1] float32: `quantize_rowwise(weight.T)`, both or neither.
     Returns: [..., M] out_dtype, in the autograd graph of x, weight and bias.
     """
     require_floating("weight", weight)
@@ -239,4 +197,4 @@ def fp8_linear_ste(
     if wt_fp8 is not None and wt_fp8.shape != weight.shape[::-1]:
         raise ValueError(f"wt_fp8 {tuple(wt_fp8.shape)} must be the transposed weight's [K, M] = "
                          f"{tuple(weight.shape[::-1])}")
-    return _StraightThroughFP8Linear.apply(x, weight, w_fp8, w_scale, bias, out_dtype, wt_fp8, wt_scale, fp8_weight_grad)
+    return _StraightThroughFP8Linear.apply(x, weight, w_fp8, w_scale, bias, out_dtype, wt_fp8, wt_scale)

@@ -329,7 +329,7 @@ class TrainConfig:
     quant: Literal["none", "4bit", "8bit"] = "none"
     """Load the AV's frozen base and the (frozen) AR quantised with bitsandbytes (CUDA, engine=hf, pip install
     'nla[bnb]'); the LoRA trains in `dtype` on top."""
-    fp8: tuple[Literal["score", "reference", "update", "backward", "weight_grad"], ...] = ()
+    fp8: tuple[Literal["score", "reference", "update", "backward"], ...] = ()
     """Phases whose matrix products with model weights run in FP8 (comma-separated; empty: none): e4m3 with
     one scale per row of each operand, by torch._scaled_mm (nla_core.fp8, nla_shell.models.fp8). "score":
     the AR's scoring forward (its backbone's Linear layers; a co-trained AR's weights are re-quantised from
@@ -340,9 +340,7 @@ class TrainConfig:
     the linear map's in `dtype` (straight-through: g @ W to the input, g^T @ x to a trained weight), so
     the trainer's log-probs are FP8 ones beside the engine's (logp_diff_* measure the gap). "backward"
     (with update and/or score): those phases' input gradients g @ W in FP8 too, from a transposed copy
-    quantised per input feature (+1 byte per weight again); g^T @ x to a trained weight stays in `dtype`, unless
-    "weight_grad" (with score and train_critic): the co-trained AR's weight gradients g^T @ x in FP8 too, both
-    operands quantised over the tokens (nla_core.fp8_weight_gradient; no copy held).
+    quantised per input feature (+1 byte per weight again); g^T @ x to a trained weight stays in `dtype`.
     Layers whose in- or out-features are not multiples of 16 stay in `dtype` (start-up says how many convert). Memory:
     +1 byte per converted weight, held for the run (the actor's once for reference and update). Each
     operand's element is off by up to 2^-4 of itself. The rollouts and the held-out eval run as before.
@@ -488,11 +486,9 @@ def _check_fp8(cfg: TrainConfig) -> None:
         return
     phases = list(cfg.fp8)
     require(len(set(phases)) == len(phases), "fp8", phases,
-            "name each phase once: a comma list of score, reference, update (and backward, weight_grad)")
+            "name each phase once: a comma list of score, reference, update (and backward)")
     require("backward" not in phases or {"update", "score"} & set(phases), "fp8", phases,
             "backward puts the backwards of update and score in FP8: name update or score beside it")
-    require("weight_grad" not in phases or ("score" in phases and cfg.train_critic), "fp8", phases,
-            "weight_grad puts the co-trained AR's weight gradients in FP8: name score beside it, with train_critic=true")
     require(cfg.quant == "none", "fp8", phases, f"FP8 copies are made of full-precision weights, not quant={cfg.quant}: "
             "use quant=none, or leave fp8 empty")
 

@@ -32,7 +32,7 @@ instance attribute, was guarded on by identity: one recompile per layer, past dy
 limit at 36 blocks, and the rest ran eager.)
 
 Shape rule: a layer converts only when its in- and out-features are multiples of 16
-(`nla_core.SCALED_MM_MULTIPLE`, what `_scaled_mm` needs on Hopper); the others stay in the model's
+(`SCALED_MM_MULTIPLE`, what `_scaled_mm` needs on Hopper); the others stay in the model's
 dtype, and `summary()` says how many. The rule applies on every device, so a CPU run converts
 the layers a GPU run would.
 """
@@ -47,6 +47,8 @@ from torch import nn
 
 import nla_core
 
+SCALED_MM_MULTIPLE = 16
+"""`torch._scaled_mm` on SM90 needs K (in-features) and M (out-features) multiples of 16."""
 OUT_DTYPE = torch.bfloat16
 """The kernel's output dtype: rowwise-scaled `_scaled_mm` on Hopper writes bf16 only; the result is cast
 to the input's dtype (a float32 model's layers then carry bf16 rounding too)."""
@@ -73,23 +75,19 @@ class FP8Linears:
       backward: the backward's input gradients in FP8 too (`fp8_linear_ste` with the transposed copy,
       `quantize_rowwise(weight.T)`, held as the buffers `fp8_weight_t` [K, M] and `fp8_scale_t` [K, 1]:
       another byte per weight); False: in the weight's dtype, and those buffers are None.
-      weight_grad: a trained layer's weight gradient g^T @ x in FP8 too (`fp8_linear_ste(fp8_weight_grad=True)`,
-      both operands quantised over the rows in the backward, no copy held); False: in the weight's dtype.
-      Frozen layers have no weight gradient, so it changes nothing for them.
     """
 
     def __init__(self, backbone: nn.Module, *, label: str, compile_backend: str | None = None,
-                 backward: bool = False, weight_grad: bool = False) -> None:
-        self.label, self.backward, self.weight_grad = label, backward, weight_grad
+                 backward: bool = False) -> None:
+        self.label, self.backward = label, backward
         self._swap_class = _FP8Linear if compile_backend is None else _compiled_fp8_linear_class(compile_backend)
         linears = [m for name, m in backbone.named_modules() if type(m) is nn.Linear and ".lora_" not in f".{name}"]
         self.layers = [m for m in linears
-                       if m.in_features % nla_core.SCALED_MM_MULTIPLE == 0 and m.out_features % nla_core.SCALED_MM_MULTIPLE == 0]
+                       if m.in_features % SCALED_MM_MULTIPLE == 0 and m.out_features % SCALED_MM_MULTIPLE == 0]
         self.total = len(linears)
         for layer in self.layers:  # a second set over the same layers replaces the first's copies
             for name, copy in self._quantised(layer.weight).items():
                 layer.register_buffer(name, copy, persistent=False)
-            layer.fp8_weight_grad = weight_grad
         self._active = False
 
     def _quantised(self, weight: torch.Tensor) -> dict[str, torch.Tensor | None]:
@@ -114,15 +112,13 @@ class FP8Linears:
             held += sum(m.weight.numel() + m.in_features * 4 for m in self.layers)
         line = f"[fp8] {self.label}: {len(self.layers)} of {self.total} Linear layers in FP8"
         if skipped:
-            line += f" ({skipped} not multiples of {nla_core.SCALED_MM_MULTIPLE}: left in the model's dtype)"
+            line += f" ({skipped} not multiples of {SCALED_MM_MULTIPLE}: left in the model's dtype)"
         if frozen := len(self.layers) - self.refreshed:
             line += f"; {frozen} frozen, quantised once"
         if self.refreshed:
             line += f"; {self.refreshed} trained, re-quantised from the current weights at each block"
         if self.backward:
             line += "; input gradients in FP8 too (a transposed copy)"
-        if self.weight_grad and self.refreshed:
-            line += "; the trained layers' weight gradients in FP8 too"
         line += f"; +{held / 2**20:.1f} MiB held"
         return line
 
@@ -158,7 +154,7 @@ class FP8Linears:
         if self._active:
             raise RuntimeError(f"[fp8] {self.label}: remove() inside the FP8 block")
         for layer in self.layers:
-            del layer.fp8_weight, layer.fp8_scale, layer.fp8_weight_t, layer.fp8_scale_t, layer.fp8_weight_grad
+            del layer.fp8_weight, layer.fp8_scale, layer.fp8_weight_t, layer.fp8_scale_t
 
 
 class _FP8Linear(nn.Linear):
@@ -169,7 +165,6 @@ class _FP8Linear(nn.Linear):
     fp8_scale: torch.Tensor
     fp8_weight_t: torch.Tensor | None
     fp8_scale_t: torch.Tensor | None
-    fp8_weight_grad: bool
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._product(nla_core.fp8_linear_ste, x)
@@ -177,7 +172,7 @@ class _FP8Linear(nn.Linear):
     def _product(self, product, x: torch.Tensor) -> torch.Tensor:
         """`product` (nla_core.fp8_linear_ste or a compiled one) of x with this layer's weight and copies."""
         y = product(x, self.weight, self.fp8_weight, self.fp8_scale, bias=self.bias, out_dtype=OUT_DTYPE,
-                    wt_fp8=self.fp8_weight_t, wt_scale=self.fp8_scale_t, fp8_weight_grad=self.fp8_weight_grad)
+                    wt_fp8=self.fp8_weight_t, wt_scale=self.fp8_scale_t)
         return y.to(x.dtype)
 
 

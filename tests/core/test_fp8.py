@@ -13,9 +13,7 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from nla_core import (
-    AMAX_FLOOR, E4M3_MAX, FP8_DTYPE, SCALED_MM_MULTIPLE, fp8_linear, fp8_linear_ste, fp8_weight_gradient, quantize_rowwise,
-)
+from nla_core import AMAX_FLOOR, E4M3_MAX, FP8_DTYPE, fp8_linear, fp8_linear_ste, quantize_rowwise
 
 FAST = settings(max_examples=60, deadline=None)
 U = 2.0**-4 + 2.0**-23
@@ -280,52 +278,3 @@ def test_the_fp8_backward_leaves_a_trained_weights_gradient_as_it_was():
         fp8_linear_ste(x, w, q, s, out_dtype=torch.float32, wt_fp8=qt)
     with pytest.raises(ValueError, match=r"\[K, M\]"):
         fp8_linear_ste(x, w, q, s, out_dtype=torch.float32, wt_fp8=q, wt_scale=s)
-
-
-# ---------------------------------------------------------------- fp8_weight_gradient (fp8=...,weight_grad)
-
-
-@FAST
-@given(operands(), st.sampled_from([torch.bfloat16, torch.float32]), st.integers(0, 2**31 - 1))
-def test_the_fp8_weight_gradient_is_within_fp8_linears_bound_for_g_and_x_transposed(xw, dtype, seed):
-    """With fp8_weight_grad the trained weight's gradient is fp8_weight_gradient(g, x): the product of g^T and
-    x^T, each quantised over the N rows, within fp8_linear's bound for those operands; the input's and the
-    bias's gradients are as without it."""
-    x, w = (t.to(dtype) for t in xw)
-    q, s = quantize_rowwise(w)
-    gen = torch.Generator().manual_seed(seed)
-    bias = torch.randn(w.shape[0], generator=gen).to(dtype)
-    g = torch.randn(x.shape[0], w.shape[0], generator=gen).to(torch.bfloat16)
-    grads = {}
-    for fp8_weight_grad in (False, True):
-        weight, b, inputs = (t.clone().requires_grad_(True) for t in (w, bias, x))
-        fp8_linear_ste(inputs, weight, q, s, bias=b, out_dtype=torch.bfloat16, fp8_weight_grad=fp8_weight_grad).backward(g)
-        grads[fp8_weight_grad] = weight.grad, b.grad, inputs.grad
-    (_, b_grad, x_grad), (w_grad, b_grad_fp8, x_grad_fp8) = grads[False], grads[True]
-    assert torch.equal(b_grad, b_grad_fp8) and torch.equal(x_grad, x_grad_fp8)
-    assert w_grad.dtype == dtype
-    assert torch.equal(w_grad, fp8_weight_gradient(g, x, out_dtype=torch.bfloat16).to(dtype))
-    err = (w_grad.double() - g.double().t() @ x.double()).abs()
-    assert bool((err <= derived_bound(g.t(), x.t(), w_grad, torch.bfloat16)).all()), err
-
-
-@FAST
-@given(operands(), st.integers(1, 2 * SCALED_MM_MULTIPLE))
-def test_zero_rows_change_no_fp8_weight_gradient(xw, extra):
-    """The rows are zero-padded to a multiple of 16 for the device's kernel: more zero rows (which leave
-    every scale as it was) give the same gradient, bit for bit."""
-    x, w = xw
-    g = (x[:, : min(x.shape[1], w.shape[0])] * 0.5).contiguous()
-    padded_g = torch.cat([g, g.new_zeros(extra, g.shape[1])])
-    padded_x = torch.cat([x, x.new_zeros(extra, x.shape[1])])
-    assert torch.equal(fp8_weight_gradient(g, x, out_dtype=torch.float32),
-                       fp8_weight_gradient(padded_g, padded_x, out_dtype=torch.float32))
-
-
-def test_fp8_weight_gradient_shapes():
-    assert torch.equal(fp8_weight_gradient(torch.zeros(0, 3), torch.zeros(0, 5), out_dtype=torch.bfloat16),
-                       torch.zeros(3, 5, dtype=torch.bfloat16))
-    with pytest.raises(ValueError, match="same rows"):
-        fp8_weight_gradient(torch.zeros(4, 3), torch.zeros(5, 5), out_dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match=r"\[N, M\]"):
-        fp8_weight_gradient(torch.zeros(4), torch.zeros(4, 5), out_dtype=torch.bfloat16)

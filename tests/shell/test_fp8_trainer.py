@@ -94,18 +94,16 @@ def test_the_copies_stay_out_of_the_state_dict_and_the_parameters_and_a_cast_one
     assert not list(model.buffers()) and set(model.state_dict()) == names
 
 
-@pytest.mark.parametrize("weight_grad", [False, True], ids=["bf16_weight_grad", "fp8_weight_grad"])
-def test_a_compile_backend_runs_the_same_fp8_product_compiled(weight_grad):
+def test_a_compile_backend_runs_the_same_fp8_product_compiled():
     """compile_backend (compile_blocks): outside compiled code each layer's FP8 product is one compiled graph,
-    the same arithmetic as the eager one, gradients included ("aot_eager" traces what inductor would compile),
-    with the trained layer's weight gradient in FP8 too (its 10 rows padded to 16 in the traced backward)."""
+    the same arithmetic as the eager one, gradients included ("aot_eager" traces what inductor would compile)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 48), nn.ReLU(), nn.Linear(48, 32))
     model[0].requires_grad_(False)  # a frozen layer and a trained one
     x = torch.randn(2, 5, 32, requires_grad=True)
     results = []
     for backend in (None, "aot_eager"):
-        with FP8Linears(model, label="test", compile_backend=backend, weight_grad=weight_grad):
+        with FP8Linears(model, label="test", compile_backend=backend):
             y = model(x)
             y.pow(2).sum().backward()
         results.append((y.detach(), x.grad.clone(), model[2].weight.grad.clone()))
@@ -159,40 +157,6 @@ def test_a_co_trained_ar_scores_with_its_weights_after_each_critic_step(nla_run_
     with fp8_matmuls(FP8Linears(families.backbone(ar.lm), label="score")):
         fresh = predict(ar, inputs, tiny_tokenizer)  # copies made from the new weights
     assert torch.equal(after, fresh)
-
-
-def test_a_co_trained_ars_fp8_weight_gradient_is_close_to_the_bf16_one(nla_run_inputs, tiny_tokenizer):
-    """fp8=score,weight_grad: the critic step's weight gradients g^T @ x are FP8 products (both operands quantised
-    over the tokens), close to the straight-through bf16 ones and not equal to them; the start-up line says so."""
-    _, ar_dir, _ = nla_run_inputs
-    torch.manual_seed(0)
-    ar = ARModel.from_pretrained(ar_dir, mse_scale=None)
-    ar.requires_grad_(True)
-    inputs, golds = ar_inputs(tiny_tokenizer), torch.randn(6, fixtures.D_MODEL, generator=torch.Generator().manual_seed(1))
-    params = list(scoring.trainable_parameters(ar))
-    backbone = families.backbone(ar.lm)
-
-    def step_update(weight_grad: bool) -> torch.Tensor:
-        """minus the clipped gradient the critic's step applied (SGD at lr 1), the weights put back after."""
-        copies = FP8Linears(backbone, label="score", weight_grad=weight_grad)
-        before = [p.detach().clone() for p in params]
-        with fp8_matmuls(copies):
-            scoring.critic_step(ar, torch.optim.SGD(params, lr=1.0), inputs, golds, pad_id=tiny_tokenizer.pad_token_id,
-                                micro_batch=4, max_grad_norm=1e9)
-        with torch.no_grad():
-            change = torch.cat([(b - p).flatten() for b, p in zip(before, params)])
-            for b, p in zip(before, params):
-                p.copy_(b)
-        assert ("weight gradients in FP8" in copies.summary()) == weight_grad
-        copies.remove()
-        return change
-
-    straight, fp8 = step_update(False), step_update(True)
-    assert not torch.equal(straight, fp8)
-    # At the FP8 forward's activations, only the product g^T @ x differs: 2^-3 of sum |g x| at worst per entry.
-    # Measured (2026-12-02, CPU): cosine 0.99984, relative error 1.8 %.
-    assert torch.nn.functional.cosine_similarity(straight, fp8, dim=0) >= 0.999
-    assert relative_error(fp8, straight) < 0.05
 
 
 def test_an_ar_lora_converts_its_frozen_base_only(nla_run_inputs, tiny_tokenizer):
@@ -307,15 +271,13 @@ def test_the_key_parses_and_refuses_what_cannot_run():
     assert load_dataclass(TrainConfig, BASE, ["fp8=score", "train_critic=true", "critic_rollouts=best"]).fp8 == (
         "score",)
     for overrides in (["fp8=updates"], ["fp8=score,bogus"], ["fp8=score,score"],
-                      ["fp8=reference", "quant=4bit"], ["fp8=backward"], ["fp8=reference,backward"],
-                      ["fp8=score,weight_grad"], ["fp8=update,weight_grad", "train_critic=true"]):
+                      ["fp8=reference", "quant=4bit"], ["fp8=backward"], ["fp8=reference,backward"]):
         with pytest.raises(ConfigError) as err:
             load_dataclass(TrainConfig, BASE, overrides)
         assert "'fp8'" in str(err.value) and "\n" not in str(err.value), overrides
     for overrides in (["fp8=reference", "train_critic=true"], ["fp8=score", "train_critic=true"],
                       ["fp8=score,reference,update", "compile_blocks=true", "bf16_autocast=true", "dtype=bfloat16"],
-                      ["fp8=update,backward", "train_critic=true"], ["fp8=score,reference,update,backward"],
-                      ["fp8=score,backward,weight_grad", "train_critic=true"]):
+                      ["fp8=update,backward", "train_critic=true"], ["fp8=score,reference,update,backward"]):
         assert load_dataclass(TrainConfig, BASE, overrides).fp8 == tuple(overrides[0][4:].split(","))
 
 

@@ -201,6 +201,8 @@ def worker(args) -> dict:
     max_seqs = max(args.seqs) if args.max_num_seqs is None else args.max_num_seqs
     extra = {"max_num_seqs": max_seqs} if max_seqs else {}  # 0: vLLM's own default (1024 on an H200)
     extra["disable_log_stats"] = False  # for the prefix-cache and preemption counters (`_cache_counters`)
+    if args.kv_cache_dtype != "auto":
+        extra["kv_cache_dtype"] = args.kv_cache_dtype
 
     def specs_for(seqs: int, new_tokens: int):
         requests = _requests(seqs // args.group_size, args.prompt_len, d_model, vocab)
@@ -211,7 +213,8 @@ def worker(args) -> dict:
 
     result = {"config": args.worker, "shape": args.shape}
     if args.worker in ("baseline", "eager"):
-        llm = vllm.LLM(**llm_kwargs_for(model_dir, enforce_eager=args.worker == "eager", **common), **extra)
+        quantized = {"quantization": args.quantization} if args.quantization != "none" else {}
+        llm = vllm.LLM(**llm_kwargs_for(model_dir, enforce_eager=args.worker == "eager", **common), **extra, **quantized)
 
         def run(specs):
             prompts = [vllm.TokensPrompt(prompt_token_ids=list(s.prompt_ids)) for s in specs]
@@ -227,7 +230,8 @@ def worker(args) -> dict:
     engine = VLLMRolloutEngine(
         model_dir, _Tokenizer(), marker_id=MARKER, left_id=LEFT, right_id=RIGHT, injection_layer=LAYER,
         steering="vllm_lens" if args.worker == "vllm_lens" else "nla", enforce_eager=False, llm_kwargs=extra,
-        max_num_seqs=engine_max_seqs, **{**common, "enable_prefix_caching": cached},
+        max_num_seqs=engine_max_seqs, quantization=None if args.quantization == "none" else args.quantization,
+        **{**common, "enable_prefix_caching": cached},
     )
     result.update(_llm_info(engine.llm))
 
@@ -256,6 +260,7 @@ def _run_worker(config: str, shape: str, args) -> dict:
         "--prompt-len", str(args.prompt_len), "--new-tokens", str(args.new_tokens),
         "--repeats", str(args.repeats), "--gpu-memory-utilization", str(args.gpu_memory_utilization),
         *(["--max-num-seqs", str(args.max_num_seqs)] if args.max_num_seqs is not None else []),
+        "--quantization", args.quantization, "--kv-cache-dtype", args.kv_cache_dtype,
     ]
     env = dict(os.environ)
     if config == "vllm_lens":
@@ -318,6 +323,9 @@ def main() -> None:
     parser.add_argument("--gpu-memory-utilization", default=0.6, type=float)
     parser.add_argument("--max-num-seqs", default=None, type=int,
                         help="vLLM's max_num_seqs (default the largest --seqs; 0: vLLM's own default)")
+    parser.add_argument("--quantization", default="none",
+                        help="vLLM's quantization of the bf16 weights (fp8: its dynamic FP8, the trainer's vllm_quantization)")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="vLLM's kv_cache_dtype (auto: the model's bf16; fp8)")
     parser.add_argument("--out", default="bench/vllm_bench.json")
     parser.add_argument("--worker", choices=CONFIGS, help=argparse.SUPPRESS)
     parser.add_argument("--shape", choices=sorted(SHAPES), help=argparse.SUPPRESS)
@@ -342,7 +350,8 @@ def main() -> None:
         "vllm": vllm.__version__,
         "torch": torch.__version__,
         "settings": {k: getattr(args, k) for k in ("seqs", "group_size", "prompt_len", "new_tokens", "repeats",
-                                                     "gpu_memory_utilization", "max_num_seqs")},
+                                                     "gpu_memory_utilization", "max_num_seqs", "quantization",
+                                                     "kv_cache_dtype")},
         "results": results,
         "table": table,
     }

@@ -121,6 +121,15 @@ case $stage in
         --gpu-memory-utilization 0.35 --max-num-seqs $seqs --out "$OUT/vllm$seqs.json" 2>&1 | grep -v "$QUIET" > "$OUT/vllm$seqs.log"
     done
     tail -n 4 "$OUT/vllm512.log" "$OUT/vllm1024.log" ;;
+  rollout-fp8)  # vLLM's 2048-sequence rollout: FP8 weights, then FP8 KV cache as well, at max_num_seqs 1024 and 2048
+    need_vllm || exit 1
+    for knobs in "fp8 auto 1024" "fp8 fp8 1024" "fp8 fp8 2048" ${ROLLOUT_EXTRA:-}; do
+      set -- $knobs; name=vllm_q$1_kv$2_$3
+      timeout -k 10 ${EACH:-170} python3 bench/bench_vllm.py --shapes 8b --configs nla_cached --seqs 2048 --repeats 1 \
+        --gpu-memory-utilization 0.35 --quantization $1 --kv-cache-dtype $2 --max-num-seqs $3 \
+        --out "$OUT/$name.json" 2>&1 | grep -v "$QUIET" > "$OUT/$name.log"
+      tail -n 3 "$OUT/$name.log"
+    done ;;
   vllm-tests)
     need_vllm || exit 1
     timeout -k 10 560 python3 -m pytest tests/gpu/test_vllm.py -q -s -p no:cacheprovider ${PYTEST_K:+-k "$PYTEST_K"} 2>&1 \
@@ -166,7 +175,10 @@ case $stage in
     # variants from its SFT, one lane per seed (fp8-lane); held-out FVE paired with the same engine in bf16.
     need_vllm || exit 1
     # LIMIT: the seconds this stage may take (less when an install ran first in the same call).
-    for seed in ${SEEDS:-0 1 2}; do timeout -k 10 $((${LIMIT:-560} - SECONDS)) bash bench/gpu_session.sh fp8-lane $seed & done; wait
+    place=0
+    for seed in ${SEEDS:-0 1 2}; do
+      timeout -k 10 $((${LIMIT:-560} - SECONDS)) bash bench/gpu_session.sh fp8-lane $seed $place & place=$((place + 1))
+    done; wait
     python3 bench/rl_variants.py table /tmp/fp8toy/seed*/ --out "$OUT/trainer" --against bf16 > "$OUT/trainer.md" 2>&1
     python3 bench/rl_variants.py table /tmp/fp8toy/seed*/ --out "$OUT/rollout" --against vllm > "$OUT/rollout.md" 2>&1
     tail -n 8 "$OUT/trainer.md" "$OUT/rollout.md"; tail -n 3 /tmp/fp8toy/*.log | grep -i "rror" ;;
@@ -176,11 +188,16 @@ case $stage in
     [ -f $d/report.json ] || python3 -m nla_shell.cli demo --run-dir $d --seed $2 --device cuda > $d.log 2>&1 || exit 1
     variant() { local name=$1; shift; [ -f $d/variants/$name/report.json ] ||
       python3 bench/rl_variants.py variant $d $name "$@" > $d.$name.log 2>&1; }
-    variant bf16 dtype=bfloat16 engine=native
-    variant bf16_fp8 dtype=bfloat16 engine=native fp8=score,reference,update
+    # LANE_PAIRS: which pairs each lane runs (trainer: bf16 and bf16_fp8; rollout: vllm and vllm_fp8).
+    if [[ " ${LANE_PAIRS:-trainer rollout} " == *" trainer "* ]]; then
+      variant bf16 dtype=bfloat16 engine=native
+      variant bf16_fp8 dtype=bfloat16 engine=native fp8=score,reference,update
+    fi
+    [[ " ${LANE_PAIRS:-trainer rollout} " == *" rollout "* ]] || exit 0
     # The lanes reach their vLLM variants together: starting three engines at once lost seed 1's vllm_fp8 in
-    # run Z ("No available memory for the cache blocks" at vllm_gpu_mem 0.05), so each lane waits its turn.
-    sleep $((15 * $2))
+    # run Z ("No available memory for the cache blocks" at vllm_gpu_mem 0.05), so each lane waits its turn
+    # (its place in SEEDS, not its seed).
+    sleep $((${STAGGER:-15} * ${3:-$2}))
     variant vllm engine=vllm vllm_gpu_mem=0.05
     variant vllm_fp8 engine=vllm vllm_gpu_mem=0.05 vllm_quantization=fp8 ;;
   step-ranks2)

@@ -181,7 +181,9 @@ case $stage in
     done; wait
     python3 bench/rl_variants.py table /tmp/fp8toy/seed*/ --out "$OUT/trainer" --against bf16 > "$OUT/trainer.md" 2>&1
     python3 bench/rl_variants.py table /tmp/fp8toy/seed*/ --out "$OUT/rollout" --against vllm > "$OUT/rollout.md" 2>&1
-    tail -n 8 "$OUT/trainer.md" "$OUT/rollout.md"; tail -n 3 /tmp/fp8toy/*.log | grep -i "rror" ;;
+    tail -n 8 "$OUT/trainer.md" "$OUT/rollout.md"; tail -n 3 /tmp/fp8toy/*.log | grep -i "rror"
+    tar -czf "$OUT/lane_logs.tgz" -C /tmp fp8toy --exclude='*.safetensors' --exclude='*.pt' --exclude='*.bin' \
+      --exclude='*.parquet' --exclude='*.npy' ;;
   fp8-lane)  # one seed of fp8-learning (run by it, under its timeout)
     source /tmp/vllm_env.sh; export VLLM_LOGGING_LEVEL=WARNING
     d=/tmp/fp8toy/seed$2; mkdir -p /tmp/fp8toy
@@ -198,8 +200,10 @@ case $stage in
     # run Z ("No available memory for the cache blocks" at vllm_gpu_mem 0.05), so each lane waits its turn
     # (its place in SEEDS, not its seed).
     sleep $((${STAGGER:-15} * ${3:-$2}))
-    variant vllm engine=vllm vllm_gpu_mem=0.05
-    variant vllm_fp8 engine=vllm vllm_gpu_mem=0.05 vllm_quantization=fp8 ;;
+    # A fixed KV cache (vllm_kv_cache_gib) skips vLLM's start-up memory profiling, which another lane's memory
+    # changes break ("Error in memory profiling", run AE); 1 GiB holds the toy's batch many times over.
+    variant vllm engine=vllm vllm_gpu_mem=0.05 vllm_kv_cache_gib=1
+    variant vllm_fp8 engine=vllm vllm_gpu_mem=0.05 vllm_kv_cache_gib=1 vllm_quantization=fp8 ;;
   step-ranks2)
     need_vllm || exit 1; need_bnb
     timeout -k 5 585 python3 bench/bench_step.py $STEP_ARGS --ranks 2 --case-timeout 570 \

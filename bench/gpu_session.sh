@@ -125,7 +125,7 @@ case $stage in
     need_vllm || exit 1
     for knobs in "fp8 auto 1024" "fp8 fp8 1024" "fp8 fp8 2048" ${ROLLOUT_EXTRA:-}; do
       set -- $knobs; name=vllm_q$1_kv$2_$3
-      timeout -k 10 ${EACH:-170} python3 bench/bench_vllm.py --shapes 8b --configs nla_cached --seqs 2048 --repeats 1 \
+      timeout -k 10 ${EACH:-250} python3 bench/bench_vllm.py --shapes 8b --configs nla_cached --seqs 2048 --repeats 1 \
         --gpu-memory-utilization 0.35 --quantization $1 --kv-cache-dtype $2 --max-num-seqs $3 \
         --out "$OUT/$name.json" 2>&1 | grep -v "$QUIET" > "$OUT/$name.log"
       tail -n 3 "$OUT/$name.log"

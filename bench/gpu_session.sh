@@ -123,7 +123,10 @@ case $stage in
     tail -n 4 "$OUT/vllm512.log" "$OUT/vllm1024.log" ;;
   rollout-fp8)  # vLLM's 2048-sequence rollout: FP8 weights, then FP8 KV cache as well, at max_num_seqs 1024 and 2048
     need_vllm || exit 1
-    for knobs in "fp8 auto 1024" "fp8 fp8 1024" "fp8 fp8 2048" ${ROLLOUT_EXTRA:-}; do
+    # ROLLOUT_KNOBS: "quantization kv_cache_dtype max_num_seqs" triples, comma-separated. Run AE2's three 8B
+    # processes had printed nothing at 150 s each; run U1's finished within 250 s: two a call.
+    IFS=, read -ra knob_list <<< "${ROLLOUT_KNOBS:-fp8 auto 1024,fp8 fp8 1024,fp8 fp8 2048}"
+    for knobs in "${knob_list[@]}"; do
       set -- $knobs; name=vllm_q$1_kv$2_$3
       timeout -k 10 ${EACH:-250} python3 bench/bench_vllm.py --shapes 8b --configs nla_cached --seqs 2048 --repeats 1 \
         --gpu-memory-utilization 0.35 --quantization $1 --kv-cache-dtype $2 --max-num-seqs $3 \

@@ -188,8 +188,9 @@ case $stage in
     python3 bench/rl_variants.py table /tmp/fp8toy/seed*/ --out "$OUT/trainer" --against bf16 > "$OUT/trainer.md" 2>&1
     python3 bench/rl_variants.py table /tmp/fp8toy/seed*/ --out "$OUT/rollout" --against vllm > "$OUT/rollout.md" 2>&1
     tail -n 8 "$OUT/trainer.md" "$OUT/rollout.md"; tail -n 3 /tmp/fp8toy/*.log | grep -i "rror"
-    tar -czf "$OUT/lane_logs.tgz" -C /tmp fp8toy --exclude='*.safetensors' --exclude='*.pt' --exclude='*.bin' \
-      --exclude='*.parquet' --exclude='*.npy' ;;
+    # Logs and reports only (run AE2's tarball with the checkpoints, 70 MB, was over what comes back).
+    tar -czf "$OUT/lane_logs.tgz" --exclude='*.safetensors' --exclude='*.pt' --exclude='*.bin' --exclude='*.parquet' \
+      --exclude='*.npy' --exclude='*.png' -C /tmp fp8toy ;;
   fp8-lane)  # one seed of fp8-learning (run by it, under its timeout)
     source /tmp/vllm_env.sh; export VLLM_LOGGING_LEVEL=WARNING
     d=/tmp/fp8toy/seed$2; mkdir -p /tmp/fp8toy

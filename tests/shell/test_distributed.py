@@ -36,6 +36,8 @@ from nla_shell.engines.hf import HFRolloutEngine
 REPO = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 180
 """Per torchrun job; a hung collective fails the test instead of hanging CI."""
+CRITIC_LR = 1e-3
+"""The critic's learning rate in these runs: one Adam step moves a weight by about this much."""
 TIMING_KEYS = {"time_rollout", "time_score", "time_update", "time_critic", "time_sync", "time_step",
                "tokens_per_s", "peak_mem_gb", "time_allreduce"}
 
@@ -93,7 +95,7 @@ def _settings(inputs, save_dir: Path, **overrides) -> list[str]:
     settings = dict(
         av_ckpt=av, ar_ckpt=ar, rl_parquet=parquet, save_dir=save_dir, batch_prompts=2, group_size=3,
         max_new_tokens=8, lora_r=4, lora_alpha=8, lr=1e-3, logp_micro_batch=2, critic_micro_batch=2,
-        train_critic="true", critic_lr=1e-3, max_rows=32, eval_skip_rows=32, device="cpu", logger="jsonl",
+        train_critic="true", critic_lr=CRITIC_LR, max_rows=32, eval_skip_rows=32, device="cpu", logger="jsonl",
     )
     settings.update(overrides)
     return [f"{k}={v}" for k, v in settings.items()]
@@ -230,7 +232,13 @@ def test_two_ranks_make_the_same_update_as_one_process(nla_run_inputs, tmp_path,
             torch.testing.assert_close(a[name], b[name], rtol=1e-4, atol=1e-6, msg=f"{step} {name}")
         critic_a, critic_b = _tensors(two / step / "critic"), _tensors(one / step / "critic")
         for name in critic_b:
-            torch.testing.assert_close(critic_a[name], critic_b[name], rtol=1e-4, atol=1e-6, msg=f"{step} {name}")
+            # Adam's step is lr * m / (sqrt(v) + eps): where a weight's gradient is near eps (the full critic has
+            # such weights), the float32 noise of summing it over two ranks instead of one moves that weight by
+            # a visible share of a step (1.6e-6 of one 1e-3 step, one weight of 4096, seen on the CI box). 1 % of
+            # a step still fails a gradient that is not all-reduced; the metrics above catch a wrong denominator,
+            # to which Adam's step is blind.
+            torch.testing.assert_close(critic_a[name], critic_b[name], rtol=1e-4, atol=1e-2 * CRITIC_LR,
+                                       msg=f"{step} {name}")
 
 
 def test_resumed_two_rank_run_matches_the_uninterrupted_one(nla_run_inputs, tmp_path):

@@ -35,6 +35,8 @@ Two paths per step, on the same rollouts:
   after_all_fp8  after_all with --fp8's phases in FP8: the fastest settings with fp8= on top.
   after_all_fp8_backward  after_all_fp8 with `backward` added to --fp8: the input gradients of the
           update's (and a co-trained critic's) backward from transposed FP8 copies too.
+  PATH+best  any path above with `critic_rollouts=best`: the AR scores every rollout in a no-grad
+          forward, then the critic steps on each group's best-rewarded one (its own forward and backward).
 Paths run in the order given on the same rollouts; every path but the last leaves the
 weights as they were (its optimisers are lr-0 SGDs), so each sees the same weights; the step
 prints each path's loss, grad norm, KL, rewards and critic loss beside "before"'s ("after"'s for
@@ -109,6 +111,13 @@ PATHS = ("before", "after", "after_tf32", "after_bf16", "after_compile", "after_
 AUTOCAST_PATHS = ("after_bf16", "after_all", "after_all_fp8", "after_all_fp8_backward")
 COMPILE_PATHS = ("after_compile", "after_all", "after_all_fp8", "after_all_fp8_backward")
 FP8_PATHS = ("after_fp8", "after_all_fp8", "after_all_fp8_backward")
+CRITIC_ROLLOUTS_SUFFIX = "+best"
+"""A path name ending in this runs with critic_rollouts=best (TrainConfig's key)."""
+
+
+def path_kind(path: str) -> str:
+    """The arithmetic a --paths entry runs: the name without its +best."""
+    return path.removesuffix(CRITIC_ROLLOUTS_SUFFIX)
 PEAK_TFLOPS = 790.0
 """bf16 dense matrix peak measured on the H200 (the issue's % of peak is against it)."""
 
@@ -127,7 +136,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--ar-lora", action="store_true",
                         help="the critic as an AR-LoRA (nla sft --mode ar ar_lora=true): only its LoRA and value head "
                              "train, so no optimiser moments over its backbone")
-    parser.add_argument("--paths", default="before,after", help=f"any of {','.join(PATHS)} (see above)")
+    parser.add_argument("--paths", default="before,after",
+                        help=f"any of {','.join(PATHS)}, each also as PATH{CRITIC_ROLLOUTS_SUFFIX} (see above)")
     parser.add_argument("--micro-batch", type=int, default=16, help="after: logp_micro_batch of the policy update")
     parser.add_argument("--before-micro-batch", type=int, default=8, help="before: logp_micro_batch (the issue's 8)")
     parser.add_argument("--reference-micro-batch", type=int, default=None,
@@ -177,9 +187,13 @@ def parse_args() -> argparse.Namespace:
                 parser.error(f"--cases {prompts}x..: {prompts} prompts do not split into {n} equal shares (--ranks)")
     args.critic = args.critic == "on"
     args.paths = [p for p in args.paths.split(",") if p]
-    if not args.paths or set(args.paths) - set(PATHS):
-        parser.error(f"--paths must name some of {PATHS}, got {args.paths}")
-    args.fp8 = fp8_phases(parser, args.fp8, needed=bool(set(FP8_PATHS) & set(args.paths)))
+    kinds = {path_kind(p) for p in args.paths}
+    if not args.paths or kinds - set(PATHS) or f"before{CRITIC_ROLLOUTS_SUFFIX}" in args.paths:
+        parser.error(f"--paths must name some of {PATHS} (all but before also as PATH{CRITIC_ROLLOUTS_SUFFIX}), "
+                     f"got {args.paths}")
+    if any(p.endswith(CRITIC_ROLLOUTS_SUFFIX) for p in args.paths) and not args.critic:
+        parser.error(f"--paths ...{CRITIC_ROLLOUTS_SUFFIX}: the critic steps on the best rollouts; leave --critic on")
+    args.fp8 = fp8_phases(parser, args.fp8, needed=bool(set(FP8_PATHS) & kinds))
     args.prompt_len = args.prompt_len or (24 if tiny else 96)
     return args
 
@@ -320,14 +334,15 @@ def forward_flops(config, *, layers: int, tokens: int, attention_pairs: int, log
 
 
 def path_flops(config, rollouts, *, shared_prefix: bool, ar_tokens: list[int], critic_layers: int,
-               critic_trains_backbone: bool = True) -> dict[str, float]:
+               critic_trains_backbone: bool = True, critic_ar_tokens: list[int] | None = None) -> dict[str, float]:
     """FLOPs each phase of a path executes.
 
     update: policy forward + reference forward + policy backward. The base weights are frozen,
     so the backward forms activation gradients only (about one forward, LoRA's own gradients
     are < 2 %), attention's backward costs two of its forwards, and the fused log-prob's
     backward recomputes the logits (two lm_head products). So 3 x blocks, 4 x attention,
-    4 x lm_head. score: one AR forward; critic: AR forward + backward, 3 x forward with the
+    4 x lm_head. score: one AR forward over ar_tokens (each input's length); critic: AR forward +
+    backward over critic_ar_tokens (default ar_tokens: every scored input), 3 x forward with the
     backbone trained, 2 x for an AR-LoRA (critic_trains_backbone=False: activation gradients only).
     """
     layers = config.num_hidden_layers
@@ -348,12 +363,16 @@ def path_flops(config, rollouts, *, shared_prefix: bool, ar_tokens: list[int], c
     blocks = forward_flops(config, layers=layers, tokens=tokens, attention_pairs=0, logit_rows=0)
     attention = forward_flops(config, layers=layers, tokens=0, attention_pairs=pairs, logit_rows=0)
     logits = forward_flops(config, layers=layers, tokens=0, attention_pairs=0, logit_rows=rows)
-    ar = forward_flops(config, layers=critic_layers, tokens=sum(ar_tokens),
-                       attention_pairs=sum(t * (t + 1) // 2 for t in ar_tokens), logit_rows=0)
+    def ar_forward(lengths: list[int]) -> float:
+        return forward_flops(config, layers=critic_layers, tokens=sum(lengths),
+                             attention_pairs=sum(t * (t + 1) // 2 for t in lengths), logit_rows=0)
+
+    ar = ar_forward(ar_tokens)
+    trained = ar if critic_ar_tokens is None else ar_forward(critic_ar_tokens)
     generated = sum(r.response_len for r in rollouts)
     return {"rollout": forward_flops(config, layers=layers, tokens=generated, attention_pairs=0, logit_rows=generated),
             "update": 3 * blocks + 4 * attention + 4 * logits, "score": ar,
-            "critic": (3 if critic_trains_backbone else 2) * ar}
+            "critic": (3 if critic_trains_backbone else 2) * trained}
 
 
 # --------------------------------------------------------------------------- one step
@@ -416,7 +435,8 @@ class StandInEngine:
 
 
 def run_path(ctx: Context, path: str, state, rolled, args, *, keep_weights: bool):
-    """One path's score / update / critic phases. Returns ({phase: {"s", "peak_gib"}}, numbers, ar_tokens).
+    """One path's score / update / critic phases. Returns ({phase: {"s", "peak_gib"}}, numbers, ar_tokens), the
+    AR input lengths scored and those the critic trained on ({"scored", "trained"}).
 
     Every path but "before" runs the trainer's own phases (`step.score_phase`, `step.update_phase`).
     """
@@ -431,11 +451,16 @@ def run_path(ctx: Context, path: str, state, rolled, args, *, keep_weights: bool
         phases[name] = {"s": seconds, **memory}
         return out
 
-    if path in FP8_PATHS:  # the FP8 copies of --fp8's phases, made as the trainer's setup makes them
+    from nla_shell.training import sampling
+
+    kind = path_kind(path)
+    if path != kind:
+        state = dataclasses.replace(state, cfg=dataclasses.replace(state.cfg, critic_rollouts="best"))
+    if kind in FP8_PATHS:  # the FP8 copies of --fp8's phases, made as the trainer's setup makes them
         from nla_shell.training.setup import make_fp8_copies
 
-        fp8 = args.fp8 + ("backward",) if path == "after_all_fp8_backward" and "backward" not in args.fp8 else args.fp8
-        cfg = dataclasses.replace(state.cfg, fp8=fp8, compile_blocks=path in COMPILE_PATHS)
+        fp8 = args.fp8 + ("backward",) if kind == "after_all_fp8_backward" and "backward" not in args.fp8 else args.fp8
+        cfg = dataclasses.replace(state.cfg, fp8=fp8, compile_blocks=kind in COMPILE_PATHS)
         fp8_score, fp8_reference, fp8_update = make_fp8_copies(cfg, ctx.actor, ctx.critic, device=ctx.device)
         state = dataclasses.replace(state, cfg=cfg, fp8_score=fp8_score, fp8_reference=fp8_reference,
                                     fp8_update=fp8_update)
@@ -455,7 +480,10 @@ def run_path(ctx: Context, path: str, state, rolled, args, *, keep_weights: bool
                "clip_frac": update.clip_frac, "logp_diff_mean": update.logp_diff_mean,
                "critic_loss": critic_loss, "critic_grad_norm": critic_norm,
                "reward": scores.reward.tolist()}
-    ar_tokens = [len(ids) for ids in scores.ar_inputs if ids is not None]
+    group_ids = torch.tensor([r.prompt_index for r in rolled.rollouts])
+    trained = sampling.critic_pairs(scores, group_ids, rollouts=state.cfg.critic_rollouts) if args.critic else []
+    ar_tokens = {"scored": [len(ids) for ids in scores.ar_inputs if ids is not None],
+                 "trained": [len(scores.ar_inputs[i]) for i in trained]}
     return phases, numbers, ar_tokens
 
 
@@ -506,19 +534,22 @@ def grpo_step(ctx: Context, requests, group: int, args, *, paths: list[str]):
     results = {}
     for position, path in enumerate(paths):
         path_rollout = rollout
-        with path_arithmetic(ctx, path, args):
-            if path in AUTOCAST_PATHS:
+        with path_arithmetic(ctx, path_kind(path), args):
+            if path_kind(path) in AUTOCAST_PATHS:
                 path_rollout, own = timed_rollout(ctx, state)
             phases, numbers, ar_tokens = run_path(ctx, path, state, rolled, args,
                                                   keep_weights=position < len(paths) - 1)
-            if path in AUTOCAST_PATHS:
+            if path_kind(path) in AUTOCAST_PATHS:
                 numbers["own_logp_gap"] = behaviour_gap(ctx, own.rollouts, own.requests,
                                                         args.reference_micro_batch or 4 * args.micro_batch)
-        flops = path_flops(ctx.config, rolled.rollouts, shared_prefix=path != "before", ar_tokens=ar_tokens,
-                           critic_layers=ctx.extraction_layer + 1, critic_trains_backbone=not args.ar_lora)
+        flops = path_flops(ctx.config, rolled.rollouts, shared_prefix=path != "before", ar_tokens=ar_tokens["scored"],
+                           critic_layers=ctx.extraction_layer + 1, critic_trains_backbone=not args.ar_lora,
+                           critic_ar_tokens=ar_tokens["trained"])
         critic_flops = flops.pop("critic")
         if "critic" in phases:
             flops["critic"] = critic_flops
+        elif args.critic and path.endswith(CRITIC_ROLLOUTS_SUFFIX):
+            flops["score"] += critic_flops  # a no-grad AR forward scored; the best pairs' forward + backward trained
         elif args.critic:
             flops["score"] = critic_flops  # one AR forward + backward scored and trained
         results[path] = ({"rollout": path_rollout, **phases}, numbers, flops)
@@ -651,7 +682,7 @@ def run(args, rank, device: torch.device) -> None:
     defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
     new_tokens = args.new_tokens = args.new_tokens or (8 if args.tiny else defaults["max_new_tokens"])  # the engine reads it
     # bf16 autocast needs a bf16 base: the tiny run is then bf16 too.
-    dtype = torch.float32 if args.tiny and not set(args.paths) & set(AUTOCAST_PATHS) else torch.bfloat16
+    dtype = torch.float32 if args.tiny and not {path_kind(p) for p in args.paths} & set(AUTOCAST_PATHS) else torch.bfloat16
     settings = {**vars(args), "new_tokens": new_tokens, "world_size": rank.world_size,
                 "defaults": {k: v for k, v in defaults.items() if isinstance(v, (int, float, str, bool, type(None)))}}
     record = syn.Record((args.worker or args.out) if rank.is_main else os.devnull,

@@ -10,10 +10,13 @@
 # FP8 (default score,reference,update) is the variant's fp8= value and NAME (default bf16_fp8) its name, e.g.
 # FP8=score,reference,update,backward NAME=bf16_fp8bw for the FP8 backwards too. EXTRA (default none) adds keys to
 # both variants and BASE (default bf16) names the bf16 one, e.g. EXTRA=train_critic=true BASE=bf16_critic.
+# KEYS (default fp8=$FP8) are the variant's own keys, for an option other than FP8, e.g.
+# EXTRA=train_critic=true BASE=bf16_critic KEYS=critic_rollouts=best NAME=bf16_critic_best.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 runs=${RUNS:-/tmp/fp8cpu}; mkdir -p "$runs"
 fp8=${FP8:-score,reference,update}; name=${NAME:-bf16_fp8}; base=${BASE:-bf16}; extra=${EXTRA:-}
+keys=${KEYS:-fp8=$fp8}
 py=${PYTHON:-.venv/bin/python}
 case $1 in
   lane)
@@ -26,7 +29,7 @@ case $1 in
       [ -f $d/variants/$base/report.json ] ||
         $py bench/rl_variants.py variant $d $base dtype=bfloat16 engine=native $extra > $d.$base.log 2>&1
       [ -f $d/variants/$name/report.json ] ||
-        $py bench/rl_variants.py variant $d $name dtype=bfloat16 engine=native $extra fp8=$fp8 > $d.$name.log 2>&1
+        $py bench/rl_variants.py variant $d $name dtype=bfloat16 engine=native $extra $keys > $d.$name.log 2>&1
       echo "seed $seed: demo $demo s, both variants $((SECONDS - start - demo)) s"
     done ;;
   table)

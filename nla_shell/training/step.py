@@ -158,11 +158,14 @@ def score_phase(state: RunState, rolled: Rolled) -> Scored:
 
 def critic_phase(state: RunState, scores: Scores, golds: torch.Tensor,
                  group_ids: torch.Tensor) -> tuple[float, float, float]:
-    """The critic's step on the pairs it learns from (critic_rollouts), then its EMA: (loss, grad norm, seconds)."""
+    """The critic's step on the pairs it learns from (critic_rollouts), then its EMA: (loss, grad norm, seconds).
+
+    With fp8=score its forward runs in FP8 as the one-forward step's does (copies re-made from the critic's own
+    weights, its backward straight-through, and with backward its input gradients in FP8)."""
     cfg = state.cfg
     pairs = sampling.critic_pairs(scores, group_ids, rollouts=cfg.critic_rollouts)
     timer = DeviceTimer(state.device)
-    with timer:
+    with timer, fp8_matmuls(state.fp8_score):
         critic_loss, critic_grad_norm = critic_step(
             state.critic, state.critic_optimizer, [scores.ar_inputs[i] for i in pairs], golds[pairs],
             pad_id=state.tokenizer.pad_token_id, micro_batch=cfg.critic_micro_batch, max_grad_norm=cfg.max_grad_norm,

@@ -116,3 +116,38 @@ def test_the_fp8_path_runs_the_trainers_fp8_copies(monkeypatch, capsys):
     assert "[fp8] score: " in out and "[fp8] reference+update: " in out
     assert fp8["critic_loss"] != after["critic_loss"] and math.isfinite(fp8["critic_grad_norm"])
     assert fp8["kl_mean"] != after["kl_mean"] and fp8["reward"] != after["reward"]
+
+
+def test_a_best_path_is_the_trainers_critic_rollouts_best(monkeypatch, capsys):
+    """PATH+best is PATH with `critic_rollouts=best`: on the same rollouts its policy numbers are PATH's, its
+    critic trains on one rollout a group (so its loss moves), and its score phase counts a no-grad AR forward
+    over every rollout plus the critic's forward and backward over the best ones; --critic off refuses it."""
+    import dataclasses
+
+    from nla_shell.io.config import TrainConfig
+
+    monkeypatch.setattr(sys, "argv", ["bench_step.py", "--tiny", "--critic", "off", "--paths", "after+best"])
+    with pytest.raises(SystemExit):
+        bench_step.parse_args()
+    assert "leave --critic on" in capsys.readouterr().err
+    monkeypatch.setattr(sys, "argv", ["bench_step.py", "--tiny", "--paths", "before+best"])
+    with pytest.raises(SystemExit):
+        bench_step.parse_args()
+    monkeypatch.setattr(sys, "argv", ["bench_step.py", "--tiny", "--paths", "after,after+best"])
+    args = bench_step.parse_args()
+    args.new_tokens = 8
+    torch.manual_seed(0)
+    ctx = bench_step.Context(args, torch.device("cpu"), torch.float32,
+                             {f.name: f.default for f in dataclasses.fields(TrainConfig)})
+    requests = synthetic.make_requests(3, args.prompt_len, ctx.config.hidden_size, ctx.tokens,
+                                       vocab=min(ctx.config.vocab_size, len(ctx.tokenizer)), seed=4)
+    results, _ = bench_step.grpo_step(ctx, requests, 2, args, paths=["after", "after+best"])
+    (_, after, after_flops), (_, best, best_flops) = results["after"], results["after+best"]
+    for key in ("loss", "grad_norm", "kl_mean", "reward"):
+        assert best[key] == after[key], key
+    assert best["critic_loss"] != after["critic_loss"] and best["critic_grad_norm"] > 0
+    # all: one AR forward + backward (3 forwards) over 6 inputs; best: 1 forward over 6 + 3 over the 3 best.
+    # The stand-ins all have the generated length, so each input costs the same.
+    per_input = after_flops["score"] / (3 * 6)
+    assert best_flops["score"] == pytest.approx(per_input * (6 + 3 * 3), rel=1e-9)
+    assert best_flops["update"] == after_flops["update"]

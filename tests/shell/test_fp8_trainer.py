@@ -350,14 +350,15 @@ def test_off_by_default_and_on_in_the_phases_it_names(nla_run_inputs, tmp_path, 
 @pytest.mark.parametrize("critic_rollouts", ["all", "best"])
 def test_a_co_trained_critic_scoring_in_fp8_is_re_quantised_each_step(nla_run_inputs, tmp_path, fp8_calls, capsys,
                                                                       critic_rollouts):
-    """all (the default): the critic scores and steps on one FP8 forward; best: it steps after a no-grad FP8
-    scoring. Either way its copies are re-made from the weights at each step, and it learns."""
+    """all (the default): the critic scores and steps on one FP8 forward; best: a no-grad FP8 scoring, then
+    the step on the best pairs' own FP8 forward. Either way its copies are re-made from the weights at each
+    block, and it learns."""
     lines = run(nla_run_inputs, tmp_path, "critic", num_steps=2, fp8="score", train_critic="true",
                 critic_rollouts=critic_rollouts)
     out = capsys.readouterr().out
     found = re.search(r"\[fp8\] score: (\d+) of \d+ Linear layers in FP8; (\d+) trained, re-quantised", out)
     assert found and found[1] == found[2] and int(found[1]) > 0, out
-    assert fp8_calls["blocks"] == ["score", "score"] and "[fp8] reference" not in out and "[fp8] update" not in out
+    assert fp8_calls["blocks"] == ["score"] * (2 if critic_rollouts == "all" else 4) and "[fp8] reference" not in out and "[fp8] update" not in out
     assert fp8_calls["matmuls"] > 0
     assert all(math.isfinite(line["critic_loss"]) and math.isfinite(line["loss"]) for line in lines)
     assert all(line["critic_grad_norm"] > 0 for line in lines)

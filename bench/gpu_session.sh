@@ -28,7 +28,8 @@
 #                             fastest settings and the same + fp8=score,reference,update
 #                             on the same rollouts (after_all, after_all_fp8); QUANT=fp8 the
 #                             step with vLLM's FP8 rollouts too (after_all_fp8); FP8_STEP_PATHS=
-#                             after_all_fp8,after_all_fp8_backward: FP8 backwards too; and
+#                             after_all_fp8,after_all_fp8_backward: FP8 backwards too (PATH+best:
+#                             critic_rollouts=best, run AF); and
 #                             tests/gpu/test_fp8_gpu.py + test_vllm.py -k fp8 first
 #   fp8-kernels    -          the device's FP8 accumulation (bench/fp8_accumulation.py),   FP8: the device's accumulator; the update's
 #                             tests/gpu/test_fp8_gpu.py, then the update alone in bf16,   kernels in bf16 and FP8

@@ -83,10 +83,6 @@ def test_the_benchmarks_step_is_the_trainers(monkeypatch):
 def test_the_fp8_path_runs_the_trainers_fp8_copies(monkeypatch, capsys):
     """after_fp8 is "after" with `nla train fp8=score,reference,update`'s copies: its numbers move off "after"'s
     (the KL reference, the policy and the co-trained AR read FP8 products); a phase it does not know is refused."""
-    import dataclasses
-
-    from nla_shell.io.config import TrainConfig
-
     monkeypatch.setattr(sys, "argv", ["bench_step.py", "--tiny", "--paths", "after_fp8", "--fp8", "score,rollout"])
     with pytest.raises(SystemExit):
         bench_step.parse_args()
@@ -102,15 +98,7 @@ def test_the_fp8_path_runs_the_trainers_fp8_copies(monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", ["bench_step.py", "--tiny", "--paths", "after_all_fp8_backward", "--fp8",
                                       "update,backward"])
     assert bench_step.parse_args().fp8 == ("update", "backward")
-    monkeypatch.setattr(sys, "argv", ["bench_step.py", "--tiny", "--critic", "on", "--paths", "after,after_fp8"])
-    args = bench_step.parse_args()
-    args.new_tokens = 8
-    torch.manual_seed(0)
-    ctx = bench_step.Context(args, torch.device("cpu"), torch.float32,
-                             {f.name: f.default for f in dataclasses.fields(TrainConfig)})
-    requests = synthetic.make_requests(2, args.prompt_len, ctx.config.hidden_size, ctx.tokens,
-                                       vocab=min(ctx.config.vocab_size, len(ctx.tokenizer)), seed=4)
-    results, _ = bench_step.grpo_step(ctx, requests, 2, args, paths=["after", "after_fp8"])
+    results = tiny_step(monkeypatch, ["after", "after_fp8"], prompts=2)
     after, fp8 = results["after"][1], results["after_fp8"][1]
     out = capsys.readouterr().out
     assert "[fp8] score: " in out and "[fp8] reference+update: " in out
@@ -122,10 +110,6 @@ def test_a_best_path_is_the_trainers_critic_rollouts_best(monkeypatch, capsys):
     """PATH+best is PATH with `critic_rollouts=best`: on the same rollouts its policy numbers are PATH's, its
     critic trains on one rollout a group (so its loss moves), and its score phase counts a no-grad AR forward
     over every rollout plus the critic's forward and backward over the best ones; --critic off refuses it."""
-    import dataclasses
-
-    from nla_shell.io.config import TrainConfig
-
     monkeypatch.setattr(sys, "argv", ["bench_step.py", "--tiny", "--critic", "off", "--paths", "after+best"])
     with pytest.raises(SystemExit):
         bench_step.parse_args()
@@ -133,15 +117,7 @@ def test_a_best_path_is_the_trainers_critic_rollouts_best(monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", ["bench_step.py", "--tiny", "--paths", "before+best"])
     with pytest.raises(SystemExit):
         bench_step.parse_args()
-    monkeypatch.setattr(sys, "argv", ["bench_step.py", "--tiny", "--paths", "after,after+best"])
-    args = bench_step.parse_args()
-    args.new_tokens = 8
-    torch.manual_seed(0)
-    ctx = bench_step.Context(args, torch.device("cpu"), torch.float32,
-                             {f.name: f.default for f in dataclasses.fields(TrainConfig)})
-    requests = synthetic.make_requests(3, args.prompt_len, ctx.config.hidden_size, ctx.tokens,
-                                       vocab=min(ctx.config.vocab_size, len(ctx.tokenizer)), seed=4)
-    results, _ = bench_step.grpo_step(ctx, requests, 2, args, paths=["after", "after+best"])
+    results = tiny_step(monkeypatch, ["after", "after+best"], prompts=3)
     (_, after, after_flops), (_, best, best_flops) = results["after"], results["after+best"]
     for key in ("loss", "grad_norm", "kl_mean", "reward"):
         assert best[key] == after[key], key
@@ -151,3 +127,21 @@ def test_a_best_path_is_the_trainers_critic_rollouts_best(monkeypatch, capsys):
     per_input = after_flops["score"] / (3 * 6)
     assert best_flops["score"] == pytest.approx(per_input * (6 + 3 * 3), rel=1e-9)
     assert best_flops["update"] == after_flops["update"]
+
+
+def tiny_step(monkeypatch, paths: list[str], *, prompts: int) -> dict:
+    """bench_step's grpo_step on the tiny models (critic on), `prompts` x 2, the given paths on the same rollouts."""
+    import dataclasses
+
+    from nla_shell.io.config import TrainConfig
+
+    monkeypatch.setattr(sys, "argv", ["bench_step.py", "--tiny", "--critic", "on", "--paths", ",".join(paths)])
+    args = bench_step.parse_args()
+    args.new_tokens = 8
+    torch.manual_seed(0)
+    ctx = bench_step.Context(args, torch.device("cpu"), torch.float32,
+                             {f.name: f.default for f in dataclasses.fields(TrainConfig)})
+    requests = synthetic.make_requests(prompts, args.prompt_len, ctx.config.hidden_size, ctx.tokens,
+                                       vocab=min(ctx.config.vocab_size, len(ctx.tokenizer)), seed=4)
+    results, _ = bench_step.grpo_step(ctx, requests, 2, args, paths=paths)
+    return results

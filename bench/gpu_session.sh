@@ -180,7 +180,8 @@ case $stage in
   fp8-learning)
     # Learning parity of both FP8 options on the toy NLA: per seed its demo (fp32 SFT and RL), then four RL
     # variants from its SFT, one lane per seed (fp8-lane); held-out FVE paired with the same engine in bf16.
-    need_vllm || exit 1
+    # LANE_PAIRS=critic: critic_rollouts=best against all, critic co-trained, native engine (no vLLM needed).
+    [[ " ${LANE_PAIRS:-trainer rollout} " != *" rollout "* ]] || need_vllm || exit 1
     # LIMIT: the seconds this stage may take (less when an install ran first in the same call).
     place=0
     for seed in ${SEEDS:-0 1 2}; do
@@ -188,17 +189,23 @@ case $stage in
     done; wait
     python3 bench/rl_variants.py table /tmp/fp8toy/seed*/ --out "$OUT/trainer" --against bf16 > "$OUT/trainer.md" 2>&1
     python3 bench/rl_variants.py table /tmp/fp8toy/seed*/ --out "$OUT/rollout" --against vllm > "$OUT/rollout.md" 2>&1
-    tail -n 8 "$OUT/trainer.md" "$OUT/rollout.md"; tail -n 3 /tmp/fp8toy/*.log | grep -i "rror"
+    python3 bench/rl_variants.py table /tmp/fp8toy/seed*/ --out "$OUT/critic" --against bf16_critic > "$OUT/critic.md" 2>&1
+    tail -n 8 "$OUT"/{trainer,rollout,critic}.md; tail -n 3 /tmp/fp8toy/*.log | grep -i "rror"
     # Logs and reports only (run AE2's tarball with the checkpoints, 70 MB, was over what comes back).
     tar -czf "$OUT/lane_logs.tgz" --exclude='*.safetensors' --exclude='*.pt' --exclude='*.bin' --exclude='*.parquet' \
       --exclude='*.npy' --exclude='*.png' -C /tmp fp8toy ;;
   fp8-lane)  # one seed of fp8-learning (run by it, under its timeout)
-    source /tmp/vllm_env.sh; export VLLM_LOGGING_LEVEL=WARNING
+    [ ! -f /tmp/vllm_env.sh ] || source /tmp/vllm_env.sh; export VLLM_LOGGING_LEVEL=WARNING
     d=/tmp/fp8toy/seed$2; mkdir -p /tmp/fp8toy
     [ -f $d/report.json ] || python3 -m nla_shell.cli demo --run-dir $d --seed $2 --device cuda > $d.log 2>&1 || exit 1
     variant() { local name=$1; shift; [ -f $d/variants/$name/report.json ] ||
       python3 bench/rl_variants.py variant $d $name "$@" > $d.$name.log 2>&1; }
-    # LANE_PAIRS: which pairs each lane runs (trainer: bf16 and bf16_fp8; rollout: vllm and vllm_fp8).
+    # LANE_PAIRS: which pairs each lane runs (trainer: bf16 and bf16_fp8; rollout: vllm and vllm_fp8;
+    # critic: bf16_critic and bf16_critic_best, the critic co-trained on every rollout or each group's best).
+    if [[ " ${LANE_PAIRS:-trainer rollout} " == *" critic "* ]]; then
+      variant bf16_critic dtype=bfloat16 engine=native train_critic=true
+      variant bf16_critic_best dtype=bfloat16 engine=native train_critic=true critic_rollouts=best
+    fi
     if [[ " ${LANE_PAIRS:-trainer rollout} " == *" trainer "* ]]; then
       variant bf16 dtype=bfloat16 engine=native
       variant bf16_fp8 dtype=bfloat16 engine=native fp8=score,reference,update

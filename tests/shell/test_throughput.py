@@ -186,8 +186,11 @@ def test_one_ar_pass_scores_and_steps_like_scoring_then_critic_step(tiny_ar, bro
     torch.testing.assert_close(new_scores.reward, scores.reward, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(new_scores.mse, scores.mse, rtol=1e-5, atol=1e-7, equal_nan=True)
     assert new_loss == pytest.approx(loss, rel=1e-5) and new_norm == pytest.approx(norm, rel=1e-4)
+    # To 1 % of one AdamW step (lr 1e-3): where a gradient is near Adam's eps, the float32 rounding of one pass
+    # against two moves a weight by more than 1e-6 (1.6e-6 on one weight of 4096 on an AMD EPYC box, every run);
+    # the loss and grad norm above pin the gradient itself.
     for a, b in zip(trainable_parameters(today), trainable_parameters(fused)):
-        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
     assert any(not torch.equal(a, b) for a, b in zip(trainable_parameters(today), trainable_parameters(ar)))
 
 

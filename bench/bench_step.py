@@ -113,13 +113,13 @@ COMPILE_PATHS = ("after_compile", "after_all", "after_all_fp8", "after_all_fp8_b
 FP8_PATHS = ("after_fp8", "after_all_fp8", "after_all_fp8_backward")
 CRITIC_ROLLOUTS_SUFFIX = "+best"
 """A path name ending in this runs with critic_rollouts=best (TrainConfig's key)."""
+PEAK_TFLOPS = 790.0
+"""bf16 dense matrix peak measured on the H200 (the issue's % of peak is against it)."""
 
 
 def path_kind(path: str) -> str:
     """The arithmetic a --paths entry runs: the name without its +best."""
     return path.removesuffix(CRITIC_ROLLOUTS_SUFFIX)
-PEAK_TFLOPS = 790.0
-"""bf16 dense matrix peak measured on the H200 (the issue's % of peak is against it)."""
 
 
 def parse_args() -> argparse.Namespace:
@@ -363,6 +363,7 @@ def path_flops(config, rollouts, *, shared_prefix: bool, ar_tokens: list[int], c
     blocks = forward_flops(config, layers=layers, tokens=tokens, attention_pairs=0, logit_rows=0)
     attention = forward_flops(config, layers=layers, tokens=0, attention_pairs=pairs, logit_rows=0)
     logits = forward_flops(config, layers=layers, tokens=0, attention_pairs=0, logit_rows=rows)
+
     def ar_forward(lengths: list[int]) -> float:
         return forward_flops(config, layers=critic_layers, tokens=sum(lengths),
                              attention_pairs=sum(t * (t + 1) // 2 for t in lengths), logit_rows=0)
@@ -533,13 +534,13 @@ def grpo_step(ctx: Context, requests, group: int, args, *, paths: list[str]):
     rollout, rolled = timed_rollout(ctx, state)
     results = {}
     for position, path in enumerate(paths):
-        path_rollout = rollout
-        with path_arithmetic(ctx, path_kind(path), args):
-            if path_kind(path) in AUTOCAST_PATHS:
+        path_rollout, kind = rollout, path_kind(path)
+        with path_arithmetic(ctx, kind, args):
+            if kind in AUTOCAST_PATHS:
                 path_rollout, own = timed_rollout(ctx, state)
             phases, numbers, ar_tokens = run_path(ctx, path, state, rolled, args,
                                                   keep_weights=position < len(paths) - 1)
-            if path_kind(path) in AUTOCAST_PATHS:
+            if kind in AUTOCAST_PATHS:
                 numbers["own_logp_gap"] = behaviour_gap(ctx, own.rollouts, own.requests,
                                                         args.reference_micro_batch or 4 * args.micro_batch)
         flops = path_flops(ctx.config, rolled.rollouts, shared_prefix=path != "before", ar_tokens=ar_tokens["scored"],
@@ -548,7 +549,7 @@ def grpo_step(ctx: Context, requests, group: int, args, *, paths: list[str]):
         critic_flops = flops.pop("critic")
         if "critic" in phases:
             flops["critic"] = critic_flops
-        elif args.critic and path.endswith(CRITIC_ROLLOUTS_SUFFIX):
+        elif args.critic and path != kind:
             flops["score"] += critic_flops  # a no-grad AR forward scored; the best pairs' forward + backward trained
         elif args.critic:
             flops["score"] = critic_flops  # one AR forward + backward scored and trained

@@ -15,8 +15,10 @@ u being half of e4m3's relative spacing 2^-3 (plus the float32 division's roundi
 of its subnormal spacing 2^-9 (values below 2^-6 in scaled units). The product
     y_ij = s_i t_j sum_k q_ik r_jk       (w ~= r t, quantised the same way)
 is formed exactly in fp8 x fp8 and accumulated by the kernel, then rounded to out_dtype. The CPU's
-kernel sums in float32; the H200's (fast accumulation off) is off by up to about 3e-5 of sum_k |q_ik s_i r_jk t_j|
-(measured by bench/fp8_accumulation.py), more than float32's and far below FP8's own rounding.
+kernel sums in float32; the H200's is off by up to about 3e-5 of sum_k |q_ik s_i r_jk t_j| with fast
+accumulation off, about 4e-4 with it on (`fast_accum=True`: the tensor cores' partial sums are not promoted
+to float32 along K; measured by bench/fp8_accumulation.py): more than float32's, and both far below FP8's
+own rounding (about 2^-3 of the same sum at worst). The CPU ignores `fast_accum`.
 
 Non-finite inputs are propagated, not rejected (a check would need a device synchronisation):
 a NaN or inf in x's row i makes s_i or q_i NaN, so row i of the output is NaN; likewise a
@@ -71,6 +73,7 @@ def fp8_linear(
     *,
     bias: torch.Tensor | None = None,
     out_dtype: torch.dtype,
+    fast_accum: bool = False,
 ) -> torch.Tensor:
     """y = x @ w.T (+ bias) with w held as `quantize_rowwise(w)` and x quantised per row here.
 
@@ -96,6 +99,7 @@ def fp8_linear(
       w_fp8: [M, K] float8_e4m3fn, w_scale: [M, 1] float32 (`quantize_rowwise` of the weight).
       bias: [M] or None.
       out_dtype: the result's dtype (torch.bfloat16 for rowwise scaling on Hopper).
+      fast_accum: the kernel's fast accumulation (`_scaled_mm(use_fast_accum=True)`; see the module docstring).
     Returns: [..., M] out_dtype, no autograd graph (the quantisation is not differentiable).
     """
     require_floating("x", x)
@@ -118,7 +122,8 @@ def fp8_linear(
         y = rows.new_zeros((0, m), dtype=out_dtype)
     else:
         x_fp8, x_scale = quantize_rowwise(rows)
-        y = torch._scaled_mm(x_fp8, w_fp8.t(), scale_a=x_scale, scale_b=w_scale.t(), out_dtype=out_dtype)
+        y = torch._scaled_mm(x_fp8, w_fp8.t(), scale_a=x_scale, scale_b=w_scale.t(), out_dtype=out_dtype,
+                             use_fast_accum=fast_accum)
     if bias is not None:
         y = y + bias.to(out_dtype)
     return y.reshape(*x.shape[:-1], m)
@@ -129,12 +134,12 @@ class _StraightThroughFP8Linear(torch.autograd.Function):
     transposed copy, by fp8_linear (see fp8_linear_ste)."""
 
     @staticmethod
-    def forward(ctx, x, weight, w_fp8, w_scale, bias, out_dtype, wt_fp8, wt_scale):
+    def forward(ctx, x, weight, w_fp8, w_scale, bias, out_dtype, wt_fp8, wt_scale, fast_accum):
         trains = ctx.needs_input_grad[1]
         # A frozen weight needs only itself for dL/dx (no copy kept); a trained one also x, for dL/dW.
         ctx.save_for_backward(weight, x if trains else None, wt_fp8, wt_scale)
-        ctx.x_dtype, ctx.out_dtype = x.dtype, out_dtype
-        return fp8_linear(x, w_fp8, w_scale, bias=bias, out_dtype=out_dtype)
+        ctx.x_dtype, ctx.out_dtype, ctx.fast_accum = x.dtype, out_dtype, fast_accum
+        return fp8_linear(x, w_fp8, w_scale, bias=bias, out_dtype=out_dtype, fast_accum=fast_accum)
 
     @staticmethod
     def backward(ctx, grad_y):
@@ -142,13 +147,14 @@ class _StraightThroughFP8Linear(torch.autograd.Function):
         g = grad_y.to(weight.dtype)
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
-            grad_x = g @ weight if wt_fp8 is None else fp8_linear(grad_y, wt_fp8, wt_scale, out_dtype=ctx.out_dtype)
+            grad_x = (g @ weight if wt_fp8 is None
+                      else fp8_linear(grad_y, wt_fp8, wt_scale, out_dtype=ctx.out_dtype, fast_accum=ctx.fast_accum))
             grad_x = grad_x.to(ctx.x_dtype)
         if ctx.needs_input_grad[1]:
             grad_w = g.reshape(-1, g.shape[-1]).t() @ x.reshape(-1, x.shape[-1]).to(weight.dtype)
         if ctx.needs_input_grad[4]:
             grad_b = g.reshape(-1, g.shape[-1]).sum(dim=0)
-        return grad_x, grad_w, None, None, grad_b, None, None, None
+        return grad_x, grad_w, None, None, grad_b, None, None, None, None
 
 
 def fp8_linear_ste(
@@ -161,6 +167,7 @@ def fp8_linear_ste(
     out_dtype: torch.dtype,
     wt_fp8: torch.Tensor | None = None,
     wt_scale: torch.Tensor | None = None,
+    fast_accum: bool = False,
 ) -> torch.Tensor:
     """`fp8_linear` in the forward, differentiated as the linear map x W^T + b (straight-through).
 
@@ -187,6 +194,7 @@ def fp8_linear_ste(
     Args: x: [..., K] floating; weight: [M, K], the weight the FP8 copy was made from (trained or
       frozen); w_fp8, w_scale: `quantize_rowwise(weight)`; bias: [M] or None; out_dtype: as for fp8_linear;
       wt_fp8 [K, M] float8_e4m3fn, wt_scale [K, 1] float32: `quantize_rowwise(weight.T)`, both or neither.
+      fast_accum: fp8_linear's, for the forward and the FP8 input gradient.
     Returns: [..., M] out_dtype, in the autograd graph of x, weight and bias.
     """
     require_floating("weight", weight)
@@ -197,4 +205,4 @@ def fp8_linear_ste(
     if wt_fp8 is not None and wt_fp8.shape != weight.shape[::-1]:
         raise ValueError(f"wt_fp8 {tuple(wt_fp8.shape)} must be the transposed weight's [K, M] = "
                          f"{tuple(weight.shape[::-1])}")
-    return _StraightThroughFP8Linear.apply(x, weight, w_fp8, w_scale, bias, out_dtype, wt_fp8, wt_scale)
+    return _StraightThroughFP8Linear.apply(x, weight, w_fp8, w_scale, bias, out_dtype, wt_fp8, wt_scale, fast_accum)

@@ -349,6 +349,12 @@ class TrainConfig:
     Works with compile_blocks and bf16_autocast; needs a Hopper GPU or later (or the CPU); not with quant.
     An nla addition, not in the reference; speed measured on one H200 (the 8B step 8.4 % faster on 2026-12-01,
     13.6 % with backward on 2026-12-02), learning parity on the toy on 2026-12-02: docs/performance.md."""
+    fp8_fast_accum: bool = False
+    """With fp8: the FP8 products accumulate in the tensor cores' own precision along K (cuBLAS's fast
+    accumulation, `_scaled_mm(use_fast_accum=True)`), not promoted to float32 as they go: an entry errs by
+    about 4e-4 of its sum of absolute terms on the H200 instead of 3e-5, both far below FP8's own 2^-3
+    (bench/fp8_accumulation.py); the products are 2-18 % faster at the 8B widths. The CPU ignores it.
+    An nla addition: docs/performance.md."""
 
     @property
     def critic_steps_after_scoring(self) -> bool:
@@ -485,6 +491,8 @@ def _check_loss_choices(cfg: TrainConfig) -> None:
 def _check_fp8(cfg: TrainConfig) -> None:
     """fp8's phases against the keys that rule them out."""
     if not cfg.fp8:
+        require(not cfg.fp8_fast_accum, "fp8_fast_accum", cfg.fp8_fast_accum,
+                "it changes the FP8 products' accumulation: name fp8's phases, or leave it false")
         return
     phases = list(cfg.fp8)
     require(len(set(phases)) == len(phases), "fp8", phases,

@@ -75,12 +75,14 @@ class FP8Linears:
       backward: the backward's input gradients in FP8 too (`fp8_linear_ste` with the transposed copy,
       `quantize_rowwise(weight.T)`, held as the buffers `fp8_weight_t` [K, M] and `fp8_scale_t` [K, 1]:
       another byte per weight); False: in the weight's dtype, and those buffers are None.
+      fast_accum: the products with the kernel's fast accumulation (`nla_core.fp8_linear`'s `fast_accum`).
     """
 
     def __init__(self, backbone: nn.Module, *, label: str, compile_backend: str | None = None,
-                 backward: bool = False) -> None:
-        self.label, self.backward = label, backward
-        self._swap_class = _FP8Linear if compile_backend is None else _compiled_fp8_linear_class(compile_backend)
+                 backward: bool = False, fast_accum: bool = False) -> None:
+        self.label, self.backward, self.fast_accum = label, backward, fast_accum
+        swap_class = _FP8Linear if compile_backend is None else _compiled_fp8_linear_class(compile_backend)
+        self._swap_class = _fast_accumulating(swap_class) if fast_accum else swap_class
         linears = [m for name, m in backbone.named_modules() if type(m) is nn.Linear and ".lora_" not in f".{name}"]
         self.layers = [m for m in linears
                        if m.in_features % SCALED_MM_MULTIPLE == 0 and m.out_features % SCALED_MM_MULTIPLE == 0]
@@ -119,6 +121,8 @@ class FP8Linears:
             line += f"; {self.refreshed} trained, re-quantised from the current weights at each block"
         if self.backward:
             line += "; input gradients in FP8 too (a transposed copy)"
+        if self.fast_accum:
+            line += "; fast accumulation"
         line += f"; +{held / 2**20:.1f} MiB held"
         return line
 
@@ -165,6 +169,8 @@ class _FP8Linear(nn.Linear):
     fp8_scale: torch.Tensor
     fp8_weight_t: torch.Tensor | None
     fp8_scale_t: torch.Tensor | None
+    fast_accum = False
+    """The products' fast accumulation: a class attribute, so compiled code guards on the class alone."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._product(nla_core.fp8_linear_ste, x)
@@ -172,7 +178,7 @@ class _FP8Linear(nn.Linear):
     def _product(self, product, x: torch.Tensor) -> torch.Tensor:
         """`product` (nla_core.fp8_linear_ste or a compiled one) of x with this layer's weight and copies."""
         y = product(x, self.weight, self.fp8_weight, self.fp8_scale, bias=self.bias, out_dtype=OUT_DTYPE,
-                    wt_fp8=self.fp8_weight_t, wt_scale=self.fp8_scale_t)
+                    wt_fp8=self.fp8_weight_t, wt_scale=self.fp8_scale_t, fast_accum=self.fast_accum)
         return y.to(x.dtype)
 
 
@@ -187,6 +193,12 @@ def _compiled_fp8_linear_class(backend: str) -> type[_FP8Linear]:
             return self._product(nla_core.fp8_linear_ste if torch.compiler.is_compiling() else compiled, x)
 
     return _CompiledFP8Linear
+
+
+@functools.cache
+def _fast_accumulating(swap_class: type[_FP8Linear]) -> type[_FP8Linear]:
+    """`swap_class` with its products' fast accumulation on."""
+    return type(f"{swap_class.__name__}FastAccum", (swap_class,), {"fast_accum": True})
 
 
 def fp8_matmuls(copies: FP8Linears | None) -> contextlib.AbstractContextManager:

@@ -400,11 +400,13 @@ def make_fp8_copies(cfg: TrainConfig, actor, critic: ARModel, *,
     require_fp8(device)
     backend = "inductor" if cfg.compile_blocks else None
     backward = "backward" in cfg.fp8
-    score = (FP8Linears(families.backbone(critic.lm), label="score", compile_backend=backend, backward=backward)
+    fast = cfg.fp8_fast_accum
+    score = (FP8Linears(families.backbone(critic.lm), label="score", compile_backend=backend, backward=backward,
+                        fast_accum=fast)
              if "score" in cfg.fp8 else None)
     actor_phases = [phase for phase in ("reference", "update") if phase in cfg.fp8]
     base = (FP8Linears(families.backbone(inner_lm(actor)), label="+".join(actor_phases), compile_backend=backend,
-                       backward=backward and "update" in cfg.fp8)
+                       backward=backward and "update" in cfg.fp8, fast_accum=fast)
             if actor_phases else None)
     for copies in (score, base):
         if copies is not None:

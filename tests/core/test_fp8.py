@@ -278,3 +278,30 @@ def test_the_fp8_backward_leaves_a_trained_weights_gradient_as_it_was():
         fp8_linear_ste(x, w, q, s, out_dtype=torch.float32, wt_fp8=qt)
     with pytest.raises(ValueError, match=r"\[K, M\]"):
         fp8_linear_ste(x, w, q, s, out_dtype=torch.float32, wt_fp8=q, wt_scale=s)
+
+
+def test_fast_accumulation_is_asked_of_the_kernel_only_when_given(monkeypatch):
+    """fast_accum is the kernel's `use_fast_accum`, forward and FP8 input gradient alike (the CPU's kernel ignores
+    it: the products agree bit for bit)."""
+    requested = []
+    scaled_mm = torch._scaled_mm
+
+    def recording(*args, use_fast_accum=False, **kwargs):
+        requested.append(use_fast_accum)
+        return scaled_mm(*args, use_fast_accum=use_fast_accum, **kwargs)
+
+    monkeypatch.setattr(torch, "_scaled_mm", recording)
+    x, w = torch.randn(3, 32), torch.randn(16, 32)
+    q, s = quantize_rowwise(w)
+    qt, st_ = quantize_rowwise(w.t())
+    outputs = []
+    for fast in (False, True):
+        xg = x.clone().requires_grad_()
+        y = fp8_linear_ste(xg, w, q, s, out_dtype=torch.float32, wt_fp8=qt, wt_scale=st_, fast_accum=fast)
+        y.sum().backward()
+        outputs.append((y.detach(), xg.grad))
+        assert requested == [fast, fast]
+        requested.clear()
+    assert all(torch.equal(a, b) for a, b in zip(*outputs))
+    fp8_linear(x, q, s, out_dtype=torch.float32)
+    assert requested == [False]

@@ -67,6 +67,29 @@ def test_a_frozen_layer_passes_gradients_to_its_input_a_trained_one_to_its_weigh
         assert 0 < relative_error(fp8, exact) < 0.1
 
 
+def test_fast_accumulation_reaches_every_fp8_product_forward_and_backward(monkeypatch):
+    """fast_accum=True asks `_scaled_mm` for fast accumulation in the forward and in the FP8 input gradient (the
+    CPU's kernel ignores the flag, so only the request can be seen here); off by default."""
+    requested = []
+    scaled_mm = torch._scaled_mm
+
+    def recording(*args, use_fast_accum=False, **kwargs):
+        requested.append(use_fast_accum)
+        return scaled_mm(*args, use_fast_accum=use_fast_accum, **kwargs)
+
+    monkeypatch.setattr(torch, "_scaled_mm", recording)
+    torch.manual_seed(0)
+    model = nn.Linear(32, 16).requires_grad_(False)
+    x = torch.randn(4, 32, requires_grad=True)
+    for fast in (False, True):
+        copies = FP8Linears(model, label="test", backward=True, fast_accum=fast)
+        with copies:
+            model(x).sum().backward()
+        assert requested == [fast, fast], fast  # the forward, then the input gradient
+        assert copies.summary().endswith("MiB held") and ("fast accumulation" in copies.summary()) == fast
+        requested.clear()
+
+
 def test_gpus_before_hopper_are_refused(monkeypatch):
     from nla_shell.models import require_fp8
 
@@ -275,6 +298,10 @@ def test_the_key_parses_and_refuses_what_cannot_run():
         with pytest.raises(ConfigError) as err:
             load_dataclass(TrainConfig, BASE, overrides)
         assert "'fp8'" in str(err.value) and "\n" not in str(err.value), overrides
+    with pytest.raises(ConfigError) as err:  # fast accumulation of no FP8 product
+        load_dataclass(TrainConfig, BASE, ["fp8_fast_accum=true"])
+    assert "'fp8_fast_accum'" in str(err.value) and "name fp8's phases" in str(err.value)
+    assert load_dataclass(TrainConfig, BASE, ["fp8=update", "fp8_fast_accum=true"]).fp8_fast_accum
     for overrides in (["fp8=reference", "train_critic=true"], ["fp8=score", "train_critic=true"],
                       ["fp8=score,reference,update", "compile_blocks=true", "bf16_autocast=true", "dtype=bfloat16"],
                       ["fp8=update,backward", "train_critic=true"], ["fp8=score,reference,update,backward"]):

@@ -41,7 +41,7 @@
 #   fp8-learning   p4         the toy NLA, SEEDS (0 1 2), from each seed's SFT: bf16      FP8: Learning with both FP8 options (Z);
 #                             native with and without fp8=score,reference,update, vLLM    Learning with vLLM's FP8 rollouts (AE2)
 #                             with and without vllm_quantization=fp8 (LANE_PAIRS=trainer
-#                             or rollout: one pair only); paired tables
+#                             or rollout: one pair only; critic, fast: see the stage); paired tables
 #   rollout-fp8    p4         vLLM's 2048-sequence rollout with FP8 weights, FP8 KV cache  FP8: ... vLLM's FP8 rollouts (AE2: not
 #                             and max_num_seqs 2048 (ROLLOUT_KNOBS=, two a call)          measured)
 #   step-ranks2    p4, .bnb,  the same step as a 2-rank torchrun job, each rank with its   Multi-GPU: 256 x 8, one and two GPUs (W5, W6)
@@ -181,6 +181,8 @@ case $stage in
     # Learning parity of both FP8 options on the toy NLA: per seed its demo (fp32 SFT and RL), then four RL
     # variants from its SFT, one lane per seed (fp8-lane); held-out FVE paired with the same engine in bf16.
     # LANE_PAIRS=critic: critic_rollouts=best against all, critic co-trained, native engine (no vLLM needed).
+    # LANE_PAIRS=fast: the fast settings' trainer keys (critic on the best rollouts; fp8 with backward) without and
+    # with fp8_fast_accum, against the same critic in bf16 (native engine, no vLLM needed).
     [[ " ${LANE_PAIRS:-trainer rollout} " != *" rollout "* ]] || need_vllm || exit 1
     # LIMIT: the seconds this stage may take (less when an install ran first in the same call).
     place=0
@@ -190,7 +192,9 @@ case $stage in
     python3 bench/rl_variants.py table /tmp/fp8toy/seed*/ --out "$OUT/trainer" --against bf16 > "$OUT/trainer.md" 2>&1
     python3 bench/rl_variants.py table /tmp/fp8toy/seed*/ --out "$OUT/rollout" --against vllm > "$OUT/rollout.md" 2>&1
     python3 bench/rl_variants.py table /tmp/fp8toy/seed*/ --out "$OUT/critic" --against bf16_critic > "$OUT/critic.md" 2>&1
-    tail -n 8 "$OUT"/{trainer,rollout,critic}.md; tail -n 3 /tmp/fp8toy/*.log | grep -i "rror"
+    python3 bench/rl_variants.py table /tmp/fp8toy/seed*/ --out "$OUT/best" --against bf16_critic_best > "$OUT/best.md" 2>&1
+    python3 bench/rl_variants.py table /tmp/fp8toy/seed*/ --out "$OUT/fast" --against bf16_critic_best_fp8 > "$OUT/fast.md" 2>&1
+    tail -n 8 "$OUT"/{trainer,rollout,critic,best,fast}.md; tail -n 3 /tmp/fp8toy/*.log | grep -i "rror"
     # Logs and reports only (run AE2's tarball with the checkpoints, 70 MB, was over what comes back).
     tar -czf "$OUT/lane_logs.tgz" --exclude='*.safetensors' --exclude='*.pt' --exclude='*.bin' --exclude='*.parquet' \
       --exclude='*.npy' --exclude='*.png' -C /tmp fp8toy ;;
@@ -205,6 +209,12 @@ case $stage in
     if [[ " ${LANE_PAIRS:-trainer rollout} " == *" critic "* ]]; then
       variant bf16_critic dtype=bfloat16 engine=native train_critic=true
       variant bf16_critic_best dtype=bfloat16 engine=native train_critic=true critic_rollouts=best
+    fi
+    if [[ " ${LANE_PAIRS:-trainer rollout} " == *" fast "* ]]; then
+      best="dtype=bfloat16 engine=native train_critic=true critic_rollouts=best"
+      variant bf16_critic_best $best
+      variant bf16_critic_best_fp8 $best fp8=score,reference,update,backward
+      variant bf16_critic_best_fp8_fast $best fp8=score,reference,update,backward fp8_fast_accum=true
     fi
     if [[ " ${LANE_PAIRS:-trainer rollout} " == *" trainer "* ]]; then
       variant bf16 dtype=bfloat16 engine=native

@@ -8,6 +8,7 @@ value head) reads the explanation back into an activation. One module per role:
     critic.py   the AR (`ARModel`, `ARLora`) and batched AR predictions
     compile.py  `BackboneAutocast` and `CompiledBlockParts`: the compiled and autocast forwards
     fp8.py      `FP8Linears`, `fp8_matmuls`: FP8 copies of frozen Linear layers for no-grad forwards
+    attention.py  `attention.lower_right_causal`: unmasked causal attention after a KV cache
     common.py   checkpoint layouts, the LoRA config, padding, the HF LM under PEFT
 
 Every public name is re-exported here (`from nla_shell.models import ARModel`).
@@ -23,6 +24,7 @@ from nla_shell.models.common import (
 )
 from nla_shell.models.compile import ROTARY_FUNCTION, BackboneAutocast, CompiledBlockParts
 from nla_shell.models.critic import ARLora, ARModel, ar_predict
+from nla_shell.models import attention
 from nla_shell.models.fp8 import FP8Linears, fp8_matmuls, require_fp8
 
 __all__ = [
@@ -39,6 +41,7 @@ __all__ = [
     "FP8Linears",
     "Injector",
     "ar_predict",
+    "attention",
     "base_model_dir",
     "eos_token_ids",
     "fp8_matmuls",

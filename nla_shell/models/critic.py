@@ -231,9 +231,13 @@ class ARModel(nn.Module):
             families.set_final_norm(self.lm, identity)
         save_file({"weight": self.value_head.weight.detach().float().cpu().contiguous()}, str(path / VALUE_HEAD_FILE))
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """Args: input_ids, attention_mask: [B, S] (any padding side). Returns: [B, D] float32."""
-        hidden = families.backbone(self.lm)(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, right_padded: bool = False) -> torch.Tensor:
+        """Args: input_ids, attention_mask: [B, S] (any padding side); right_padded: every row's padding (if any)
+        follows its tokens (`pad_right`), so causal attention alone keeps each real token from the pads and
+        the backbone runs unmasked (SDPA's causal kernel on the grouped heads, no mask made; the same
+        arithmetic). Returns: [B, D] float32."""
+        mask = None if right_padded else attention_mask
+        hidden = families.backbone(self.lm)(input_ids=input_ids, attention_mask=mask).last_hidden_state
         positions = torch.arange(input_ids.shape[1], device=input_ids.device)
         last = torch.where(attention_mask.bool(), positions, -1).amax(dim=1)
         h_last = hidden[torch.arange(hidden.shape[0], device=hidden.device), last].float()
@@ -253,5 +257,5 @@ def ar_predict(
     with torch.no_grad():
         for start in range(0, len(token_lists), micro_batch):
             ids, mask = pad_right(token_lists[start : start + micro_batch], pad_id, device)
-            preds.append(ar(ids, mask))
+            preds.append(ar(ids, mask, right_padded=True))
     return torch.cat(preds) if preds else torch.zeros(0, ar.value_head.in_features)

@@ -25,6 +25,7 @@ tokens) but a whole pass of host work through every layer, during which the GPU 
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from dataclasses import dataclass, fields, replace
 from typing import Sequence
@@ -34,7 +35,7 @@ import torch
 import nla_core
 from nla_shell import families
 from nla_shell.engines.base import Rollout
-from nla_shell.models import Injector, hidden_logprobs, inner_lm, pad_right
+from nla_shell.models import Injector, attention, hidden_logprobs, inner_lm, pad_right
 
 
 @dataclass(frozen=True)
@@ -270,11 +271,15 @@ def response_logprobs(
             cache.update(keys[batch.owner], values[batch.owner], layer)  # a gather: prompt grads sum over the group
         inputs = batch.response_ids[:, :-1]  # the last token predicts nothing
         positions = batch.prompt_lengths[batch.owner, None] + torch.arange(inputs.shape[1], device=inputs.device)
-        attention = torch.cat([batch.prompt_mask[batch.owner], batch.response_mask[:, :-1]], dim=1)
-        response_hidden = decoder(
-            input_ids=inputs, attention_mask=attention, position_ids=positions, use_cache=True,
-            **{_cache_keyword(decoder): cache},
-        ).last_hidden_state  # [n, R - 1, D]
+        # Unpadded prompts: causal attention after the cache is the mask (a response's right padding comes
+        # after every real token), run unmasked on the grouped heads (models/attention.py).
+        unmasked = not batch.prompts_padded and attention.available(lm)
+        mask = None if unmasked else torch.cat([batch.prompt_mask[batch.owner], batch.response_mask[:, :-1]], dim=1)
+        with attention.lower_right_causal(lm) if unmasked else contextlib.nullcontext():
+            response_hidden = decoder(
+                input_ids=inputs, attention_mask=mask, position_ids=positions, use_cache=True,
+                **{_cache_keyword(decoder): cache},
+            ).last_hidden_state  # [n, R - 1, D]
         hidden = torch.cat([hidden, response_hidden], dim=1)
     return hidden_logprobs(lm, hidden, batch.response_ids, with_entropy=with_entropy)
 

@@ -199,7 +199,7 @@ def critic_step(
     for start in range(0, len(ar_inputs), micro_batch):
         ids, mask = pad_right(ar_inputs[start : start + micro_batch], pad_id, device)
         gold = golds[start : start + micro_batch].to(device)
-        loss = nla_core.reconstruction_mse(ar(ids, mask), gold.float(), scale=ar.mse_scale).sum() / n
+        loss = nla_core.reconstruction_mse(ar(ids, mask, right_padded=True), gold.float(), scale=ar.mse_scale).sum() / n
         loss.backward()
         total += float(loss.detach())
     params = trainable_parameters(ar)
@@ -299,7 +299,7 @@ def score_and_train_critic(
         rows = keep[start : start + micro_batch]
         ids, mask = pad_right([inputs[i] for i in rows], tokenizer.pad_token_id, device)
         gold = golds[rows].to(device, torch.float32, non_blocking=True)
-        mse = nla_core.reconstruction_mse(ar(ids, mask), gold, scale=mse_scale)
+        mse = nla_core.reconstruction_mse(ar(ids, mask, right_padded=True), gold, scale=mse_scale)
         with timer:
             mse.sum().backward()
         mse_kept[start : start + len(rows)] = mse.detach()

@@ -210,3 +210,70 @@ def test_every_trainable_ar_parameter_reaches_the_prediction(tied):
     for name, p in ar.named_parameters():
         if p.requires_grad:
             assert p.grad is not None and p.grad.abs().sum() > 0, name
+
+
+def test_unpadded_prompts_attend_lower_right_causal_without_a_mask_and_the_numbers_stay(ragged_batch, monkeypatch):
+    """A micro-batch whose prompts are unpadded runs its responses unmasked, lower-right causal on the grouped heads
+    (models/attention.py), and its log-probs are the full forward's; outside the block the model attends as SDPA."""
+    from nla_shell.models import attention, inner_lm
+
+    actor, injector, tokenizer, rollouts, acts = ragged_batch
+    one_group = [i for i, r in enumerate(rollouts) if r.prompt_index == rollouts[0].prompt_index]
+    batch = prefix.prefix_batch(rollouts, one_group, injector, pad_id=tokenizer.pad_token_id)
+    assert not batch.prompts_padded and len(set(batch.response_lengths)) > 1  # right-padded responses
+    seen = []
+    attend = attention.lower_right_attention
+
+    def spying(module, query, key, value, mask, **kwargs):
+        seen.append((mask is None and attention._active, query.shape[2], key.shape[2]))
+        return attend(module, query, key, value, mask, **kwargs)
+
+    from transformers import AttentionInterface
+
+    attention._registered()  # so the spy stands in for a registered function, restored after
+    monkeypatch.setitem(AttentionInterface._global_mapping, attention.ATTENTION, spying)
+    full = response_batch([rollouts[i] for i in one_group], pad_id=tokenizer.pad_token_id, device=torch.device("cpu"))
+    with torch.no_grad():
+        shared = prefix.prefix_logprobs(actor, injector, batch, acts[batch.prompt_sources])
+        assert inner_lm(actor).config._attn_implementation == attention.ATTENTION and not attention._active
+        with injector.inject(full.input_ids, acts[one_group]):
+            expected = response_logprobs(actor, full.input_ids, full.attention_mask, full.positions, full.targets)
+    width = batch.prompt_ids.shape[1]
+    responses = [s for s in seen if s[1] > 1 and s[1] < s[2]]
+    assert responses and all(unmasked and kv == width + q for unmasked, q, kv in responses)
+    assert not any(unmasked for unmasked, q, kv in seen if q == kv)  # the prompt and the full forward: plain SDPA
+    torch.testing.assert_close(shared[batch.mask], expected[full.mask], rtol=1e-5, atol=1e-5)
+
+
+def test_a_right_padded_ar_batch_runs_unmasked_with_the_masked_forwards_numbers(tiny_av_dir, tiny_tokenizer):
+    """ARModel(right_padded=True) drops the padding mask (causal attention keeps real tokens from later pads): the
+    predictions and the gradients are the masked forward's; a left-padded batch still needs its mask."""
+    from nla_shell.models import pad_right
+
+    torch.manual_seed(0)
+    ar = ARModel.from_pretrained(tiny_av_dir, mse_scale=8.0, extraction_layer_index=fixtures.LAYER_INDEX,
+                                 create_head=True)
+    texts = ["the cat sat on the mat today", "a dog", "explanation: birds fly south in the autumn"]
+    tokens = [tiny_tokenizer.encode(t, add_special_tokens=False) for t in texts]
+    ids, mask = pad_right(tokens, tiny_tokenizer.pad_token_id, torch.device("cpu"))
+    assert bool((mask == 0).any())
+
+    def prediction_and_grads(**kwargs):
+        ar.zero_grad(set_to_none=True)
+        out = ar(ids, mask, **kwargs)
+        out.pow(2).sum().backward()
+        return out.detach(), [p.grad.clone() for p in trainable_parameters(ar)]
+
+    masked, masked_grads = prediction_and_grads()
+    unmasked, unmasked_grads = prediction_and_grads(right_padded=True)
+    torch.testing.assert_close(unmasked, masked, rtol=1e-5, atol=1e-6)
+    for a, b in zip(unmasked_grads, masked_grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    width = ids.shape[1]
+    left_ids = torch.tensor([[tiny_tokenizer.pad_token_id] * (width - len(t)) + t for t in tokens])
+    left_mask = torch.tensor([[0] * (width - len(t)) + [1] * len(t) for t in tokens])
+    with torch.no_grad():
+        left = ar(left_ids, left_mask)
+        wrong = ar(left_ids, left_mask, right_padded=True)
+    torch.testing.assert_close(left, masked, rtol=1e-4, atol=1e-5)
+    assert float((wrong - masked).abs().max()) > 1e-3

@@ -12,8 +12,8 @@ with neither. This times, forward + backward on the same random inputs, per vari
   ar/causal              the same rows with is_causal and enable_gqa (a right pad follows every real token)
   rotary/<mode>          HF's apply_rotary_pos_emb on q [n, H, R-1, Dh] (a transpose, as the attention
                          hands it over) and k: eager, torch.compile dynamic=True (what compile_blocks
-                         ran), dynamic=False, and dynamic=True with the head dims marked static (what
-                         compile_blocks runs since 2026-12-03: models/compile.py `_static_head_dims`)
+                         runs), dynamic=False, and dynamic=True with the head dims (H, Dh) marked
+                         static, the batch and length dynamic
 
 and the largest |difference| of each variant's output and input gradients from its family's first.
 
@@ -77,6 +77,18 @@ def apply_rotary(q, k, cos, sin):
     """transformers' apply_rotary_pos_emb (Llama / Qwen3), unsqueeze_dim=1."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+def head_dims_static(rotary):
+    """`rotary` with q, k's H and Dh and cos, sin's Dh marked static for dynamo (N and T stay dynamic)."""
+    def run(q, k, cos, sin):
+        for heads in (q, k):
+            torch._dynamo.mark_static(heads, 1)
+            torch._dynamo.mark_static(heads, 3)
+        for table in (cos, sin):
+            torch._dynamo.mark_static(table, 2)
+        return rotary(q, k, cos, sin)
+    return run
 
 
 def timed(fn, inputs, grads, reps: int, device) -> tuple[float, list[torch.Tensor]]:
@@ -146,12 +158,9 @@ def main() -> None:
 
     variants = [("eager", rotary(apply_rotary))]
     if device.type == "cuda" or args.tiny:
-        from nla_shell.models.compile import _static_head_dims
-
         variants += [("compiled_dynamic", rotary(torch.compile(apply_rotary, dynamic=True))),
                      ("compiled_static", rotary(torch.compile(apply_rotary, dynamic=False))),
-                     ("compiled_head_dims_static",
-                      rotary(_static_head_dims(torch.compile(apply_rotary, dynamic=True))))]
+                     ("compiled_head_dims_static", rotary(head_dims_static(torch.compile(apply_rotary, dynamic=True))))]
     run("rotary", variants, [q_rows, k_rows])
 
     info = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "torch": torch.__version__,

@@ -111,7 +111,7 @@ class CompiledBlockParts:
         for home in self.rotary_homes:
             eager, installs = _compiled_rotaries.get(home, (getattr(home, ROTARY_FUNCTION), 0))
             if not installs:
-                setattr(home, ROTARY_FUNCTION, _static_head_dims(_compiled_unless_capturing(eager, backend=backend)))
+                setattr(home, ROTARY_FUNCTION, _compiled_unless_capturing(eager, backend=backend))
             _compiled_rotaries[home] = (eager, installs + 1)
         self.head_lm = inner_lm(model) if logprob_head else None
         """The LM whose log-prob head (`hidden_logprobs`) runs compiled chunk kernels."""
@@ -181,25 +181,6 @@ def _cache_free_parts(module: nn.Module, lora_layers: bool) -> Iterator[nn.Modul
             yield from _cache_free_parts(child, lora_layers)
         elif not isinstance(child, (nn.Linear, nn.Dropout, nn.Identity)):
             yield child
-
-
-def _static_head_dims(rotary):
-    """The rotary function with its head dims marked static for dynamo: q, k [N, H, T, Dh] keep H and Dh, cos
-    and sin [N, T, Dh] keep Dh, while N and T stay dynamic. Fully dynamic, the kernel indexes `rotate_half`'s
-    halves by a symbolic Dh: 1.07 against 0.84 ms forward + backward at micro-batch 64 of the 8B shape
-    (bench/bench_attention.py, 2026-12-03, one H200)."""
-
-    @functools.wraps(rotary)
-    def run(q, k, cos, sin, *args, **kwargs):
-        for heads in (q, k):
-            if heads.dim() == 4:
-                torch._dynamo.mark_static(heads, 1)
-                torch._dynamo.mark_static(heads, 3)
-        for table in (cos, sin):
-            torch._dynamo.mark_static(table, table.dim() - 1)
-        return rotary(q, k, cos, sin, *args, **kwargs)
-
-    return run
 
 
 def _compiled_unless_capturing(forward, *, backend: str):

@@ -195,27 +195,6 @@ def test_the_rotary_embedding_stays_compiled_until_the_last_instance_compiling_i
     without.remove()
 
 
-def test_the_compiled_rotary_keeps_head_dims_static_and_batch_and_length_dynamic():
-    """compile_blocks' rotary embedding compiles once for every micro-batch size and length (after dynamo's
-    first, static, graph) and again only for another head width; its numbers are the eager function's."""
-    from torch._dynamo.testing import CompileCounter
-
-    from nla_shell.models.compile import _static_head_dims
-
-    home = sys.modules["transformers.models.qwen3.modeling_qwen3"]
-    torch._dynamo.reset()
-    counter = CompileCounter()
-    rotary = _static_head_dims(torch.compile(home.apply_rotary_pos_emb, dynamic=True, backend=counter))
-    counts = []
-    for n, t, heads, dim in ((2, 5, 4, 16), (3, 7, 4, 16), (5, 9, 4, 16), (4, 6, 4, 16), (2, 5, 4, 32)):
-        q, k = torch.randn(n, t, heads, dim).transpose(1, 2), torch.randn(n, t, 2, dim).transpose(1, 2)
-        cos, sin = torch.randn(n, t, dim), torch.randn(n, t, dim)
-        for got, expected in zip(rotary(q, k, cos, sin), home.apply_rotary_pos_emb(q, k, cos, sin)):
-            torch.testing.assert_close(got, expected, rtol=0, atol=0)
-        counts.append(counter.frame_count)
-    assert counts[1] == counts[2] == counts[3] <= 2 and counts[4] == counts[3] + 1, counts
-
-
 # --------------------------------------------------------------------------- nla train
 
 

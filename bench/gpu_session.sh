@@ -182,7 +182,8 @@ case $stage in
     # variants from its SFT, one lane per seed (fp8-lane); held-out FVE paired with the same engine in bf16.
     # LANE_PAIRS=critic: critic_rollouts=best against all, critic co-trained, native engine (no vLLM needed).
     # LANE_PAIRS=fast: the fast settings' trainer keys (critic on the best rollouts; fp8 with backward) without and
-    # with fp8_fast_accum, against the same critic in bf16 (native engine, no vLLM needed).
+    # with fp8_fast_accum, against the same critic in bf16 (native engine, no vLLM needed). LANE_PAIRS=trainer_fast:
+    # fp8=score,reference,update,backward without and with fp8_fast_accum, the AR frozen (as the trainer pair).
     [[ " ${LANE_PAIRS:-trainer rollout} " != *" rollout "* ]] || need_vllm || exit 1
     # LIMIT: the seconds this stage may take (less when an install ran first in the same call).
     place=0
@@ -194,7 +195,8 @@ case $stage in
     python3 bench/rl_variants.py table /tmp/fp8toy/seed*/ --out "$OUT/critic" --against bf16_critic > "$OUT/critic.md" 2>&1
     python3 bench/rl_variants.py table /tmp/fp8toy/seed*/ --out "$OUT/best" --against bf16_critic_best > "$OUT/best.md" 2>&1
     python3 bench/rl_variants.py table /tmp/fp8toy/seed*/ --out "$OUT/fast" --against bf16_critic_best_fp8 > "$OUT/fast.md" 2>&1
-    tail -n 8 "$OUT"/{trainer,rollout,critic,best,fast}.md; tail -n 3 /tmp/fp8toy/*.log | grep -i "rror"
+    python3 bench/rl_variants.py table /tmp/fp8toy/seed*/ --out "$OUT/trainer_fast" --against bf16_fp8bw > "$OUT/trainer_fast.md" 2>&1
+    tail -n 8 "$OUT"/{trainer,rollout,critic,best,fast,trainer_fast}.md; tail -n 3 /tmp/fp8toy/*.log | grep -i "rror"
     # Logs and reports only (run AE2's tarball with the checkpoints, 70 MB, was over what comes back).
     tar -czf "$OUT/lane_logs.tgz" --exclude='*.safetensors' --exclude='*.pt' --exclude='*.bin' --exclude='*.parquet' \
       --exclude='*.npy' --exclude='*.png' -C /tmp fp8toy ;;
@@ -215,6 +217,10 @@ case $stage in
       variant bf16_critic_best $best
       variant bf16_critic_best_fp8 $best fp8=score,reference,update,backward
       variant bf16_critic_best_fp8_fast $best fp8=score,reference,update,backward fp8_fast_accum=true
+    fi
+    if [[ " ${LANE_PAIRS:-trainer rollout} " == *" trainer_fast "* ]]; then
+      variant bf16_fp8bw dtype=bfloat16 engine=native fp8=score,reference,update,backward
+      variant bf16_fp8bw_fast dtype=bfloat16 engine=native fp8=score,reference,update,backward fp8_fast_accum=true
     fi
     if [[ " ${LANE_PAIRS:-trainer rollout} " == *" trainer "* ]]; then
       variant bf16 dtype=bfloat16 engine=native

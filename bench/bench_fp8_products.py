@@ -3,8 +3,10 @@
 One micro-batch of the update is N = 64 x 160 rows. For each layer width (K in, M out) this times
 `torch._scaled_mm` on operands already in e4m3 (the product alone), with cuBLAS's fast accumulation
 off (what nla_core.fp8_linear runs) and on, the bf16 product of the same shape, and the input's
-rowwise quantisation (`nla_core.quantize_rowwise`, compiled as the trainer compiles it: dynamic
-shapes), each the median of --reps runs, in TFLOP/s (2 N K M / seconds). The fused widths (q|k|v:
+rowwise quantisation (`nla_core.quantize_rowwise`, compiled with dynamic shapes), each the median of
+--reps runs between CUDA events, in TFLOP/s (2 N K M / seconds). The events bracket the host's call
+too: the products keep the GPU busier than their launch takes, but `quantize_x`'s time includes the
+compiled function's host overhead (its guards), so it is not a kernel time. The fused widths (q|k|v:
 4096 -> 6144, gate|up: 4096 -> 24576) are the products one quantised input would feed if the
 layers that read the same input were one.
 

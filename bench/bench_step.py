@@ -39,7 +39,10 @@ Two paths per step, on the same rollouts:
   PATH+best  any path above with `critic_rollouts=best`: the AR scores every rollout in a no-grad
           forward, then the critic steps on each group's best-rewarded one (its own forward and backward).
 Paths run in the order given on the same rollouts; every path but the last leaves the
-weights as they were (its optimisers are lr-0 SGDs), so each sees the same weights; the step
+weights as they were (its optimisers are lr-0 SGDs), so each sees the same weights. --repeats N
+measures the step N times in all, each time on fresh rollouts, the paths in the order given and then
+reversed by turns (A B, B A, A B, ...), so a path's place in the order shows as spread: each
+case keeps its first measurement as before and adds every repeat's phase seconds. The step
 prints each path's loss, grad norm, KL, rewards and critic loss beside "before"'s ("after"'s for
 the after_* paths). A non-stepping path's times hold an lr-0 SGD step instead of AdamW's
 (milliseconds for the LoRA; ~0.1 s less for the AR).
@@ -175,6 +178,8 @@ def parse_args() -> argparse.Namespace:
                         help="after_fp8, after_all_fp8: the phases whose matmuls run in FP8, of score,reference,update "
                              "and backward (their backwards' input gradients too) "
                              "(nla train's fp8=)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="measure the step this many times, the paths' order reversed each time (see above)")
     parser.add_argument("--profile", default=None, help="directory for torch.profiler tables of each path's "
                         "score and update phases: one more step on the first case's warm-up prompts, "
                         "after its measured step")
@@ -196,6 +201,8 @@ def parse_args() -> argparse.Namespace:
     if any(p.endswith(CRITIC_ROLLOUTS_SUFFIX) for p in args.paths) and not args.critic:
         parser.error(f"--paths ...{CRITIC_ROLLOUTS_SUFFIX}: the critic steps on the best rollouts; leave --critic on")
     args.fp8 = fp8_phases(parser, args.fp8, needed=bool(set(FP8_PATHS) & kinds))
+    if args.repeats < 1:
+        parser.error(f"--repeats {args.repeats}: measure the step at least once")
     args.prompt_len = args.prompt_len or (24 if tiny else 96)
     return args
 
@@ -730,6 +737,12 @@ def run(args, rank, device: torch.device) -> None:
                     record.error(f"{label} {path} warm-up", err)
             results, extra = grpo_step(ctx, requests, group, args, paths=paths)
             across_ranks(results)
+            repeats = {path: [phases] for path, (phases, _, _) in results.items()}
+            for repeat in range(1, args.repeats):
+                again, _ = grpo_step(ctx, requests, group, args, paths=paths[::-1] if repeat % 2 else paths)
+                across_ranks(again)
+                for path, (phases, _, _) in again.items():
+                    repeats[path].append(phases)
             if args.profile and index == 0:
                 # Warm now: the warm-up's prompts again under the profiler (the warm-up itself is mostly
                 # compilation: run AC's tables of it held 14-19 % of its wall time in kernels).
@@ -753,11 +766,18 @@ def run(args, rank, device: torch.device) -> None:
                     "peak_gib": max(p["peak_gib"] for p in phases.values()),
                     "in_use_gib": max(p["in_use_gib"] for p in phases.values()),
                     "numbers": {k: v for k, v in numbers.items() if k != "reward"}, **extra}
+            if args.repeats > 1:
+                case["repeats"] = [{name: p["s"] for name, p in measured.items()} for measured in repeats[path]]
+                case["step_s_repeats"] = [sum(r.values()) for r in case["repeats"]]
             record.add(case)
             print(f"[step] {label} {path}: {case['step_s']:.2f}s, peak {case['peak_gib']:.1f} GiB "
                   f"(device in use {case['in_use_gib']:.1f} GiB), "
                   + ", ".join(f"{k} {v['s']:.2f}s ({v['pct_peak']:.0f}%)" for k, v in phases.items())
                   + f", logp_diff_mean {numbers['logp_diff_mean']:.3e}", flush=True)
+            if args.repeats > 1:
+                print(f"[repeats] {label} {path}: step " + ", ".join(f"{t:.2f}" for t in case["step_s_repeats"])
+                      + " s; " + "; ".join(f"{name} " + ", ".join(f"{r[name]:.2f}" for r in case["repeats"])
+                                           for name in case["repeats"][0]), flush=True)
         for path in results:
             # The after_* paths change "after"'s arithmetic; without "after", the first path is the base.
             base = "before" if path == "after" else "after" if "after" in results else next(iter(results))

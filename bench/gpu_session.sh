@@ -29,7 +29,8 @@
 #                             on the same rollouts (after_all, after_all_fp8); QUANT=fp8 the
 #                             step with vLLM's FP8 rollouts too (after_all_fp8); FP8_STEP_PATHS=
 #                             after_all_fp8,after_all_fp8_backward: FP8 backwards too (PATH+best:
-#                             critic_rollouts=best, run AF); and
+#                             critic_rollouts=best, run AF); REPEATS=2: the step again, paths
+#                             reversed (bench_step --repeats); and
 #                             tests/gpu/test_fp8_gpu.py + test_vllm.py -k fp8 first
 #   fp8-kernels    -          the device's FP8 accumulation (bench/fp8_accumulation.py),   FP8: the device's accumulator; the update's
 #                             tests/gpu/test_fp8_gpu.py, then the update alone in bf16,   kernels in bf16 and FP8
@@ -167,7 +168,7 @@ case $stage in
         | grep -v "$QUIET" > "$OUT/vllm_fp8_test.log"
       tail -n 3 "$OUT/vllm_fp8_test.log"; paths=after_all_fp8
     fi
-    timeout -k 10 $((585 - SECONDS)) python3 bench/bench_step.py $STEP_ARGS --paths ${FP8_STEP_PATHS:-$paths} \
+    timeout -k 10 $((585 - SECONDS)) python3 bench/bench_step.py $STEP_ARGS --paths ${FP8_STEP_PATHS:-$paths} --repeats ${REPEATS:-1} \
       --fp8 "${FP8_PHASES:-score,reference,update}" --vllm-quantization $q --out "$OUT/fp8_step_$q.json" \
       > "$OUT/fp8_step_$q.log" 2>&1
     echo "[fp8-step] QUANT=$q: exit $?"; step_lines "$OUT/fp8_step_$q.log"; pack fp8-step-$q ;;

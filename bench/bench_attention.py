@@ -10,7 +10,7 @@ with neither. This times, forward + backward on the same random inputs, per vari
   response/lower_right   `causal_lower_right` + enable_gqa (flash attention where it can run)
   ar/hf_mask             the AR's forward today (right-padded rows, so a padding mask): repeat_kv + mask
   ar/causal              the same rows with is_causal and enable_gqa (a right pad follows every real token)
-  rotary/<mode>          HF's apply_rotary_pos_emb on q [n, H, R-1, Dh] (a transpose, as the attention
+  rotary/<mode>          transformers' Qwen3 apply_rotary_pos_emb on q [n, H, R-1, Dh] (a transpose, as the attention
                          hands it over) and k: eager, torch.compile dynamic=True (what compile_blocks
                          runs), dynamic=False, and dynamic=True with the head dims (H, Dh) marked
                          static, the batch and length dynamic
@@ -33,14 +33,13 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
+from transformers.integrations.sdpa_attention import repeat_kv
+from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT)]
+sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
-
-def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
-    """transformers' repeat_kv: [n, Hkv, L, Dh] -> [n, Hkv * groups, L, Dh] (a copy)."""
-    n, heads, length, dim = x.shape
-    return x[:, :, None].expand(n, heads, groups, length, dim).reshape(n, heads * groups, length, dim)
+import synthetic as syn  # noqa: E402
 
 
 def response_hf_mask(q, k, v, prompt: int):
@@ -68,17 +67,6 @@ def ar_causal(q, k, v, prompt: int):
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
 
-def rotate_half(x):
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def apply_rotary(q, k, cos, sin):
-    """transformers' apply_rotary_pos_emb (Llama / Qwen3), unsqueeze_dim=1."""
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
-
-
 def head_dims_static(rotary):
     """`rotary` with q, k's H and Dh and cos, sin's Dh marked static for dynamo (N and T stay dynamic)."""
     def run(q, k, cos, sin):
@@ -92,21 +80,17 @@ def head_dims_static(rotary):
 
 
 def timed(fn, inputs, grads, reps: int, device) -> tuple[float, list[torch.Tensor]]:
-    """Median seconds of forward + backward over reps, and (output, input grads) of the last run."""
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    times, result = [], []
-    for _ in range(reps + 2):
+    """Median seconds of forward + backward over reps (after 2 untimed), and (output, input grads) of the last run."""
+    def once():
         for t in inputs:
             t.grad = None
-        sync()
-        start = time.perf_counter()
         out = fn(*inputs)
         outs = out if isinstance(out, tuple) else (out,)
         torch.autograd.backward(outs, grads)
-        sync()
-        times.append(time.perf_counter() - start)
-        result = [o.detach() for o in outs] + [t.grad for t in inputs]
-    return sorted(times[2:])[len(times[2:]) // 2], result
+        return [o.detach() for o in outs] + [t.grad for t in inputs]
+
+    runs = [syn.timed(once, device) for _ in range(reps + 2)][2:]
+    return sorted(seconds for seconds, _ in runs)[len(runs) // 2], runs[-1][1]
 
 
 def main() -> None:
@@ -122,8 +106,8 @@ def main() -> None:
     lq, lk = response - 1, prompt + response - 1
     gen = torch.Generator(device="cpu").manual_seed(0)
 
-    def rand(*shape, scale=1.0):
-        return (torch.randn(*shape, generator=gen) * scale).to(device, dtype).requires_grad_()
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen).to(device, dtype).requires_grad_()
 
     rows = []
 
@@ -156,11 +140,12 @@ def main() -> None:
     def rotary(fn):
         return lambda qr, kr: fn(qr.transpose(1, 2), kr.transpose(1, 2), cos, sin)
 
-    variants = [("eager", rotary(apply_rotary))]
+    variants = [("eager", rotary(apply_rotary_pos_emb))]
     if device.type == "cuda" or args.tiny:
-        variants += [("compiled_dynamic", rotary(torch.compile(apply_rotary, dynamic=True))),
-                     ("compiled_static", rotary(torch.compile(apply_rotary, dynamic=False))),
-                     ("compiled_head_dims_static", rotary(head_dims_static(torch.compile(apply_rotary, dynamic=True))))]
+        variants += [("compiled_dynamic", rotary(torch.compile(apply_rotary_pos_emb, dynamic=True))),
+                     ("compiled_static", rotary(torch.compile(apply_rotary_pos_emb, dynamic=False))),
+                     ("compiled_head_dims_static",
+                      rotary(head_dims_static(torch.compile(apply_rotary_pos_emb, dynamic=True))))]
     run("rotary", variants, [q_rows, k_rows])
 
     info = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "torch": torch.__version__,

@@ -35,7 +35,9 @@ Two paths per step, on the same rollouts:
   after_all_fp8  after_all with --fp8's phases in FP8: the fastest settings with fp8= on top.
   after_all_fp8_backward  after_all_fp8 with `backward` added to --fp8: the input gradients of the
           update's (and a co-trained critic's) backward from transposed FP8 copies too.
-  after_all_fp8_fast  after_all_fp8_backward with the FP8 products' fast accumulation (fp8_fast_accum).
+  after_all_fp8_fast  after_all_fp8_backward with every FP8 product's fast accumulation (fp8_fast_accum=all).
+  after_all_fp8_fastfwd  after_all_fp8_backward with the forward FP8 products' fast accumulation
+          (fp8_fast_accum=forward; the input gradients' products without it).
   PATH+best  any path above with `critic_rollouts=best`: the AR scores every rollout in a no-grad
           forward, then the critic steps on each group's best-rewarded one (its own forward and backward).
 Paths run in the order given on the same rollouts; every path but the last leaves the
@@ -111,11 +113,13 @@ import torch  # noqa: E402
 import synthetic as syn  # noqa: E402
 
 PATHS = ("before", "after", "after_tf32", "after_bf16", "after_compile", "after_all", "after_fp8", "after_all_fp8",
-         "after_all_fp8_backward", "after_all_fp8_fast")
-AUTOCAST_PATHS = ("after_bf16", "after_all", "after_all_fp8", "after_all_fp8_backward", "after_all_fp8_fast")
-COMPILE_PATHS = ("after_compile", "after_all", "after_all_fp8", "after_all_fp8_backward", "after_all_fp8_fast")
-FP8_PATHS = ("after_fp8", "after_all_fp8", "after_all_fp8_backward", "after_all_fp8_fast")
-FP8_BACKWARD_PATHS = ("after_all_fp8_backward", "after_all_fp8_fast")
+         "after_all_fp8_backward", "after_all_fp8_fast", "after_all_fp8_fastfwd")
+FAST_ACCUM_PATHS = {"after_all_fp8_fast": "all", "after_all_fp8_fastfwd": "forward"}
+"""The paths with fp8_fast_accum on, and its value."""
+FP8_BACKWARD_PATHS = ("after_all_fp8_backward", *FAST_ACCUM_PATHS)
+FP8_PATHS = ("after_fp8", "after_all_fp8", *FP8_BACKWARD_PATHS)
+AUTOCAST_PATHS = ("after_bf16", "after_all", "after_all_fp8", *FP8_BACKWARD_PATHS)
+COMPILE_PATHS = ("after_compile", "after_all", "after_all_fp8", *FP8_BACKWARD_PATHS)
 CRITIC_ROLLOUTS_SUFFIX = "+best"
 """A path name ending in this runs with critic_rollouts=best (TrainConfig's key)."""
 PEAK_TFLOPS = 790.0
@@ -471,7 +475,7 @@ def run_path(ctx: Context, path: str, state, rolled, args, *, keep_weights: bool
 
         fp8 = args.fp8 + ("backward",) if kind in FP8_BACKWARD_PATHS and "backward" not in args.fp8 else args.fp8
         cfg = dataclasses.replace(state.cfg, fp8=fp8, compile_blocks=kind in COMPILE_PATHS,
-                                  fp8_fast_accum=kind == "after_all_fp8_fast")
+                                  fp8_fast_accum=FAST_ACCUM_PATHS.get(kind, "off"))
         fp8_score, fp8_reference, fp8_update = make_fp8_copies(cfg, ctx.actor, ctx.critic, device=ctx.device)
         state = dataclasses.replace(state, cfg=cfg, fp8_score=fp8_score, fp8_reference=fp8_reference,
                                     fp8_update=fp8_update)

@@ -27,8 +27,9 @@ instead of TrainConfig.logp_prompt_block; pb1: one prompt forward per micro-batc
 its time against the same variant's with the pass is the pass's) and `synced` (the shared-prefix forward as it was before
 its host synchronisations were removed: the prompt mask always passed, so transformers reads it on
 the host, and pageable host-to-device copies), `fp8` (the trainer's fp8=reference,update: the base's
-forwards in FP8), `fp8bw` (fp8=reference,update,backward: its input gradients too) and `fastacc` (with fp8 or
-fp8bw: fp8_fast_accum, the FP8 products' fast accumulation), e.g. `16 16:synced 32:bf16+compile 64:bf16+compile+ref256`.
+forwards in FP8), `fp8bw` (fp8=reference,update,backward: its input gradients too), `fastacc` (with fp8 or
+fp8bw: fp8_fast_accum=all, every FP8 product's fast accumulation) and `fastfwd` (fp8_fast_accum=forward: the
+forward products'), e.g. `16 16:synced 32:bf16+compile 64:bf16+compile+ref256`.
 
     python bench/bench_update.py --cases 32x8 --variants 16,32,32:bf16 --out $OUT/update.json   # H200
     .venv/bin/python bench/bench_update.py --tiny --variants 2,4:compile --out /tmp/update.json  # CPU smoke
@@ -55,7 +56,7 @@ import synthetic as syn  # noqa: E402
 from bench_step import PEAK_TFLOPS, path_flops, write_profile_table  # noqa: E402
 from timeline import HostLead, idle_gaps  # noqa: E402
 
-OPTIONS = ("bf16", "compile", "mlpcompile", "norotary", "nohead", "noref", "synced", "fp8", "fp8bw", "fastacc")
+OPTIONS = ("bf16", "compile", "mlpcompile", "norotary", "nohead", "noref", "synced", "fp8", "fp8bw", "fastacc", "fastfwd")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,7 +145,7 @@ def options_installed(actor, options: frozenset[str]):
 def fp8_copies(actor, options: frozenset[str]):
     """The FP8 copies of the actor's base as the trainer's setup makes them for fp8=reference,update
     (`training.setup.make_fp8_copies`), with input gradients in FP8 too for `fp8bw` and fast accumulation for
-    `fastacc`; removed after."""
+    `fastacc` (every product) or `fastfwd` (the forward's); removed after."""
     if not options & {"fp8", "fp8bw"}:
         yield None
         return
@@ -154,7 +155,8 @@ def fp8_copies(actor, options: frozenset[str]):
 
     copies = FP8Linears(families.backbone(inner_lm(actor)), label="reference+update",
                         compile_backend="inductor" if options & {"compile", "mlpcompile"} else None,
-                        backward="fp8bw" in options, fast_accum="fastacc" in options)
+                        backward="fp8bw" in options,
+                        fast_accum="all" if "fastacc" in options else "forward" if "fastfwd" in options else "off")
     print(copies.summary(), flush=True)
     try:
         yield copies

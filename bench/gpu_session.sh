@@ -164,7 +164,8 @@ case $stage in
       timeout -k 10 60 python3 -m pytest tests/gpu/test_fp8_gpu.py -q -p no:cacheprovider > "$OUT/fp8_gpu_test.log" 2>&1
       tail -n 2 "$OUT/fp8_gpu_test.log"; paths=after_all,after_all_fp8
     else
-      timeout -k 10 120 python3 -m pytest tests/gpu/test_vllm.py -q -s -p no:cacheprovider -k fp8 2>&1 \
+      timeout -k 10 120 python3 -m pytest "tests/gpu/test_vllm.py::test_fp8_engine_holds_fp8_linears_and_follows_every_push[$q]" \
+        -q -s -p no:cacheprovider 2>&1 \
         | grep -v "$QUIET" > "$OUT/vllm_fp8_test.log"
       tail -n 3 "$OUT/vllm_fp8_test.log"; paths=after_all_fp8
     fi
@@ -184,7 +185,8 @@ case $stage in
     # LANE_PAIRS=critic: critic_rollouts=best against all, critic co-trained, native engine (no vLLM needed).
     # LANE_PAIRS=fast: the fast settings' trainer keys (critic on the best rollouts; fp8 with backward) without and
     # with fp8_fast_accum, against the same critic in bf16 (native engine, no vLLM needed). LANE_PAIRS=trainer_fast:
-    # fp8=score,reference,update,backward without and with fp8_fast_accum, the AR frozen (as the trainer pair).
+    # fp8=score,reference,update,backward without and with fp8_fast_accum=all, the AR frozen (as the trainer pair);
+    # trainer_fastfwd: the same with fp8_fast_accum=forward. ROLLOUT_QUANT= the rollout pair's vLLM quantisation.
     [[ " ${LANE_PAIRS:-trainer rollout} " != *" rollout "* ]] || need_vllm || exit 1
     # LIMIT: the seconds this stage may take (less when an install ran first in the same call).
     place=0
@@ -217,11 +219,17 @@ case $stage in
       best="dtype=bfloat16 engine=native train_critic=true critic_rollouts=best"
       variant bf16_critic_best $best
       variant bf16_critic_best_fp8 $best fp8=score,reference,update,backward
-      variant bf16_critic_best_fp8_fast $best fp8=score,reference,update,backward fp8_fast_accum=true
+      variant bf16_critic_best_fp8_fast $best fp8=score,reference,update,backward fp8_fast_accum=all
+    fi
+    if [[ " ${LANE_PAIRS:-trainer rollout} " == *" trainer_fast"* ]]; then  # trainer_fast, trainer_fastfwd
+      variant bf16_fp8bw dtype=bfloat16 engine=native fp8=score,reference,update,backward
     fi
     if [[ " ${LANE_PAIRS:-trainer rollout} " == *" trainer_fast "* ]]; then
-      variant bf16_fp8bw dtype=bfloat16 engine=native fp8=score,reference,update,backward
-      variant bf16_fp8bw_fast dtype=bfloat16 engine=native fp8=score,reference,update,backward fp8_fast_accum=true
+      variant bf16_fp8bw_fast dtype=bfloat16 engine=native fp8=score,reference,update,backward fp8_fast_accum=all
+    fi
+    if [[ " ${LANE_PAIRS:-trainer rollout} " == *" trainer_fastfwd "* ]]; then
+      variant bf16_fp8bw_fastfwd dtype=bfloat16 engine=native fp8=score,reference,update,backward \
+        fp8_fast_accum=forward
     fi
     if [[ " ${LANE_PAIRS:-trainer rollout} " == *" trainer "* ]]; then
       variant bf16 dtype=bfloat16 engine=native
@@ -234,8 +242,10 @@ case $stage in
     sleep $((${STAGGER:-15} * ${3:-$2}))
     # A fixed KV cache (vllm_kv_cache_gib) skips vLLM's start-up memory profiling, which another lane's memory
     # changes break ("Error in memory profiling", run AE); 1 GiB holds the toy's batch many times over.
+    # ROLLOUT_QUANT: the FP8 variant's vllm_quantization (fp8, fp8_per_channel, fp8_per_block), named vllm_$ROLLOUT_QUANT.
+    q=${ROLLOUT_QUANT:-fp8}
     variant vllm engine=vllm vllm_gpu_mem=0.05 vllm_kv_cache_gib=1
-    variant vllm_fp8 engine=vllm vllm_gpu_mem=0.05 vllm_kv_cache_gib=1 vllm_quantization=fp8 ;;
+    variant vllm_$q engine=vllm vllm_gpu_mem=0.05 vllm_kv_cache_gib=1 vllm_quantization=$q ;;
   step-ranks2)
     need_vllm || exit 1; need_bnb
     timeout -k 5 585 python3 bench/bench_step.py $STEP_ARGS --ranks 2 --case-timeout 570 \

@@ -134,11 +134,11 @@ class _StraightThroughFP8Linear(torch.autograd.Function):
     transposed copy, by fp8_linear (see fp8_linear_ste)."""
 
     @staticmethod
-    def forward(ctx, x, weight, w_fp8, w_scale, bias, out_dtype, wt_fp8, wt_scale, fast_accum):
+    def forward(ctx, x, weight, w_fp8, w_scale, bias, out_dtype, wt_fp8, wt_scale, fast_accum, grad_fast_accum):
         trains = ctx.needs_input_grad[1]
         # A frozen weight needs only itself for dL/dx (no copy kept); a trained one also x, for dL/dW.
         ctx.save_for_backward(weight, x if trains else None, wt_fp8, wt_scale)
-        ctx.x_dtype, ctx.out_dtype, ctx.fast_accum = x.dtype, out_dtype, fast_accum
+        ctx.x_dtype, ctx.out_dtype, ctx.grad_fast_accum = x.dtype, out_dtype, grad_fast_accum
         return fp8_linear(x, w_fp8, w_scale, bias=bias, out_dtype=out_dtype, fast_accum=fast_accum)
 
     @staticmethod
@@ -148,13 +148,13 @@ class _StraightThroughFP8Linear(torch.autograd.Function):
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
             grad_x = (g @ weight if wt_fp8 is None
-                      else fp8_linear(grad_y, wt_fp8, wt_scale, out_dtype=ctx.out_dtype, fast_accum=ctx.fast_accum))
+                      else fp8_linear(grad_y, wt_fp8, wt_scale, out_dtype=ctx.out_dtype, fast_accum=ctx.grad_fast_accum))
             grad_x = grad_x.to(ctx.x_dtype)
         if ctx.needs_input_grad[1]:
             grad_w = g.reshape(-1, g.shape[-1]).t() @ x.reshape(-1, x.shape[-1]).to(weight.dtype)
         if ctx.needs_input_grad[4]:
             grad_b = g.reshape(-1, g.shape[-1]).sum(dim=0)
-        return grad_x, grad_w, None, None, grad_b, None, None, None, None
+        return grad_x, grad_w, None, None, grad_b, None, None, None, None, None
 
 
 def fp8_linear_ste(
@@ -168,6 +168,7 @@ def fp8_linear_ste(
     wt_fp8: torch.Tensor | None = None,
     wt_scale: torch.Tensor | None = None,
     fast_accum: bool = False,
+    grad_fast_accum: bool = False,
 ) -> torch.Tensor:
     """`fp8_linear` in the forward, differentiated as the linear map x W^T + b (straight-through).
 
@@ -194,7 +195,10 @@ def fp8_linear_ste(
     Args: x: [..., K] floating; weight: [M, K], the weight the FP8 copy was made from (trained or
       frozen); w_fp8, w_scale: `quantize_rowwise(weight)`; bias: [M] or None; out_dtype: as for fp8_linear;
       wt_fp8 [K, M] float8_e4m3fn, wt_scale [K, 1] float32: `quantize_rowwise(weight.T)`, both or neither.
-      fast_accum: fp8_linear's, for the forward and the FP8 input gradient.
+      fast_accum: fp8_linear's, for the forward product.
+      grad_fast_accum: fp8_linear's, for the FP8 input gradient's product (with wt_fp8). torchao's float8
+        training keeps it off while the forward's is on (torchao/float8/config.py, Float8LinearConfig:
+        gemm_config_output fast, gemm_config_grad_input not).
     Returns: [..., M] out_dtype, in the autograd graph of x, weight and bias.
     """
     require_floating("weight", weight)
@@ -205,4 +209,5 @@ def fp8_linear_ste(
     if wt_fp8 is not None and wt_fp8.shape != weight.shape[::-1]:
         raise ValueError(f"wt_fp8 {tuple(wt_fp8.shape)} must be the transposed weight's [K, M] = "
                          f"{tuple(weight.shape[::-1])}")
-    return _StraightThroughFP8Linear.apply(x, weight, w_fp8, w_scale, bias, out_dtype, wt_fp8, wt_scale, fast_accum)
+    return _StraightThroughFP8Linear.apply(x, weight, w_fp8, w_scale, bias, out_dtype, wt_fp8, wt_scale, fast_accum,
+                                           grad_fast_accum)

@@ -349,13 +349,15 @@ class TrainConfig:
     Works with compile_blocks and bf16_autocast; needs a Hopper GPU or later (or the CPU); not with quant.
     An nla addition, not in the reference; speed measured on one H200 (the 8B step 8.4 % faster on 2026-12-01,
     13.6 % with backward on 2026-12-02), learning parity on the toy on 2026-12-02: docs/performance.md."""
-    fp8_fast_accum: bool = False
-    """With fp8: the FP8 products accumulate in the tensor cores' own precision along K (cuBLAS's fast
-    accumulation, `_scaled_mm(use_fast_accum=True)`), not promoted to float32 as they go: an entry errs by
-    about 4e-4 of its sum of absolute terms on the H200 instead of 3e-5, both far below FP8's own 2^-3
-    (bench/fp8_accumulation.py). The 8B step at 256 x 8 took 47.12 s against 49.88 s (2026-12-03, one H200),
-    but learning parity on the toy is not shown (held-out FVE -0.015 over 6 GPU seeds, lower bound -0.031),
-    so the fast settings leave it out. The CPU ignores it. An nla addition: docs/performance.md."""
+    fp8_fast_accum: Literal["off", "forward", "all"] = "off"
+    """With fp8: which FP8 products accumulate in the tensor cores' own precision along K (cuBLAS's fast
+    accumulation, `_scaled_mm(use_fast_accum=True)`), not promoted to float32 as they go: "forward" the forward
+    products (policy, reference and AR scoring; the FP8 input gradients of `backward` not, as torchao's float8
+    training does), "all" every product, "off" none. An entry then errs by about 4e-4 of its sum of absolute
+    terms on the H200 instead of 3e-5, both far below FP8's own 2^-3 (bench/fp8_accumulation.py). With "all" the
+    8B step at 256 x 8 took 47.12 s against 49.88 s (2026-12-03, one H200), but learning parity on the toy was
+    not shown (held-out FVE -0.015 over 6 GPU seeds, lower bound -0.031); docs/performance.md says what
+    "forward" measured. The CPU ignores it. An nla addition."""
 
     @property
     def critic_steps_after_scoring(self) -> bool:
@@ -492,8 +494,8 @@ def _check_loss_choices(cfg: TrainConfig) -> None:
 def _check_fp8(cfg: TrainConfig) -> None:
     """fp8's phases against the keys that rule them out."""
     if not cfg.fp8:
-        require(not cfg.fp8_fast_accum, "fp8_fast_accum", cfg.fp8_fast_accum,
-                "it changes the FP8 products' accumulation: name fp8's phases, or leave it false")
+        require(cfg.fp8_fast_accum == "off", "fp8_fast_accum", cfg.fp8_fast_accum,
+                "it changes the FP8 products' accumulation: name fp8's phases, or leave it off")
         return
     phases = list(cfg.fp8)
     require(len(set(phases)) == len(phases), "fp8", phases,

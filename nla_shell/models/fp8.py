@@ -54,6 +54,8 @@ OUT_DTYPE = torch.bfloat16
 to the input's dtype (a float32 model's layers then carry bf16 rounding too)."""
 MIN_CAPABILITY = (9, 0)
 """Rowwise-scaled FP8 `_scaled_mm`: Hopper (9.0) or later (Ada's FP8 kernels take one scale per tensor only)."""
+FAST_ACCUM = ("off", "forward", "all")
+"""FP8Linears' fast_accum (TrainConfig's fp8_fast_accum): no product, the forward products, every product."""
 
 
 def require_fp8(device: torch.device, *, what: str = "config key 'fp8'") -> None:
@@ -75,14 +77,17 @@ class FP8Linears:
       backward: the backward's input gradients in FP8 too (`fp8_linear_ste` with the transposed copy,
       `quantize_rowwise(weight.T)`, held as the buffers `fp8_weight_t` [K, M] and `fp8_scale_t` [K, 1]:
       another byte per weight); False: in the weight's dtype, and those buffers are None.
-      fast_accum: the products with the kernel's fast accumulation (`nla_core.fp8_linear`'s `fast_accum`).
+      fast_accum: which products use the kernel's fast accumulation (`nla_core.fp8_linear`'s `fast_accum`):
+        "off", "forward" (the forward products; the FP8 input gradients not), or "all".
     """
 
     def __init__(self, backbone: nn.Module, *, label: str, compile_backend: str | None = None,
-                 backward: bool = False, fast_accum: bool = False) -> None:
+                 backward: bool = False, fast_accum: str = "off") -> None:
+        if fast_accum not in FAST_ACCUM:
+            raise ValueError(f"fast_accum {fast_accum!r}: one of {', '.join(FAST_ACCUM)}")
         self.label, self.backward, self.fast_accum = label, backward, fast_accum
         swap_class = _FP8Linear if compile_backend is None else _compiled_fp8_linear_class(compile_backend)
-        self._swap_class = _fast_accumulating(swap_class) if fast_accum else swap_class
+        self._swap_class = swap_class if fast_accum == "off" else _fast_accumulating(swap_class, fast_accum == "all")
         linears = [m for name, m in backbone.named_modules() if type(m) is nn.Linear and ".lora_" not in f".{name}"]
         self.layers = [m for m in linears
                        if m.in_features % SCALED_MM_MULTIPLE == 0 and m.out_features % SCALED_MM_MULTIPLE == 0]
@@ -121,8 +126,8 @@ class FP8Linears:
             line += f"; {self.refreshed} trained, re-quantised from the current weights at each block"
         if self.backward:
             line += "; input gradients in FP8 too (a transposed copy)"
-        if self.fast_accum:
-            line += "; fast accumulation"
+        if self.fast_accum != "off":
+            line += "; fast accumulation" + (" (forward products)" if self.fast_accum == "forward" else "")
         line += f"; +{held / 2**20:.1f} MiB held"
         return line
 
@@ -170,7 +175,9 @@ class _FP8Linear(nn.Linear):
     fp8_weight_t: torch.Tensor | None
     fp8_scale_t: torch.Tensor | None
     fast_accum = False
-    """The products' fast accumulation: a class attribute, so compiled code guards on the class alone."""
+    """The forward products' fast accumulation: a class attribute, so compiled code guards on the class alone."""
+    grad_fast_accum = False
+    """The FP8 input gradients' fast accumulation (with backward), a class attribute as well."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._product(nla_core.fp8_linear_ste, x)
@@ -178,7 +185,8 @@ class _FP8Linear(nn.Linear):
     def _product(self, product, x: torch.Tensor) -> torch.Tensor:
         """`product` (nla_core.fp8_linear_ste or a compiled one) of x with this layer's weight and copies."""
         y = product(x, self.weight, self.fp8_weight, self.fp8_scale, bias=self.bias, out_dtype=OUT_DTYPE,
-                    wt_fp8=self.fp8_weight_t, wt_scale=self.fp8_scale_t, fast_accum=self.fast_accum)
+                    wt_fp8=self.fp8_weight_t, wt_scale=self.fp8_scale_t, fast_accum=self.fast_accum,
+                    grad_fast_accum=self.grad_fast_accum)
         return y.to(x.dtype)
 
 
@@ -196,9 +204,10 @@ def _compiled_fp8_linear_class(backend: str) -> type[_FP8Linear]:
 
 
 @functools.cache
-def _fast_accumulating(swap_class: type[_FP8Linear]) -> type[_FP8Linear]:
-    """`swap_class` with its products' fast accumulation on."""
-    return type(f"{swap_class.__name__}FastAccum", (swap_class,), {"fast_accum": True})
+def _fast_accumulating(swap_class: type[_FP8Linear], gradients: bool) -> type[_FP8Linear]:
+    """`swap_class` with its forward products' fast accumulation on, and its input gradients' with `gradients`."""
+    return type(f"{swap_class.__name__}FastAccum{'All' if gradients else 'Forward'}", (swap_class,),
+                {"fast_accum": True, "grad_fast_accum": gradients})
 
 
 def fp8_matmuls(copies: FP8Linears | None) -> contextlib.AbstractContextManager:

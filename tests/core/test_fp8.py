@@ -281,8 +281,8 @@ def test_the_fp8_backward_leaves_a_trained_weights_gradient_as_it_was():
 
 
 def test_fast_accumulation_is_asked_of_the_kernel_only_when_given(monkeypatch):
-    """fast_accum is the kernel's `use_fast_accum`, forward and FP8 input gradient alike (the CPU's kernel ignores
-    it: the products agree bit for bit)."""
+    """fast_accum is the forward product's `use_fast_accum`, grad_fast_accum the FP8 input gradient's, each only
+    when given (the CPU's kernel ignores it: the products agree bit for bit)."""
     requested = []
     scaled_mm = torch._scaled_mm
 
@@ -295,13 +295,14 @@ def test_fast_accumulation_is_asked_of_the_kernel_only_when_given(monkeypatch):
     q, s = quantize_rowwise(w)
     qt, st_ = quantize_rowwise(w.t())
     outputs = []
-    for fast in (False, True):
+    for fast, grad_fast in ((False, False), (True, False), (False, True), (True, True)):
         xg = x.clone().requires_grad_()
-        y = fp8_linear_ste(xg, w, q, s, out_dtype=torch.float32, wt_fp8=qt, wt_scale=st_, fast_accum=fast)
+        y = fp8_linear_ste(xg, w, q, s, out_dtype=torch.float32, wt_fp8=qt, wt_scale=st_, fast_accum=fast,
+                           grad_fast_accum=grad_fast)
         y.sum().backward()
         outputs.append((y.detach(), xg.grad))
-        assert requested == [fast, fast]
+        assert requested == [fast, grad_fast]
         requested.clear()
-    assert all(torch.equal(a, b) for a, b in zip(*outputs))
+    assert all(torch.equal(a, b) for first, other in zip(outputs, outputs[1:]) for a, b in zip(first, other))
     fp8_linear(x, q, s, out_dtype=torch.float32)
     assert requested == [False]

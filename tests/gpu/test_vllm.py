@@ -341,14 +341,16 @@ def _linear_weight_dtypes(model) -> dict[str, str]:
 
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9),
                     reason="FP8 matrix products need compute capability 8.9 (Ada, Hopper) or later")
-def test_fp8_engine_holds_fp8_linears_and_follows_every_push(model_dir, tiny_tokenizer):
-    """vllm_quantization=fp8 (vLLM's online FP8 of the bf16 checkpoint): every linear layer holds fp8 weights;
+@pytest.mark.parametrize("quantization", ["fp8", "fp8_per_channel"])
+def test_fp8_engine_holds_fp8_linears_and_follows_every_push(model_dir, tiny_tokenizer, quantization):
+    """vllm_quantization=fp8 and fp8_per_channel (vLLM's online FP8 of the bf16 checkpoint, one scale per weight
+    tensor or per output channel): every linear layer holds fp8 weights;
     each push (one re-quantising reload_weights) moves the behaviour log-probs to the pushed weights: after the
     trainer's weights change and are pushed again, the sampled tokens' log-probs are near the trainer's new bf16
     ones and clearly farther from the old ones (a stale push would keep them near the old)."""
     actor = _lora_actor(model_dir, seed=6)
     requests = _requests(8, seed=19, vocab=len(tiny_tokenizer))
-    engine = _engine(model_dir, tiny_tokenizer, quantization="fp8")
+    engine = _engine(model_dir, tiny_tokenizer, quantization=quantization)
     try:
         loaded_dtypes = engine.llm.apply_model(_linear_weight_dtypes)[0]
         first_push_s = engine.sync_weights(actor)
@@ -367,7 +369,7 @@ def test_fp8_engine_holds_fp8_linears_and_follows_every_push(model_dir, tiny_tok
                 p.copy_(old_lora[name])
     first_gap = (_behavior(first) - _hf_logprobs(actor, first, requests, inject=True)).abs().mean()
     stale_gap = (_behavior(second) - _hf_logprobs(actor, second, requests, inject=True)).abs().mean()
-    print(f"fp8: pushes {first_push_s:.3f}s, {second_push_s:.3f}s; mean|dlogp| vs the pushed actor: first push "
+    print(f"{quantization}: pushes {first_push_s:.3f}s, {second_push_s:.3f}s; mean|dlogp| vs the pushed actor: first push "
           f"{first_gap:.4f}, second {new_gap.mean():.4f} (max {new_gap.max():.3f}); second vs the old weights "
           f"{stale_gap:.4f}; linear dtypes {sorted(set(pushed_dtypes.values()))}")
     assert loaded_dtypes and set(loaded_dtypes.values()) == {"torch.float8_e4m3fn"}, loaded_dtypes

@@ -68,19 +68,24 @@ def test_a_frozen_layer_passes_gradients_to_its_input_a_trained_one_to_its_weigh
 
 
 def test_fast_accumulation_is_asked_of_every_converted_layer_only_when_given(monkeypatch):
-    """FP8Linears(fast_accum=True) hands fast_accum=True to each converted layer's product (nla_core.fp8_linear_ste,
-    which asks the kernel for it forward and backward: tests/core/test_fp8.py); off by default; the summary says so."""
+    """FP8Linears(fast_accum=...) hands each converted layer's product (nla_core.fp8_linear_ste, which asks the
+    kernel: tests/core/test_fp8.py) fast accumulation for the forward with "forward" and "all", for the FP8 input
+    gradient with "all" only; "off" by default; the summary says which; another word is refused."""
     requested, product = [], nla_core.fp8_linear_ste
-    monkeypatch.setattr(nla_core, "fp8_linear_ste", lambda *a, **k: requested.append(k["fast_accum"]) or product(*a, **k))
+    monkeypatch.setattr(nla_core, "fp8_linear_ste",
+                        lambda *a, **k: requested.append((k["fast_accum"], k["grad_fast_accum"])) or product(*a, **k))
     model = nn.Sequential(nn.Linear(32, 16), nn.Linear(16, 16)).requires_grad_(False)
-    for fast in (False, True):
-        copies = FP8Linears(model, label="test", backward=True, fast_accum=fast)
+    for mode, asked in (("off", (False, False)), ("forward", (True, False)), ("all", (True, True))):
+        copies = FP8Linears(model, label="test", backward=True, **({} if mode == "off" else {"fast_accum": mode}))
         with torch.no_grad(), copies:
             model(torch.randn(4, 32))
-            assert all(type(layer).fast_accum == fast for layer in copies.layers)
-        assert requested == [fast, fast], fast
-        assert ("fast accumulation" in copies.summary()) == fast
+            assert all((type(layer).fast_accum, type(layer).grad_fast_accum) == asked for layer in copies.layers)
+        assert requested == [asked, asked], mode
+        assert ("fast accumulation" in copies.summary()) == (mode != "off")
+        assert ("forward products" in copies.summary()) == (mode == "forward")
         requested.clear()
+    with pytest.raises(ValueError, match="fast_accum 'true'"):
+        FP8Linears(model, label="test", fast_accum="true")
 
 
 def test_gpus_before_hopper_are_refused(monkeypatch):
@@ -292,9 +297,13 @@ def test_the_key_parses_and_refuses_what_cannot_run():
             load_dataclass(TrainConfig, BASE, overrides)
         assert "'fp8'" in str(err.value) and "\n" not in str(err.value), overrides
     with pytest.raises(ConfigError) as err:  # fast accumulation of no FP8 product
-        load_dataclass(TrainConfig, BASE, ["fp8_fast_accum=true"])
+        load_dataclass(TrainConfig, BASE, ["fp8_fast_accum=forward"])
     assert "'fp8_fast_accum'" in str(err.value) and "name fp8's phases" in str(err.value)
-    assert load_dataclass(TrainConfig, BASE, ["fp8=update", "fp8_fast_accum=true"]).fp8_fast_accum
+    for mode in ("forward", "all"):
+        assert load_dataclass(TrainConfig, BASE, ["fp8=update", f"fp8_fast_accum={mode}"]).fp8_fast_accum == mode
+    with pytest.raises(ConfigError) as err:  # the boolean of 2026-12-03 is not one of the three
+        load_dataclass(TrainConfig, BASE, ["fp8=update", "fp8_fast_accum=true"])
+    assert "'fp8_fast_accum'" in str(err.value) and "\n" not in str(err.value)
     for overrides in (["fp8=reference", "train_critic=true"], ["fp8=score", "train_critic=true"],
                       ["fp8=score,reference,update", "compile_blocks=true", "bf16_autocast=true", "dtype=bfloat16"],
                       ["fp8=update,backward", "train_critic=true"], ["fp8=score,reference,update,backward"]):

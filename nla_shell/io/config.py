@@ -286,8 +286,8 @@ class TrainConfig:
     the quantisation: TIS (`tis`) corrects for it, and logp_diff_mean, logp_diff_max and tis_frac in
     metrics.jsonl are that gap to watch. Needs vllm_tp=1 (the push streams into the in-process worker). An nla
     addition, not in the reference. Measured on one H200 (docs/engines.md): the 8B shape's 256 x 8 rollout
-    2.4-18 % faster than bf16 (runs Z, AC); on the toy NLA it lowered held-out FVE by 0.013 +- 0.005 (5 seeds,
-    run AE2), so the fast settings leave it out."""
+    2.4-18 % faster than bf16 (runs Z, AC); on the toy NLA "fp8" lowered held-out FVE by 0.013 +- 0.005 (5 seeds,
+    run AE2) and "fp8_per_channel" by 0.015 +- 0.004 (8 seeds, run AI), so the fast settings leave it out."""
     vllm_canary: Literal["stop", "warn"] = "stop"
     """What a failed steering canary does (engine=vllm): each step compares the first-token log-probs of one
     prompt with and without its vector, and reading no difference (or no number) means the rollouts came from

@@ -41,8 +41,9 @@
 #                             bf16 and FP8 (after_all, after_all_fp8), at 64 x 8 (PROFILE_CASES=)
 #   fp8-learning   p4         the toy NLA, SEEDS (0 1 2), from each seed's SFT: bf16      FP8: Learning with both FP8 options (Z);
 #                             native with and without fp8=score,reference,update, vLLM    Learning with vLLM's FP8 rollouts (AE2)
-#                             with and without vllm_quantization=fp8 (LANE_PAIRS=trainer
-#                             or rollout: one pair only; critic, fast: see the stage); paired tables
+#                             with and without vllm_quantization=fp8 (LANE_PAIRS=trainer  Fast accumulation in the forward only...
+#                             or rollout: one pair only; critic, fast, trainer_fast,      (AI)
+#                             trainer_fastfwd, ROLLOUT_QUANT: see the stage); paired tables
 #   rollout-fp8    p4         vLLM's 2048-sequence rollout with FP8 weights, FP8 KV cache  FP8: ... vLLM's FP8 rollouts (AE2: not
 #                             and max_num_seqs 2048 (ROLLOUT_KNOBS=, two a call)          measured)
 #   step-ranks2    p4, .bnb,  the same step as a 2-rank torchrun job, each rank with its   Multi-GPU: 256 x 8, one and two GPUs (W5, W6)

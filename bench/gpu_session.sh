@@ -189,10 +189,11 @@ case $stage in
     # fp8=score,reference,update,backward without and with fp8_fast_accum=all, the AR frozen (as the trainer pair);
     # trainer_fastfwd: the same with fp8_fast_accum=forward. ROLLOUT_QUANT= the rollout pair's vLLM quantisation.
     [[ " ${LANE_PAIRS:-trainer rollout} " != *" rollout "* ]] || need_vllm || exit 1
-    # LIMIT: the seconds this stage may take (less when an install ran first in the same call).
+    # LIMIT: the seconds this stage may take, vLLM's install included; the lanes stop 45 s before it, so the tables
+    # and the log tarball are written (run AI's lanes ran to the call's limit and its logs did not come back).
     place=0
     for seed in ${SEEDS:-0 1 2}; do
-      timeout -k 10 $((${LIMIT:-560} - SECONDS)) bash bench/gpu_session.sh fp8-lane $seed $place & place=$((place + 1))
+      timeout -k 10 $((${LIMIT:-560} - 45 - SECONDS)) bash bench/gpu_session.sh fp8-lane $seed $place & place=$((place + 1))
     done; wait
     python3 bench/rl_variants.py table /tmp/fp8toy/seed*/ --out "$OUT/trainer" --against bf16 > "$OUT/trainer.md" 2>&1
     python3 bench/rl_variants.py table /tmp/fp8toy/seed*/ --out "$OUT/rollout" --against vllm > "$OUT/rollout.md" 2>&1

@@ -190,7 +190,7 @@ case $stage in
     # trainer_fastfwd: the same with fp8_fast_accum=forward. ROLLOUT_QUANT= the rollout pair's vLLM quantisation.
     [[ " ${LANE_PAIRS:-trainer rollout} " != *" rollout "* ]] || need_vllm || exit 1
     # LIMIT: the seconds this stage may take, vLLM's install included; the lanes stop 45 s before it, so the tables
-    # and the log tarball are written (run AI's lanes ran to the call's limit and its logs did not come back).
+    # and the log tarball are written (run AI's call reached its limit while writing them: its logs did not come back).
     place=0
     for seed in ${SEEDS:-0 1 2}; do
       timeout -k 10 $((${LIMIT:-560} - 45 - SECONDS)) bash bench/gpu_session.sh fp8-lane $seed $place & place=$((place + 1))

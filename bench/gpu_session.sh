@@ -223,7 +223,8 @@ case $stage in
       variant bf16_critic_best_fp8 $best fp8=score,reference,update,backward
       variant bf16_critic_best_fp8_fast $best fp8=score,reference,update,backward fp8_fast_accum=all
     fi
-    if [[ " ${LANE_PAIRS:-trainer rollout} " == *" trainer_fast"* ]]; then  # trainer_fast, trainer_fastfwd
+    if [[ " ${LANE_PAIRS:-trainer rollout} " == *" trainer_fast "* ||
+          " ${LANE_PAIRS:-trainer rollout} " == *" trainer_fastfwd "* ]]; then
       variant bf16_fp8bw dtype=bfloat16 engine=native fp8=score,reference,update,backward
     fi
     if [[ " ${LANE_PAIRS:-trainer rollout} " == *" trainer_fast "* ]]; then

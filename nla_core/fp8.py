@@ -148,7 +148,8 @@ class _StraightThroughFP8Linear(torch.autograd.Function):
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
             grad_x = (g @ weight if wt_fp8 is None
-                      else fp8_linear(grad_y, wt_fp8, wt_scale, out_dtype=ctx.out_dtype, fast_accum=ctx.grad_fast_accum))
+                      else fp8_linear(grad_y, wt_fp8, wt_scale, out_dtype=ctx.out_dtype,
+                                      fast_accum=ctx.grad_fast_accum))
             grad_x = grad_x.to(ctx.x_dtype)
         if ctx.needs_input_grad[1]:
             grad_w = g.reshape(-1, g.shape[-1]).t() @ x.reshape(-1, x.shape[-1]).to(weight.dtype)

@@ -37,6 +37,8 @@ T = TypeVar("T")
 
 VLLMQuantization = Literal["none", "fp8", "fp8_per_channel", "fp8_per_block"]
 """vLLM's online quantisation methods of a bf16 checkpoint that a rollout engine may use ("none": bf16)."""
+FP8FastAccum = Literal["off", "forward", "all"]
+"""Which FP8 products use the kernel's fast accumulation: none, the forward products, every product."""
 
 
 class ConfigError(ValueError):
@@ -349,7 +351,7 @@ class TrainConfig:
     Works with compile_blocks and bf16_autocast; needs a Hopper GPU or later (or the CPU); not with quant.
     An nla addition, not in the reference; speed measured on one H200 (the 8B step 8.4 % faster on 2026-12-01,
     13.6 % with backward on 2026-12-02), learning parity on the toy on 2026-12-02: docs/performance.md."""
-    fp8_fast_accum: Literal["off", "forward", "all"] = "off"
+    fp8_fast_accum: FP8FastAccum = "off"
     """With fp8: which FP8 products accumulate in the tensor cores' own precision along K (cuBLAS's fast
     accumulation, `_scaled_mm(use_fast_accum=True)`), not promoted to float32 as they go: "forward" the forward
     products (policy, reference and AR scoring; the FP8 input gradients of `backward` not, as torchao's float8

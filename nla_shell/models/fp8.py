@@ -41,11 +41,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import typing
 
 import torch
 from torch import nn
 
 import nla_core
+from nla_shell.io.config import FP8FastAccum
 
 SCALED_MM_MULTIPLE = 16
 """`torch._scaled_mm` on SM90 needs K (in-features) and M (out-features) multiples of 16."""
@@ -54,8 +56,8 @@ OUT_DTYPE = torch.bfloat16
 to the input's dtype (a float32 model's layers then carry bf16 rounding too)."""
 MIN_CAPABILITY = (9, 0)
 """Rowwise-scaled FP8 `_scaled_mm`: Hopper (9.0) or later (Ada's FP8 kernels take one scale per tensor only)."""
-FAST_ACCUM = ("off", "forward", "all")
-"""FP8Linears' fast_accum (TrainConfig's fp8_fast_accum): no product, the forward products, every product."""
+FAST_ACCUM = typing.get_args(FP8FastAccum)
+"""FP8Linears' fast_accum values, TrainConfig's fp8_fast_accum's."""
 
 
 def require_fp8(device: torch.device, *, what: str = "config key 'fp8'") -> None:
@@ -82,7 +84,7 @@ class FP8Linears:
     """
 
     def __init__(self, backbone: nn.Module, *, label: str, compile_backend: str | None = None,
-                 backward: bool = False, fast_accum: str = "off") -> None:
+                 backward: bool = False, fast_accum: FP8FastAccum = "off") -> None:
         if fast_accum not in FAST_ACCUM:
             raise ValueError(f"fast_accum {fast_accum!r}: one of {', '.join(FAST_ACCUM)}")
         self.label, self.backward, self.fast_accum = label, backward, fast_accum

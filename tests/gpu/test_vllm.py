@@ -369,7 +369,8 @@ def test_fp8_engine_holds_fp8_linears_and_follows_every_push(model_dir, tiny_tok
                 p.copy_(old_lora[name])
     first_gap = (_behavior(first) - _hf_logprobs(actor, first, requests, inject=True)).abs().mean()
     stale_gap = (_behavior(second) - _hf_logprobs(actor, second, requests, inject=True)).abs().mean()
-    print(f"{quantization}: pushes {first_push_s:.3f}s, {second_push_s:.3f}s; mean|dlogp| vs the pushed actor: first push "
+    print(f"{quantization}: pushes {first_push_s:.3f}s, {second_push_s:.3f}s; mean|dlogp| vs the pushed actor: "
+          f"first push "
           f"{first_gap:.4f}, second {new_gap.mean():.4f} (max {new_gap.max():.3f}); second vs the old weights "
           f"{stale_gap:.4f}; linear dtypes {sorted(set(pushed_dtypes.values()))}")
     assert loaded_dtypes and set(loaded_dtypes.values()) == {"torch.float8_e4m3fn"}, loaded_dtypes

@@ -8,7 +8,10 @@ so one variant costs seconds, not minutes, and no engine or AR is built. Per var
                sees the same weights), after a warm-up update over the same rollouts
   TF/s, % pk   the update's matrix FLOPs (bench_step.path_flops) over that time, against 790
   gpu busy     kernel time / wall time over a profiled update of a few micro-batches:
-               the share of the time the GPU computes (the rest it waits on the host)
+               the share of the time the GPU computes (the rest it waits on the host); kernel
+               time is the union of the trace's kernel and copy intervals
+  sites        with --sites: that profiled update's kernel seconds by launching op, source
+               line or backward node, and input shape (kernel_sites.py)
   syncs        host synchronisations in that profiled update (torch.cuda sync debug mode)
   idle         kernels and idle seconds in that profiled update, and the host ops the GPU waited on
                (`timeline.idle_gaps`)
@@ -54,6 +57,7 @@ import torch  # noqa: E402
 
 import synthetic as syn  # noqa: E402
 from bench_step import PEAK_TFLOPS, path_flops, write_profile_table  # noqa: E402
+from kernel_sites import format_sites, kernel_sites  # noqa: E402
 from timeline import HostLead, idle_gaps  # noqa: E402
 
 OPTIONS = ("bf16", "compile", "mlpcompile", "norotary", "nohead", "noref", "synced", "fp8", "fp8bw", "fastacc",
@@ -101,6 +105,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--profile-micro-batches", type=int, default=3,
                         help="micro-batches in the profiled update that measures gpu busy and syncs (0: none)")
     parser.add_argument("--tables", default=None, help="directory for each variant's torch.profiler table")
+    parser.add_argument("--sites", action="store_true",
+                        help="with --tables: the profiled update's kernel time by launching op, source line or "
+                             "backward node, and input shape (kernel_sites.py), as sites_VARIANT.txt")
     parser.add_argument("--lead", action="store_true",
                         help="one more update per variant with timeline.HostLead marks (the GPU's lag behind the host)")
     args = parser.parse_args()
@@ -189,8 +196,9 @@ def synchronising_prefix_batches():
         prefix.prefix_batch, prefix.PrefixBatch.to = build, move
 
 
-def profiled_call(fn, device: torch.device, table_path: Path | None) -> dict[str, float]:
-    """gpu busy share, host syncs and idle gaps of one call of `fn` (see the module docstring)."""
+def profiled_call(fn, device: torch.device, table_path: Path | None, *, sites: bool = False) -> dict[str, float]:
+    """gpu busy share, host syncs and idle gaps of one call of `fn` (see the module docstring); with `sites`
+    and a `table_path`, its kernel time by launching site beside the table (`kernel_sites`)."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = device.type == "cuda"
@@ -201,19 +209,24 @@ def profiled_call(fn, device: torch.device, table_path: Path | None) -> dict[str
         if cuda:
             torch.cuda.set_sync_debug_mode("warn")
         try:
-            with profile(activities=activities) as prof:
+            with profile(activities=activities, record_shapes=sites, with_stack=sites) as prof:
                 seconds, _ = syn.timed(fn, device)
         finally:
             if cuda:
                 torch.cuda.set_sync_debug_mode("default")
         syncs = sum("synchroniz" in str(w.message) for w in caught)
-    # Kernels and copies themselves (CPU ops carry their kernels' time too: summing those double-counts).
-    kernel_us = sum(e.time_range.elapsed_us() for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
-    busy_us = kernel_us if cuda else math.nan
+    # The device's busy time: the union of its kernels' and copies' intervals in the trace (summing the profiler's
+    # device events counted some twice on torch 2.11: "gpu busy" read 109 % in run AJ).
+    idle = trace_gaps(prof) if cuda else None
+    busy_s = idle["busy_s"] if cuda else math.nan
     if table_path is not None:
         write_profile_table(prof, table_path, device, rows=40)
-    return {"profiled_s": seconds, "gpu_busy": busy_us / 1e6 / seconds, "syncs": syncs, "kernel_s": busy_us / 1e6,
-            **({"idle": trace_gaps(prof)} if cuda else {})}
+        if sites and cuda:
+            text = format_sites(kernel_sites(prof, top=60))
+            table_path.with_name("sites_" + table_path.name.removeprefix("update_")).write_text(text + "\n")
+            print(text[:6000], flush=True)
+    return {"profiled_s": seconds, "gpu_busy": busy_s / seconds, "syncs": syncs, "kernel_s": busy_s,
+            **({"idle": idle} if cuda else {})}
 
 
 def trace_gaps(prof) -> dict:
@@ -282,7 +295,7 @@ def main() -> None:
                 if args.profile_micro_batches:
                     n = min(len(rollouts), args.profile_micro_batches * variant.micro_batch)
                     table = Path(args.tables) / f"update_{variant.name.replace(':', '_').replace('+', '-')}.txt" if args.tables else None
-                    profiled = profiled_call(update(variant, n, copies), device, table)
+                    profiled = profiled_call(update(variant, n, copies), device, table, sites=args.sites)
                 if args.lead:
                     from nla_shell.families import decoder_blocks
 

@@ -314,7 +314,9 @@ case $stage in
     # 16:synced,16,64:bf16+compile+synced,64:bf16+compile (host syncs); 64:bf16+mlpcompile,64:bf16+compile (LoRA layers);
     # 64:bf16+compile+norotary,64:bf16+compile,64:bf16+compile+ref256,64:bf16+compile+noref (rotary, reference pass);
     # 64:bf16+compile with UPDATE_ARGS="--profile-micro-batches 4" (where the GPU waits);
-    # 64:bf16+compile+nohead,64:bf16+compile and the default (log-prob head; prompt blocks) with --lead.
+    # 64:bf16+compile+nohead,64:bf16+compile and the default (log-prob head; prompt blocks) with --lead;
+    # 64:bf16+compile+fp8bw,64:bf16+compile+fp8bw+noref (and +ref128, +ref256) with
+    # UPDATE_ARGS="--profile-micro-batches 4 --sites" (run AJ: kernel time by site, the reference pass's share).
     need_bnb
     timeout -k 10 580 python3 bench/bench_update.py --cases 32x8 --variants "${VARIANTS:-64:bf16+compile+pb1,64:bf16+compile}" \
       ${UPDATE_ARGS:---lead --profile-micro-batches 0} --tables "$OUT/update_tables" --out "$OUT/update.json" > "$OUT/update.log" 2>&1

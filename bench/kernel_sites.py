@@ -5,7 +5,10 @@ A profiler table groups by op name only, so "aten::copy_ 0.16 s" does not say wh
 kernel's time is charged to the CPU op that launched it (its own kernels, not its children's), and that op
 to a site: the innermost two frames of its Python stack in this repository, transformers or peft (forward
 ops); for ops the autograd engine runs (no Python stack) the backward node they ran in, e.g.
-`CompiledFunctionBackward` (a compiled region's backward) or `CatBackward0`.
+`CompiledFunctionBackward` (a compiled region's backward) or `CatBackward0`. Forward ops in a compiled
+region name it ("Torch-Compiled Region: 0/0") where no frame does: torch 2.11 with CUDA activity links no
+Python frames to ops (on the H200, run AJ: `stack` empty and no Python-function ancestors), torch 2.13 on
+the CPU does.
 
     with torch.profiler.profile(activities=[CPU, CUDA], record_shapes=True, with_stack=True) as prof:
         work()
@@ -20,6 +23,7 @@ from typing import Any
 SITE_MARKERS = ("nla_shell/", "nla_core/", "bench/", "transformers/", "peft/")
 """Stack frames from these paths name a site; torch's own frames never do."""
 BACKWARD_NODE = "autograd::engine::evaluate_function: "
+COMPILED_REGION = "Torch-Compiled Region"
 
 
 def kernel_sites(prof, *, top: int = 40) -> dict[str, Any]:
@@ -45,9 +49,9 @@ def kernel_sites(prof, *, top: int = 40) -> dict[str, Any]:
 
 def _site(event, *, frames: int = 2) -> str:
     """The op's innermost `frames` repository / transformers / peft frames (innermost first, joined by " < "),
-    else the backward node it ran in, else "?". The frames are the op's Python-function ancestors (what
-    torch.profiler's with_stack records) or, where a profiler fills it, its `stack`."""
-    found, backward = [], None
+    else the innermost backward node or compiled region it ran in, else "?". The frames are the op's
+    Python-function ancestors (what torch.profiler's with_stack records) or, where a profiler fills it, its `stack`."""
+    found, enclosing = [], None
     parent = event.cpu_parent
     names = list(getattr(event, "stack", None) or [])
     while parent is not None:
@@ -57,9 +61,11 @@ def _site(event, *, frames: int = 2) -> str:
         starts = [name.rfind(marker) for marker in SITE_MARKERS if marker in name]
         if starts and len(found) < frames:
             found.append(name[max(starts):])
-        if backward is None and name.startswith(BACKWARD_NODE):
-            backward = "backward: " + name[len(BACKWARD_NODE):]
-    return " < ".join(found) if found else backward or "?"
+        if enclosing is None and name.startswith(BACKWARD_NODE):
+            enclosing = "backward: " + name[len(BACKWARD_NODE):]
+        if enclosing is None and name.startswith(COMPILED_REGION):
+            enclosing = name
+    return " < ".join(found) if found else enclosing or "?"
 
 
 def format_sites(sites: dict[str, Any]) -> str:

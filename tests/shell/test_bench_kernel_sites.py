@@ -54,6 +54,13 @@ def test_kernels_are_charged_to_their_op_its_repository_frame_or_its_backward_no
     assert "94.3%" in table and "5.4%" in table and table.count("\n") == 3
 
 
+def test_without_frames_a_compiled_regions_op_names_the_region():
+    region = SimpleNamespace(name="Torch-Compiled Region: 3/0", cpu_parent=None)
+    graph = SimpleNamespace(name="## Call CompiledFxGraph abc ##", cpu_parent=region)
+    sites = kernel_sites.kernel_sites(profile(op("aten::mm", [7.0], parent=graph)))
+    assert sites["rows"][0]["site"] == "Torch-Compiled Region: 3/0"
+
+
 def test_an_op_with_neither_a_known_frame_nor_a_backward_node_is_unplaced():
     sites = kernel_sites.kernel_sites(profile(op("aten::add", [10.0], frames=["/x/site-packages/torch/x.py(1): f"])))
     assert sites["rows"][0]["site"] == "?"

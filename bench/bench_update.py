@@ -111,6 +111,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--lead", action="store_true",
                         help="one more update per variant with timeline.HostLead marks (the GPU's lag behind the host)")
     args = parser.parse_args()
+    if args.sites and not (args.tables and args.profile_micro_batches):
+        parser.error("--sites writes beside the profiler tables: give --tables DIR and --profile-micro-batches > 0")
     prompts, _, group = (args.cases or ("4x2" if args.tiny else "32x8")).partition("x")
     args.prompts, args.group = int(prompts), int(group)
     args.variants = [parse_variant(v) for v in args.variants.split(",") if v]

@@ -73,6 +73,7 @@ export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTH
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/keep
 QUIET='^INFO\|^WARNING\|^(EngineCore\|Capturing'
 lane() { local gpu=$1; shift; CUDA_VISIBLE_DEVICES=$gpu bash -c "$*"; }
+lane_pair() { [[ " ${LANE_PAIRS:-trainer rollout} " == *" $1 "* ]]; }  # fp8-learning: LANE_PAIRS names pair $1
 pack() { tar -C "$OUT" -czf "/tmp/$1.tgz" . && rm -rf "${OUT:?}"/* && mv "/tmp/$1.tgz" "$OUT/"; }  # one file back, not > 8
 need_vllm() {  # the bundle's install.sh (once per machine), then nla's vLLM plugin entry point (TP workers are spawned)
   if [ ! -f /tmp/vllm_env.sh ]; then
@@ -188,7 +189,7 @@ case $stage in
     # with fp8_fast_accum, against the same critic in bf16 (native engine, no vLLM needed). LANE_PAIRS=trainer_fast:
     # fp8=score,reference,update,backward without and with fp8_fast_accum=all, the AR frozen (as the trainer pair);
     # trainer_fastfwd: the same with fp8_fast_accum=forward. ROLLOUT_QUANT= the rollout pair's vLLM quantisation.
-    [[ " ${LANE_PAIRS:-trainer rollout} " != *" rollout "* ]] || need_vllm || exit 1
+    ! lane_pair rollout || need_vllm || exit 1
     # LIMIT: the seconds this stage may take, vLLM's install included; the lanes stop 45 s before it, so the tables
     # and the log tarball are written (run AI's call reached its limit while writing them: its logs did not come back).
     place=0
@@ -213,32 +214,31 @@ case $stage in
       python3 bench/rl_variants.py variant $d $name "$@" > $d.$name.log 2>&1; }
     # LANE_PAIRS: which pairs each lane runs (trainer: bf16 and bf16_fp8; rollout: vllm and vllm_fp8;
     # critic: bf16_critic and bf16_critic_best, the critic co-trained on every rollout or each group's best).
-    if [[ " ${LANE_PAIRS:-trainer rollout} " == *" critic "* ]]; then
+    if lane_pair critic; then
       variant bf16_critic dtype=bfloat16 engine=native train_critic=true
       variant bf16_critic_best dtype=bfloat16 engine=native train_critic=true critic_rollouts=best
     fi
-    if [[ " ${LANE_PAIRS:-trainer rollout} " == *" fast "* ]]; then
+    if lane_pair fast; then
       best="dtype=bfloat16 engine=native train_critic=true critic_rollouts=best"
       variant bf16_critic_best $best
       variant bf16_critic_best_fp8 $best fp8=score,reference,update,backward
       variant bf16_critic_best_fp8_fast $best fp8=score,reference,update,backward fp8_fast_accum=all
     fi
-    if [[ " ${LANE_PAIRS:-trainer rollout} " == *" trainer_fast "* ||
-          " ${LANE_PAIRS:-trainer rollout} " == *" trainer_fastfwd "* ]]; then
+    if lane_pair trainer_fast || lane_pair trainer_fastfwd; then
       variant bf16_fp8bw dtype=bfloat16 engine=native fp8=score,reference,update,backward
     fi
-    if [[ " ${LANE_PAIRS:-trainer rollout} " == *" trainer_fast "* ]]; then
+    if lane_pair trainer_fast; then
       variant bf16_fp8bw_fast dtype=bfloat16 engine=native fp8=score,reference,update,backward fp8_fast_accum=all
     fi
-    if [[ " ${LANE_PAIRS:-trainer rollout} " == *" trainer_fastfwd "* ]]; then
+    if lane_pair trainer_fastfwd; then
       variant bf16_fp8bw_fastfwd dtype=bfloat16 engine=native fp8=score,reference,update,backward \
         fp8_fast_accum=forward
     fi
-    if [[ " ${LANE_PAIRS:-trainer rollout} " == *" trainer "* ]]; then
+    if lane_pair trainer; then
       variant bf16 dtype=bfloat16 engine=native
       variant bf16_fp8 dtype=bfloat16 engine=native fp8=score,reference,update
     fi
-    [[ " ${LANE_PAIRS:-trainer rollout} " == *" rollout "* ]] || exit 0
+    lane_pair rollout || exit 0
     # The lanes reach their vLLM variants together: starting three engines at once lost seed 1's vllm_fp8 in
     # run Z ("No available memory for the cache blocks" at vllm_gpu_mem 0.05), so each lane waits its turn
     # (its place in SEEDS, not its seed).

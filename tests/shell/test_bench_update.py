@@ -26,3 +26,12 @@ def test_update_bench_runs_and_the_old_synchronising_path_gives_the_same_update(
     # Another micro-batch sums the same gradient (float32 rounding only).
     assert abs(cases["4"]["grad_norm"] - cases["2"]["grad_norm"]) <= 1e-5 * cases["2"]["grad_norm"]
     assert all(c["s"] > 0 and c["loss"] == c["loss"] for c in cases.values())
+
+
+def test_sites_without_tables_is_refused_before_any_work(tmp_path):
+    out = tmp_path / "update.json"
+    result = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_update.py"), "--tiny", "--sites",
+                             "--out", str(out)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert "--sites writes beside the profiler tables: give --tables DIR" in result.stderr.splitlines()[-1]
+    assert not out.exists()

@@ -34,6 +34,7 @@ from nla_shell.io.logging import make_logger
 from nla_shell.io.paths import require_file, require_model
 from nla_shell.io.progress import progress_bar, say_line
 from nla_shell.models import ARModel, Injector, load_actor, response_logprobs, trainable_parameters
+from nla_shell.pipeline import sft_eval
 from nla_shell.quant import require_quant
 from nla_shell.training.scoring import critic_step
 from nla_shell.training.preemption import StopSignals, boundary_save_due
@@ -61,7 +62,9 @@ class SFTConfig:
     save_dir: str
     """Run directory: config.yaml, metrics.jsonl, step_NNNNNN/ checkpoints."""
     num_steps: int = 500
-    """Optimizer steps."""
+    """Optimizer steps (the most, with a held-out stopping rule); `epochs` replaces it when set."""
+    epochs: float | None = None
+    """Passes over the training rows: the run takes ceil(epochs * rows / batch_size) steps instead of num_steps."""
     batch_size: int = 32
     """Examples per optimizer step."""
     micro_batch: int = 8
@@ -82,6 +85,29 @@ class SFTConfig:
     """rsLoRA scaling alpha/sqrt(r) (the AV's LoRA; the AR's with ar_lora)."""
     max_tokens: int = 256
     """Longest AV response / AR input in tokens; longer rows are dropped (and counted)."""
+    eval_parquet: str | None = None
+    """Held-out rows (datagen's eval.parquet: documents the training rows do not share) scored every eval_every
+    steps, on the progress line and in metrics.jsonl as heldout/*: the AR's FVE on the gold explanations; the AV's
+    token NLL with each row's vector and with another row's, and their gap (what the vector tells it), and with
+    eval_ar its round-trip FVE. None: no held-out evaluation."""
+    eval_every: int = 100
+    """Steps between held-out evaluations (and one at the last step)."""
+    eval_rows: int = 256
+    """Held-out rows scored at each evaluation (the first rows of eval_parquet)."""
+    eval_ar: str | None = None
+    """AV only: an AR dir (`nla sft --mode ar`) that scores the AV's sampled held-out explanations: the round-trip
+    FVE, which the run then selects on (without it, the held-out NLL, lower is better)."""
+    eval_max_new_tokens: int = 64
+    """Longest explanation the AV samples for the round-trip FVE, in tokens."""
+    patience: int = 0
+    """Stop after this many held-out evaluations in a row without a new best (0: run every step)."""
+    min_delta: float = 0.0
+    """How much a held-out figure must beat the best so far to count as a new best."""
+    keep_best: bool = True
+    """With eval_parquet: save a checkpoint at each new best and make the best one the run's result (what `done`
+    names and the demo trains on); False: the last checkpoint."""
+    keep_last: int | None = None
+    """Keep only the newest keep_last checkpoints, and the best held-out one; None keeps every checkpoint."""
     max_rows: int | None = None
     """Use at most the first max_rows rows; None uses all."""
     save_every: int = 100
@@ -115,7 +141,7 @@ class SFTConfig:
     def __post_init__(self) -> None:
         normalize_fields(self)
         for key in ("num_steps", "batch_size", "micro_batch", "lora_r", "lora_alpha", "max_tokens", "save_every",
-                    "log_every"):
+                    "log_every", "eval_every", "eval_rows", "eval_max_new_tokens"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"config key '{key}' = {getattr(self, key)!r} is invalid: use an integer >= 1")
         for key in ("lr", "max_grad_norm"):
@@ -125,14 +151,27 @@ class SFTConfig:
             raise ConfigError(f"config key 'warmup_steps' = {self.warmup_steps} is invalid: use an integer >= 0")
         if self.max_rows is not None and self.max_rows < 1:
             raise ConfigError(f"config key 'max_rows' = {self.max_rows} is invalid: use an integer >= 1 or null")
+        for key in ("patience", "min_delta"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"config key '{key}' = {getattr(self, key)!r} is invalid: use a number >= 0")
+        if self.epochs is not None and not self.epochs > 0:
+            raise ConfigError(f"config key 'epochs' = {self.epochs!r} is invalid: use a number > 0, or null for num_steps")
+        if self.keep_last is not None and self.keep_last < 1:
+            raise ConfigError(f"config key 'keep_last' = {self.keep_last} is invalid: use an integer >= 1 or null")
+        if self.eval_ar is not None and self.mode != "av":
+            raise ConfigError("config key 'eval_ar' applies to mode=av only (the AR's held-out FVE needs no other "
+                              "model); drop it or set mode=av")
+        if self.eval_parquet is None and (self.eval_ar is not None or self.patience > 0):
+            key = "eval_ar" if self.eval_ar is not None else "patience"
+            raise ConfigError(f"config key '{key}' needs held-out rows: set eval_parquet (datagen's eval.parquet)")
         if self.ar_lora and self.mode != "ar":
             raise ConfigError("config key 'ar_lora' = true applies to mode=ar only (the AV always trains a LoRA); "
                               "drop it or set mode=ar")
 
 
 SFT_RESUME_MUTABLE_KEYS = frozenset(
-    {"num_steps", "save_every", "log_every", "save_dir", "resume", "overwrite", "logger", "wandb_project", "device",
-     "micro_batch", "save_on_signal"}
+    {"num_steps", "epochs", "save_every", "log_every", "save_dir", "resume", "overwrite", "logger", "wandb_project",
+     "device", "micro_batch", "save_on_signal", "patience", "min_delta", "keep_last"}
 )
 """SFTConfig keys a resumed run may change (with cosine, a new num_steps reshapes the rest of the decay)."""
 
@@ -145,6 +184,10 @@ def lr_factor(step: int, *, num_steps: int, warmup_steps: int, schedule: str) ->
         return 1.0
     progress = (step - warmup_steps) / max(1, num_steps - warmup_steps)
     return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
+
+
+HELDOUT_SCORE = "heldout/score"
+"""The checkpoint manifest's held-out figure, signed so that higher is better (keep_best, keep_last)."""
 
 
 # --------------------------------------------------------------------------- AV loss
@@ -185,20 +228,58 @@ def av_response_nll(
 
 
 def sft(cfg: SFTConfig) -> Path:
-    """Run (or resume) AV or AR warm-start training; returns the final checkpoint dir.
+    """Run (or resume) AV or AR warm-start training; returns the run's result checkpoint dir.
 
-    Holds save_dir's lock throughout; raises preemption.RunStopped when a signal stops it
-    (after saving, if save_on_signal).
+    The result is the last checkpoint, or, with eval_parquet and keep_best, the one with the best
+    held-out figure. Holds save_dir's lock throughout; raises preemption.RunStopped when a signal
+    stops it (after saving, if save_on_signal).
     """
     with RunDirLock(cfg.save_dir), StopSignals(cfg.save_dir) as stop:
         return _run_sft(cfg, stop)
 
 
+@dataclass
+class _Run:
+    """What one SFT run holds while it trains (built by `_setup`, advanced by `_train`)."""
+
+    cfg: SFTConfig
+    save_dir: Path
+    tokenizer: Any
+    nla: nla_core.NLAConfig
+    examples: list[Any]
+    num_steps: int
+    model: torch.nn.Module
+    injector: Injector | None
+    optimizer: torch.optim.Optimizer
+    order: DataOrder
+    start_step: int
+    save: Any
+    """save(steps_done, stopping) -> the checkpoint dir."""
+    heldout: sft_eval.HeldOut | None
+    eval_ar: ARModel | None
+    stopping: sft_eval.EarlyStopping
+    mse_scale: float | None
+    baselines: nla_core.Baselines
+    """Predict-the-mean baselines of the training activations (the training FVE's, and the sidecar's)."""
+
+
 def _run_sft(cfg: SFTConfig, stop: StopSignals) -> Path:
-    # --- validate every input before anything is written ---------------------------------
+    run = _setup(cfg)
+    if run.stopping.should_stop:  # a resumed run that had already stopped on its held-out plateau
+        say_line(f"[sft {cfg.mode}] stopped early at an earlier run's plateau; nothing to train")
+    else:
+        _train(run, stop)
+    return _finish(run)
+
+
+def _setup(cfg: SFTConfig) -> _Run:
+    """Validate every input, load the examples and held-out rows, claim save_dir, build or restore the model."""
+    # --- inputs, before anything is written ----------------------------------------------
     require_model("model", cfg.model)
     require_file("parquet", cfg.parquet)
     require_file("sidecar", cfg.sidecar)
+    require_file("eval_parquet", cfg.eval_parquet)
+    require_model("eval_ar", cfg.eval_ar, hub_ok=False)
     device, dtype = resolve_device(cfg.device, cfg.dtype)
     require_quant(cfg.quant, device, trains_ar_backbone=cfg.mode == "ar" and not cfg.ar_lora)
     model_dir = Path(cfg.model).resolve()
@@ -211,8 +292,70 @@ def _run_sft(cfg: SFTConfig, stop: StopSignals) -> Path:
     nla = load_sidecar(cfg.sidecar or cfg.parquet)
     check_tokenizer(nla, tokenizer)
     mse_scale = nla_core.resolve_target_scale(nla.mse_scale, nla.d_model)
+    style, injection_norm = (injection_settings(nla, style=cfg.injection_style, scale=cfg.injection_scale)
+                             if cfg.mode == "av" else ("residual_add", None))  # the AR injects nothing
+    rows, examples = _load_examples(cfg, nla, tokenizer)
+    baselines = nla_core.predict_mean_baselines(torch.stack([r.activation for r in rows]), scale=mse_scale)
+    heldout = None if cfg.eval_parquet is None else sft_eval.load_heldout(
+        cfg.eval_parquet, nla, tokenizer, n_rows=cfg.eval_rows, seed=cfg.seed, mse_scale=mse_scale,
+        need_response=cfg.mode == "av")
+    num_steps = cfg.num_steps if cfg.epochs is None else max(1, math.ceil(cfg.epochs * len(examples) / cfg.batch_size))
+
+    save_dir = Path(cfg.save_dir)
+    config_dict = config_to_dict(cfg)
+    ckpt.claim_save_dir(save_dir, config_dict, overwrite=cfg.overwrite, resume=cfg.resume,
+                        mutable_keys=SFT_RESUME_MUTABLE_KEYS, num_steps=num_steps)
+    ckpt.remove_stale_entries(save_dir)  # under the lock: no other run's save is in flight
+    resume_from = ckpt.latest_verified_checkpoint(save_dir) if cfg.resume == "auto" else None
+
+    # --- model, optimizer, and a resumed run's state -----------------------------------------
+    seed_everything(cfg.seed)
+    model, injector = _build_model(cfg, model_dir, nla, resume_from, style=style, injection_norm=injection_norm,
+                                   mse_scale=mse_scale, dtype=dtype, device=device)
+    model.train()
+    optimizer = make_optimizer(trainable_parameters(model), cfg.lr, device=device, label=f"sft {cfg.mode}")
+    order = DataOrder(len(examples), cfg.seed)
+    stopping = sft_eval.EarlyStopping(patience=cfg.patience, min_delta=cfg.min_delta)
+    start_step = 0
+    if resume_from is not None:
+        state = ckpt.load_training_state(resume_from)
+        start_step = state.step
+        order.epoch, order.offset = state.data_cursor["epoch"], state.data_cursor["offset"]
+        optimizer.load_state_dict(state.optimizer_states["model"])
+        ckpt.set_rng_state(state.rng)
+        stopping = stopping.restored(state.extra.get("early_stop"))
+        print(f"[resume] sft {cfg.mode} from {resume_from} at step {start_step}", flush=True)
+    sidecar_out = model_sidecar(
+        nla, role=cfg.mode, stage="sft", base_checkpoint=str(model_dir), injection_style=style,
+        injection_norm=injection_norm, trained_on=[str(Path(cfg.parquet).resolve())], baselines=baselines,
+        provenance={"sft": {"mode": cfg.mode, "parquet": str(Path(cfg.parquet).resolve()), "base_model": str(model_dir)}},
+    )
+
+    def save(step_done: int, stopping: sft_eval.EarlyStopping, score: float | None) -> Path:
+        def write(tmp: Path) -> None:
+            model.save_pretrained(tmp)  # AV: adapter_config.json + weights; AR: backbone + value head
+            tokenizer.save_pretrained(tmp)
+            write_sidecar(sidecar_out, tmp / MODEL_SIDECAR)
+            ckpt.save_training_state(tmp, step=step_done, data_cursor=order.state(),
+                                     optimizer_states={"model": optimizer.state_dict()}, rng=ckpt.rng_state(),
+                                     extra={"early_stop": stopping.state()})
+            (tmp / ckpt.CONFIG_NAME).write_text((save_dir / ckpt.CONFIG_NAME).read_text())
+
+        # keep_last and keep_best find the best checkpoint by this score (higher is better).
+        path = ckpt.save_checkpoint(save_dir, step_done, write=write, metrics={HELDOUT_SCORE: score})
+        if cfg.keep_last is not None:
+            ckpt.prune_checkpoints(save_dir, keep_last=cfg.keep_last, best_by=HELDOUT_SCORE)
+        return path
+
+    eval_ar = sft_eval.round_trip_ar(cfg.eval_ar, mse_scale=mse_scale, dtype=dtype, device=device, mode=cfg.mode)
+    return _Run(cfg=cfg, save_dir=save_dir, tokenizer=tokenizer, nla=nla, examples=examples, num_steps=num_steps,
+                model=model, injector=injector, optimizer=optimizer, order=order, start_step=start_step, save=save,
+                heldout=heldout, eval_ar=eval_ar, stopping=stopping, mse_scale=mse_scale, baselines=baselines)
+
+
+def _load_examples(cfg: SFTConfig, nla: nla_core.NLAConfig, tokenizer) -> tuple[list[Any], list[Any]]:
+    """The parquet's rows and the training examples made of them (rows longer than max_tokens dropped, counted)."""
     if cfg.mode == "av":
-        style, injection_norm = injection_settings(nla, style=cfg.injection_style, scale=cfg.injection_scale)
         rows = list(stream_rows(cfg.parquet, nla, stop=cfg.max_rows, extra_columns=("response",), key="parquet"))
         eos = (tokenizer.eos_token_id,)
         examples: list[Any] = [
@@ -222,7 +365,6 @@ def _run_sft(cfg: SFTConfig, stop: StopSignals) -> Path:
         ]
         examples = [e for e in examples if len(e.response_ids) <= cfg.max_tokens]
     else:
-        style, injection_norm = "residual_add", None  # the AR injects nothing
         if nla.extraction_layer_index is None:
             raise DataError(f"sidecar of {cfg.parquet}: names no extraction layer (extraction.layer_index); add it")
         rows = list(stream_rows(cfg.parquet, nla, stop=cfg.max_rows, text_prompt=True, key="parquet"))
@@ -236,17 +378,13 @@ def _run_sft(cfg: SFTConfig, stop: StopSignals) -> Path:
             f"parquet: {cfg.parquet} yields {len(examples)} usable rows, fewer than batch_size={cfg.batch_size}; "
             "use more data or a smaller batch_size"
         )
-    baselines = nla_core.predict_mean_baselines(torch.stack([r.activation for r in rows]), scale=mse_scale)
+    return rows, examples
 
-    save_dir = Path(cfg.save_dir)
-    config_dict = config_to_dict(cfg)
-    ckpt.claim_save_dir(save_dir, config_dict, overwrite=cfg.overwrite, resume=cfg.resume,
-                        mutable_keys=SFT_RESUME_MUTABLE_KEYS, num_steps=cfg.num_steps)
-    ckpt.remove_stale_entries(save_dir)  # under the lock: no other run's save is in flight
-    resume_from = ckpt.latest_verified_checkpoint(save_dir) if cfg.resume == "auto" else None
 
-    # --- model and optimizer ---------------------------------------------------------------
-    seed_everything(cfg.seed)
+def _build_model(cfg: SFTConfig, model_dir: Path, nla: nla_core.NLAConfig, resume_from: Path | None, *, style: str,
+                 injection_norm: float | None, mse_scale: float | None, dtype: torch.dtype,
+                 device: torch.device) -> tuple[torch.nn.Module, Injector | None]:
+    """The AV (actor + LoRA, with its injector) or the AR, new or from the checkpoint a resumed run continues."""
     if cfg.mode == "av":
         model = load_actor(
             model_dir, lora_r=cfg.lora_r, lora_alpha=cfg.lora_alpha, use_rslora=cfg.use_rslora,
@@ -256,91 +394,123 @@ def _run_sft(cfg: SFTConfig, stop: StopSignals) -> Path:
             model, marker_id=nla.injection_token_id, left_id=nla.injection_left_neighbor_id,
             right_id=nla.injection_right_neighbor_id, style=style, injection_norm=injection_norm,
         )
-    elif resume_from is not None:  # an AR-LoRA checkpoint rebuilds its LoRA around the (quantised) base itself
-        model = ARModel.from_pretrained(resume_from, mse_scale=mse_scale, dtype=dtype, device=device)
-    else:
-        model = ARModel.from_pretrained(model_dir, mse_scale=mse_scale, extraction_layer_index=nla.extraction_layer_index,
-                                        create_head=True, dtype=dtype, device=device, quant=cfg.quant)
-        if cfg.ar_lora:
-            model.add_lora(r=cfg.lora_r, alpha=cfg.lora_alpha, use_rslora=cfg.use_rslora, base_model=model_dir,
-                           quant=cfg.quant)
-    model.train()
-    optimizer = make_optimizer(trainable_parameters(model), cfg.lr, device=device, label=f"sft {cfg.mode}")
-    order = DataOrder(len(examples), cfg.seed)
-    start_step = 0
-    if resume_from is not None:
-        state = ckpt.load_training_state(resume_from)
-        start_step = state.step
-        order.epoch, order.offset = state.data_cursor["epoch"], state.data_cursor["offset"]
-        optimizer.load_state_dict(state.optimizer_states["model"])
-        ckpt.set_rng_state(state.rng)
-        print(f"[resume] sft {cfg.mode} from {resume_from} at step {start_step}", flush=True)
+        return model, injector
+    if resume_from is not None:  # an AR-LoRA checkpoint rebuilds its LoRA around the (quantised) base itself
+        return ARModel.from_pretrained(resume_from, mse_scale=mse_scale, dtype=dtype, device=device), None
+    model = ARModel.from_pretrained(model_dir, mse_scale=mse_scale, extraction_layer_index=nla.extraction_layer_index,
+                                    create_head=True, dtype=dtype, device=device, quant=cfg.quant)
+    if cfg.ar_lora:
+        model.add_lora(r=cfg.lora_r, alpha=cfg.lora_alpha, use_rslora=cfg.use_rslora, base_model=model_dir,
+                       quant=cfg.quant)
+    return model, None
+
+
+def _train(run: _Run, stop: StopSignals) -> None:
+    """The steps from run.start_step: update, log, evaluate on the held-out rows, checkpoint, stop on a plateau."""
+    cfg = run.cfg
     logger = make_logger(
-        [n for n in cfg.logger if n != "console"], save_dir=save_dir, config_dict=config_dict,
-        project=cfg.wandb_project, start_step=start_step,
+        [n for n in cfg.logger if n != "console"], save_dir=run.save_dir, config_dict=config_to_dict(cfg),
+        project=cfg.wandb_project, start_step=run.start_step,
     )
-    sidecar_out = model_sidecar(
-        nla, role=cfg.mode, stage="sft", base_checkpoint=str(model_dir), injection_style=style,
-        injection_norm=injection_norm, trained_on=[str(Path(cfg.parquet).resolve())], baselines=baselines,
-        provenance={"sft": {"mode": cfg.mode, "parquet": str(Path(cfg.parquet).resolve()), "base_model": str(model_dir)}},
-    )
-
-    def save(step_done: int) -> Path:
-        def write(tmp: Path) -> None:
-            model.save_pretrained(tmp)  # AV: adapter_config.json + weights; AR: backbone + value head
-            tokenizer.save_pretrained(tmp)
-            write_sidecar(sidecar_out, tmp / MODEL_SIDECAR)
-            ckpt.save_training_state(tmp, step=step_done, data_cursor=order.state(),
-                                     optimizer_states={"model": optimizer.state_dict()}, rng=ckpt.rng_state())
-            (tmp / ckpt.CONFIG_NAME).write_text((save_dir / ckpt.CONFIG_NAME).read_text())
-
-        return ckpt.save_checkpoint(save_dir, step_done, write=write)
-
-    # --- steps -------------------------------------------------------------------------------
-    final = resume_from
-    bar = progress_bar(total=cfg.num_steps, initial=start_step, desc=f"sft {cfg.mode}", unit="step")
-    for step in range(start_step, cfg.num_steps):
+    bar = progress_bar(total=run.num_steps, initial=run.start_step, desc=f"sft {cfg.mode}", unit="step")
+    for step in range(run.start_step, run.num_steps):
         # --- preemption: a signal ends the run here, between steps -----------------------------
         if stop.should_stop(step):
-            if boundary_save_due(step, start_step=start_step, save_every=cfg.save_every,
+            if boundary_save_due(step, start_step=run.start_step, save_every=cfg.save_every,
                                  save_on_signal=cfg.save_on_signal):
-                save(step)
+                run.save(step, run.stopping, None)
             logger.close()
-            raise stop.stopped(ckpt.latest_checkpoint(save_dir), command="sft")
+            raise stop.stopped(ckpt.latest_checkpoint(run.save_dir), command="sft")
 
-        t0 = time.perf_counter()
-        lr = cfg.lr * lr_factor(step, num_steps=cfg.num_steps, warmup_steps=cfg.warmup_steps, schedule=cfg.lr_schedule)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        batch = [examples[i] for i in order.next_batch(cfg.batch_size)]
-        if cfg.mode == "av":
-            loss, grad_norm = _av_step(model, injector, optimizer, batch, cfg, pad_id=tokenizer.pad_token_id)
-            record = {"loss": loss}
-        else:
-            loss, grad_norm = critic_step(
-                model, optimizer, [ids for ids, _ in batch], torch.stack([a for _, a in batch]),
-                pad_id=tokenizer.pad_token_id, micro_batch=cfg.micro_batch, max_grad_norm=cfg.max_grad_norm,
-            )
-            record = {"loss": loss, "mse_mean": loss, "fve": nla_core.fve(loss, float(baselines.rawvar)),
-                      "fve_meannorm": nla_core.fve(loss, float(baselines.meannorm))}
-        if not math.isfinite(grad_norm):
-            say_line(f"[warn] sft {cfg.mode} step {step}: grad norm {grad_norm} is not finite; optimizer step skipped",
-                     error=True)
-        record.update(grad_norm=grad_norm, lr=lr, time_step=time.perf_counter() - t0)
+        record = _update(run, step)
+        steps_done = step + 1
+        evaluated = run.heldout is not None and (steps_done % cfg.eval_every == 0 or steps_done == run.num_steps)
+        score = _evaluate(run, steps_done, record) if evaluated else None
         logger.log(step, record)
-        if step % cfg.log_every == 0 or step + 1 == cfg.num_steps:
-            fve = f" | FVE {record['fve']:.1%}" if "fve" in record else ""
-            say_line(f"[sft {cfg.mode}] step {step:04d}/{cfg.num_steps} | loss {loss:.4f}{fve} | grad {grad_norm:.3f} "
-                     f"| lr {lr:.2e} | {record['time_step']:.2f}s")
+        if step % cfg.log_every == 0 or steps_done == run.num_steps or evaluated:
+            _progress_line(run, step, record)
         bar.update()
 
-        # --- checkpoint ------------------------------------------------------------------------
-        if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.num_steps:
-            final = save(step + 1)
+        # --- checkpoint: on the schedule, at a new best, and where the run stops ---------------
+        stopping_now = run.stopping.should_stop
+        if (steps_done % cfg.save_every == 0 or steps_done == run.num_steps or stopping_now
+                or (evaluated and cfg.keep_best and run.stopping.improved)):
+            # Only a new best carries its score: the highest score on disk is then the rule's best (min_delta too).
+            run.save(steps_done, run.stopping, score if evaluated and run.stopping.improved else None)
+        if stopping_now:
+            say_line(f"[sft {cfg.mode}] held-out plateau: no new best in {cfg.patience} evaluations; stopped at step "
+                     f"{steps_done} of {run.num_steps}")
+            break
     bar.close()
     logger.close()
+
+
+def _update(run: _Run, step: int) -> dict[str, float]:
+    """One optimizer step at its scheduled learning rate; its record for metrics.jsonl."""
+    cfg = run.cfg
+    t0 = time.perf_counter()
+    lr = cfg.lr * lr_factor(step, num_steps=run.num_steps, warmup_steps=cfg.warmup_steps, schedule=cfg.lr_schedule)
+    for group in run.optimizer.param_groups:
+        group["lr"] = lr
+    batch = [run.examples[i] for i in run.order.next_batch(cfg.batch_size)]
+    if cfg.mode == "av":
+        loss, grad_norm = _av_step(run.model, run.injector, run.optimizer, batch, cfg,
+                                   pad_id=run.tokenizer.pad_token_id)
+        record = {"loss": loss}
+    else:
+        loss, grad_norm = critic_step(
+            run.model, run.optimizer, [ids for ids, _ in batch], torch.stack([a for _, a in batch]),
+            pad_id=run.tokenizer.pad_token_id, micro_batch=cfg.micro_batch, max_grad_norm=cfg.max_grad_norm,
+        )
+        record = {"loss": loss, "mse_mean": loss, "fve": nla_core.fve(loss, float(run.baselines.rawvar)),
+                  "fve_meannorm": nla_core.fve(loss, float(run.baselines.meannorm))}
+    if not math.isfinite(grad_norm):
+        say_line(f"[warn] sft {cfg.mode} step {step}: grad norm {grad_norm} is not finite; optimizer step skipped",
+                 error=True)
+    record.update(grad_norm=grad_norm, lr=lr, time_step=time.perf_counter() - t0)
+    return record
+
+
+def _evaluate(run: _Run, steps_done: int, record: dict[str, float]) -> float:
+    """Score the held-out rows, add the figures to `record`, advance the stopping rule; returns the signed score."""
+    cfg = run.cfg
+    t0 = time.perf_counter()
+    template = run.nla.critic_prompt_template
+    if cfg.mode == "ar":
+        held = sft_eval.evaluate_ar(run.model, run.tokenizer, run.heldout, template=template, mse_scale=run.mse_scale,
+                                    max_tokens=cfg.max_tokens, micro_batch=cfg.micro_batch)
+    else:
+        held = sft_eval.evaluate_av(run.model, run.injector, run.tokenizer, run.heldout, micro_batch=cfg.micro_batch,
+                                    ar=run.eval_ar, template=template, mse_scale=run.mse_scale,
+                                    max_new_tokens=cfg.eval_max_new_tokens, max_tokens=1024, seed=cfg.seed)
+    key, higher = sft_eval.selection_key(cfg.mode, has_ar=run.eval_ar is not None)
+    score = held[key] if higher else -held[key]
+    run.stopping = run.stopping.update(score, steps_done)
+    record.update(held, time_eval=time.perf_counter() - t0)
+    return score
+
+
+def _progress_line(run: _Run, step: int, record: dict[str, float]) -> None:
+    cfg = run.cfg
+    fve = f" | FVE {record['fve']:.1%}" if "fve" in record else ""
+    line = (f"[sft {cfg.mode}] step {step:04d}/{run.num_steps} | loss {record['loss']:.4f}{fve} | "
+            f"grad {record['grad_norm']:.3f} | lr {record['lr']:.2e} | {record['time_step']:.2f}s")
+    if any(k.startswith("heldout/") for k in record):
+        key, higher = sft_eval.selection_key(cfg.mode, has_ar=run.eval_ar is not None)
+        line += " | " + sft_eval.describe(record, run.stopping, key, higher)
+    say_line(line)
+
+
+def _finish(run: _Run) -> Path:
+    """The run's result: the best held-out checkpoint (keep_best with an eval) or the newest; says which."""
+    cfg = run.cfg
+    newest = ckpt.latest_checkpoint(run.save_dir)
+    best = ckpt.best_checkpoint(run.save_dir, by=HELDOUT_SCORE) if run.heldout is not None and cfg.keep_best else None
+    final = best or newest
     role = "av_ckpt" if cfg.mode == "av" else "ar_ckpt"
-    say_line(f"[sft {cfg.mode}] done: checkpoint {final} (nla train {role}={final}); metrics {save_dir / 'metrics.jsonl'}")
+    which = "best held-out checkpoint" if best is not None else "checkpoint"
+    say_line(f"[sft {cfg.mode}] done: {which} {final} (nla train {role}={final}); metrics "
+             f"{run.save_dir / 'metrics.jsonl'}")
     return final
 
 

@@ -308,10 +308,8 @@ def prune_checkpoints(
         raise CheckpointError(f"checkpoint {checkpoints[0]} fails verification right after saving ({problem}); "
                               "nothing pruned: check the disk")
     keep = set(checkpoints[:keep_last])
-    if best_by is not None:
-        scored = [(score, path) for path in checkpoints if (score := _manifest_metric(path, best_by)) is not None]
-        if scored:
-            keep.add(max(scored, key=lambda item: item[0])[1])
+    if best_by is not None and (best := best_checkpoint(save_dir, by=best_by)) is not None:
+        keep.add(best)
     deleted = []
     for path in checkpoints:
         if path not in keep:
@@ -320,6 +318,12 @@ def prune_checkpoints(
             shutil.rmtree(trash)
             deleted.append(path)
     return deleted
+
+
+def best_checkpoint(save_dir: str | os.PathLike[str], *, by: str) -> Path | None:
+    """The complete checkpoint whose manifest's `metrics[by]` is highest (the newest among ties); None when none has it."""
+    scored = [(score, path) for path in complete_checkpoints(save_dir) if (score := _manifest_metric(path, by)) is not None]
+    return max(scored, key=lambda item: item[0])[1] if scored else None
 
 
 def _manifest_metric(path: Path, key: str) -> float | None:

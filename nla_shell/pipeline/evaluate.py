@@ -43,7 +43,7 @@ from nla_shell.io.config import ConfigError, normalize_fields
 from nla_shell.io.data import DataError, RLRow, build_prompt_ids, check_tokenizer, stream_rows
 from nla_shell.io.paths import require_file, require_model
 from nla_shell.io.progress import progress_bar
-from nla_shell.io.sidecars import MODEL_SIDECAR, find_sidecar, injection_settings, load_sidecar
+from nla_shell.io.sidecars import MODEL_SIDECAR, find_sidecar, injection_settings, load_sidecar, read_sidecar
 from nla_shell.metrics import finite_mean, fve_metrics, token_lengths
 from nla_shell.models import ARModel, Injector, base_model_dir, load_actor, pad_right
 from nla_shell.pipeline.datagen import capture_activations
@@ -200,6 +200,9 @@ def evaluate(cfg: EvalConfig) -> EvalResult:
                                             meannorm=meannorm, score_kwargs=score_kwargs, dtype=dtype, device=device)
         metrics.update(av_metrics)
 
+    # --- kitft's fve_nrm beside ours: the same MSE over the AR's training activations' baseline --
+    metrics.update(fve_nrm_metrics(metrics, training_rawvar(cfg.ar)))
+
     # --- splice-KL: the reconstructions back in the target LM ---------------------------------
     if cfg.model is not None:
         predictions = {name: ar_predictions(critic, s.ar_inputs, pad_id=tokenizer.pad_token_id,
@@ -221,6 +224,33 @@ def evaluate(cfg: EvalConfig) -> EvalResult:
     if "length/tokens_mean" in metrics:
         print(length_line(metrics, cfg.length_ks), flush=True)
     return EvalResult(metrics, samples, out_dir)
+
+
+def training_rawvar(ar: str | Path) -> float | None:
+    """The predict-the-mean baseline of the activations the AR was trained on (its sidecar's `baselines`, an nla
+    addition); None for an AR whose sidecar has none (e.g. upstream's)."""
+    _, mapping = read_sidecar(ar)
+    value = (mapping.get("baselines") or {}).get("rawvar")
+    return float(value) if isinstance(value, (int, float)) and value > 0 else None
+
+
+def fve_nrm_metrics(metrics: Mapping[str, float], rawvar_train: float | None) -> dict[str, float]:
+    """kitft's fve_nrm for each scored source: 1 - mse_mean / rawvar_train.
+
+    Upstream (kitft/natural_language_autoencoders at 047eb8e, nla/loss.py `nla_critic_loss`) logs
+    fve_nrm = 1 - mean_i mse_nrm_i / nla_baseline_rawvar, with mse_nrm the MSE of pred and gold both
+    normalised to mse_scale (= sqrt(d)) and the baseline from nla/schema.py
+    `compute_predict_mean_baselines` over the training data's activations. That is `{source}/mse_mean`
+    here (the same normalised MSE, failed extractions excluded) over the AR's training baseline,
+    where nla's `fve` divides by the held-out rows' own.
+    """
+    if rawvar_train is None:
+        return {}
+    out = {"baseline_rawvar_train": rawvar_train}
+    for source in ("gold", "av", "shuffled"):
+        if f"{source}/mse_mean" in metrics:
+            out[f"{source}/fve_nrm"] = nla_core.fve(metrics[f"{source}/mse_mean"], rawvar_train)
+    return out
 
 
 def length_line(metrics: Mapping[str, float], length_ks: Sequence[int]) -> str:

@@ -240,3 +240,27 @@ def test_plot_says_what_is_missing(tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # as if matplotlib were not installed
     assert cli.main(["plot", str(tmp_path / "run")]) == 2
     assert "pip install 'nla[plot]'" in capsys.readouterr().err
+
+
+def test_fve_nrm_is_upstreams_formula_over_the_ars_training_baseline(tmp_path, toy_sft, toy_datasets):
+    """fve_nrm = 1 - mean_i mse_nrm_i / rawvar of the AR's training activations (kitft 047eb8e, nla/loss.py),
+    recomputed here in float64 from the gold rows' MSEs and the AR's training parquet."""
+    import nla_core
+    from nla_shell.io.sidecars import load_sidecar
+
+    _, ar = toy_sft
+    argv = ["eval", "--ar", str(ar), "--parquet", str(toy_datasets / "eval.parquet"), "--n-rows", "6",
+            "device=cpu", "length_ks=", "--out-dir", str(tmp_path / "e")]
+    assert cli.main(argv) == 0
+    summary = json.loads((tmp_path / "e" / "eval_summary.json").read_text())
+    samples = [json.loads(line) for line in (tmp_path / "e" / "eval_samples.jsonl").read_text().splitlines()]
+    nla = load_sidecar(toy_datasets / "ar_sft.parquet")
+    train = torch.tensor(pq.read_table(toy_datasets / "ar_sft.parquet").column("activation_vector").to_pylist(),
+                         dtype=torch.float64)
+    u = train * (nla.d_model ** 0.5 / train.norm(dim=-1, keepdim=True))
+    rawvar_train = float((u - u.mean(0)).square().mean())
+    mse = sum(s["gold_mse"] for s in samples) / len(samples)
+    assert summary["baseline_rawvar_train"] == pytest.approx(rawvar_train, rel=1e-5)
+    assert summary["gold/fve_nrm"] == pytest.approx(1 - mse / rawvar_train, rel=1e-5, abs=1e-6)
+    # nla's fve differs only in its baseline: the held-out rows' own.
+    assert summary["gold/fve"] == pytest.approx(nla_core.fve(mse, summary["baseline_rawvar"]), rel=1e-5, abs=1e-6)

@@ -25,11 +25,17 @@ COLUMNS = (
     ("AR on gold", ("fve", "AR on gold explanations")),
     ("AV+AR after SFT", ("fve", "AV+AR after SFT")),
     ("AV+AR after RL", ("fve", "AV+AR after RL")),
+    ("SFT / gold", ("fraction_of_gold", "after SFT")),
+    ("RL / gold", ("fraction_of_gold", "after RL")),
+    ("fve_nrm gold", ("fve_nrm", "AR on gold explanations")),
+    ("fve_nrm after RL", ("fve_nrm", "AV+AR after RL")),
     ("shuffled control (RL)", ("fve", "AV+AR after RL, AV given a shuffled vector (control)")),
     ("splice-KL after RL", ("splice_kl", "AV+AR after RL")),
     ("splice-KL gold", ("splice_kl", "AR on gold explanations")),
     ("extraction after RL", ("extraction_rate", "after RL")),
     ("tokens after RL", ("explanation_tokens", "after RL")),
+    ("AR SFT steps", ("sft", "AR", "step_used")),
+    ("AV SFT steps", ("sft", "AV", "step_used")),
     ("s / RL step", ("seconds_per_rl_step",)),
     ("wall s", ("seconds", "total")),
 )
@@ -118,7 +124,8 @@ def table(run_dirs: list[str], out: str) -> None:
         sft, rl = values["AV+AR after SFT"], values["AV+AR after RL"]
         values["RL − SFT"] = None if sft is None or rl is None else rl - sft
         summary["runs"].append({"engine": run["engine"], "seed": run["seed"], **values})
-        cells = ["—" if v is None else (f"{v:.1f}" if name in ("wall s", "tokens after RL") else f"{v:.3f}")
+        cells = ["—" if v is None else (f"{v:.1f}" if name in ("wall s", "tokens after RL")
+                                      else f"{v:.0f}" if name.endswith("steps") else f"{v:.3f}")
                  for name, v in values.items()]
         lines.append(f"| {run['engine']} | {run['seed']} | " + " | ".join(cells) + " |")
     for engine in sorted({r["engine"] for r in runs}):
@@ -147,7 +154,8 @@ def table(run_dirs: list[str], out: str) -> None:
 
 
 def curves(runs: list[dict[str, Any]], path: Path) -> None:
-    """Reward, held-out FVE, KL and mean explanation length against step, one line per run."""
+    """Held-out FVE through AR and AV SFT, then reward, held-out FVE, KL and mean explanation length through RL,
+    against step, one line per run."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -155,10 +163,17 @@ def curves(runs: list[dict[str, Any]], path: Path) -> None:
 
     panels = (("reward_mean", "reward (train)"), ("eval/fve", "held-out FVE (eval during RL)"),
               ("kl_mean", "KL to the SFT policy"), ("response_len_mean", "mean response tokens"))
-    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.6))
+    stages = (("AR", "AR SFT: held-out FVE on gold"), ("AV", "AV SFT: held-out round-trip FVE"))
+    fig, axes = plt.subplots(1, len(stages) + len(panels), figsize=(4.5 * (len(stages) + len(panels)), 3.6))
     for run in runs:
+        for ax, (stage, title) in zip(axes, stages):
+            points = run["report"].get("sft", {}).get(stage, {}).get("heldout", {}).get("heldout/fve", [])
+            if points:
+                ax.plot(*zip(*points), label=f"{run['engine']} s{run['seed']}")
+            ax.set_title(title)
+            ax.set_xlabel("SFT step")
         records = [json.loads(line) for line in (run["dir"] / "rl" / "metrics.jsonl").read_text().splitlines()]
-        for ax, (key, title) in zip(axes, panels):
+        for ax, (key, title) in zip(axes[len(stages):], panels):
             points = [(r["step"], r[key]) for r in records if isinstance(r.get(key), (int, float))]
             if points:
                 ax.plot(*zip(*points), label=f"{run['engine']} s{run['seed']}",

@@ -8,6 +8,8 @@
 #                   `nla demo --model FILE.gguf` (the REAL settings) for each (seed, engine) at once;
 #                   then bench/real_nla.py table
 # SEEDS and ENGINES (env) choose the runs (default 0 1 2 and hf native); EXTRA adds demo overrides.
+# The job's RL variants of every seed: VARIANT_SET=losses (GSPO, CISPO, on-policy; the default), fp8 (the FP8
+# trainer, fp8=score,reference,update,backward) or none; TOY=0 leaves out the toy; VLLM_WAIT=0 the vLLM variant.
 #
 # The variants round (2026-12-01: other policy losses and engine=vllm from each seed's SFT checkpoints,
 # bench/rl_variants.py), one device call each, back to back on one machine:
@@ -116,10 +118,19 @@ case "$stage" in
       pids+=($!)
       sleep 25  # the first demo converts the GGUF into the model cache; the others then find it there
     done
-    variant() {  # seed name overrides...: from the seed's SFT checkpoints, once its gold eval shows they exist
+    variant() {  # seed name overrides...: from the seed's SFT checkpoints, once the demo has handed them on
       local seed=$1 name=$2; shift 2
-      for _ in $(seq 180); do [ -f $root/seed$seed/eval/gold/eval_summary.json ] && break; sleep 5; done
+      for _ in $(seq 360); do [ -f $root/seed$seed/sft_checkpoints.json ] && break; sleep 5; done
       python3 bench/rl_variants.py variant $root/seed$seed $name "$@" > $root/seed$seed.$name.log 2>&1
+    }
+    variant_set() {  # VARIANT_SET: one "name overrides..." line per RL variant of every seed
+      case ${VARIANT_SET:-losses} in
+        losses) echo "gspo policy_loss=gspo clip_eps=0.0003 clip_eps_high=0.0004"
+                echo "cispo policy_loss=cispo clip_eps=1.0 clip_eps_high=4.0 tis=none"
+                echo "onpolicy policy_loss=onpolicy tis=none kl_clamp=12";;
+        fp8) echo "fp8 fp8=score,reference,update,backward";;
+        none) ;;
+      esac
     }
     toy() {  # the toy NLA on this GPU, one seed: the demo (fp32, HF engine), its three other losses, then all four in bf16
       local d=/tmp/toy/seed$1; mkdir -p /tmp/toy
@@ -136,13 +147,15 @@ case "$stage" in
     }
     [ "${TOY:-1}" = 1 ] && for seed in $SEEDS; do toy $seed & pids+=($!); done
     for seed in $SEEDS; do
-      variant $seed gspo policy_loss=gspo clip_eps=0.0003 clip_eps_high=0.0004 & pids+=($!)
-      variant $seed cispo policy_loss=cispo clip_eps=1.0 clip_eps_high=4.0 tis=none & pids+=($!)
-      variant $seed onpolicy policy_loss=onpolicy tis=none kl_clamp=12 & pids+=($!)
+      while read -r name overrides; do
+        [ -n "$name" ] && { variant $seed $name $overrides & pids+=($!); }
+      done < <(variant_set)
+      [ "${VLLM_WAIT:-900}" = 0 ] && continue
       (for _ in $(seq $(( ${VLLM_WAIT:-900} / 5 ))); do [ -f /tmp/vllm_ready ] && break; sleep 5; done; [ -f /tmp/vllm_ready ] || exit 0; source /tmp/vllm_env.sh; export VLLM_LOGGING_LEVEL=WARNING
        variant $seed vllm $VLLM_KEYS) & pids+=($!)
     done
     for pid in "${pids[@]}"; do wait "$pid" || true; done
+    python3 bench/real_nla.py table $root/seed* --out /tmp/real_out > /tmp/real_table.log 2>&1 || true
     python3 bench/rl_variants.py table $root/seed*/ --out /tmp/variants_out > /tmp/variants_table.log 2>&1 || true
     python3 bench/rl_variants.py table /tmp/toy/seed*/ --out /tmp/toy_out > /tmp/toy_table.log 2>&1 || true
     touch /tmp/job_done
@@ -165,10 +178,12 @@ case "$stage" in
         /tmp/toy/seed*/variants/*/rl/metrics.jsonl; do
       [ -f "$m" ] && echo "$m step $(tail -n 1 "$m" | python3 -c 'import json,sys; r=json.loads(sys.stdin.read()); print(r["step"], "s/step", round(r.get("time_step") or 0, 2))')"
     done
+    for log in /tmp/variants/seed*.log; do [ -f "$log" ] && echo "$log: $(grep -v 'it/s\]' "$log" | tail -n 1 | cut -c1-220)"; done
     [ -f /tmp/job_done ] && echo "[real_nla] job done" || tail -n 3 /tmp/job.log
     ;;
   collect)
     # Under set -e: a table not written yet (the job still running) must not stop the tarballs.
+    mkdir -p "$OUT/real" && { cp /tmp/real_out/* "$OUT/real/" 2>/dev/null || true; }
     cp /tmp/variants_out/* "$OUT/" 2>/dev/null || true; cat /tmp/variants_table.log 2>/dev/null || true
     mkdir -p "$OUT/toy" && { cp /tmp/toy_out/* "$OUT/toy/" 2>/dev/null || true; }; cat /tmp/toy_table.log 2>/dev/null || true
     tar -czf "$OUT/toy.tgz" /tmp/toy/seed*/report.* /tmp/toy/seed*/variants/*/report.json /tmp/toy/seed*/rl/metrics.jsonl \
@@ -178,7 +193,8 @@ case "$stage" in
       /tmp/variants/seed*/rl/metrics.jsonl /tmp/variants/seed*/variants/*/rl/metrics.jsonl \
       /tmp/variants/seed*/eval/*/eval_summary.json /tmp/variants/seed*/variants/*/eval/*/eval_summary.json \
       /tmp/variants/seed*/eval/*/eval_samples.jsonl /tmp/variants/seed*/variants/*/eval/*/eval_samples.jsonl \
-      /tmp/variants/seed*/demo_config.json /tmp/variants/*.log /tmp/job.log 2>/dev/null || true
+      /tmp/variants/seed*/demo_config.json /tmp/variants/seed*/sft_checkpoints.json /tmp/variants/seed*/*_sft/metrics.jsonl \
+      /tmp/variants/*.log /tmp/job.log 2>/dev/null || true
     ;;
   *) echo "unknown stage $stage"; exit 2 ;;
 esac

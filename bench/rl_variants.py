@@ -54,8 +54,8 @@ def demo_inputs(run_dir: Path) -> dict[str, Any]:
     target = run_dir / "target_lm" if cfg.model is None else demo_mod.real_target(cfg.model)
     paths = {p.stem: p for p in sorted((run_dir / "data").glob("*.parquet"))}
     rows = {split: pq.ParquetFile(path).metadata.num_rows for split, path in paths.items()}
-    return dict(cfg=cfg, target=target, paths=paths, rows=rows,
-                av=run_dir / "av_sft" / f"step_{cfg.av_steps:06d}", ar=run_dir / "ar_sft" / f"step_{cfg.ar_steps:06d}")
+    used = json.loads((run_dir / demo_mod.SFT_CHECKPOINTS).read_text())  # the held-out stop picks their steps
+    return dict(cfg=cfg, target=target, paths=paths, rows=rows, av=Path(used["av"]), ar=Path(used["ar"]))
 
 
 def summary(metrics: dict[str, Any], rl_dir: Path) -> dict[str, Any]:

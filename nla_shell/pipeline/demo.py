@@ -115,6 +115,14 @@ class DemoConfig:
     """AV SFT learning rate (LoRA)."""
     lora_r: int = 16
     """AV LoRA rank (alpha = rank, rsLoRA)."""
+    sft_eval_every: int = 0
+    """SFT steps between held-out evaluations on eval.parquet (the AR: FVE on gold; the AV: the round trip through
+    the SFT'd AR); each SFT stage then stops on a plateau (sft_patience) and hands on its best checkpoint, with
+    ar_steps / av_steps as the most. 0: fixed-length SFT, the last checkpoint."""
+    sft_eval_rows: int = 256
+    """Held-out rows of each SFT evaluation."""
+    sft_patience: int = 3
+    """SFT evaluations in a row without a new best that stop a stage (with sft_eval_every > 0)."""
     # RL.
     rl_steps: int = 60
     """GRPO steps."""
@@ -158,17 +166,19 @@ TINY: Mapping[str, Any] = {
 """`nla demo --tiny`: every stage runs, in seconds; nothing is expected to learn."""
 
 REAL: Mapping[str, Any] = {
-    "device": "auto", "dtype": "auto", "threads": 4, "nla_docs": 100_000, "positions_per_doc": 8,
-    "eval_fraction": 0.1, "ar_steps": 300, "ar_batch": 64, "ar_lr": 1e-4, "av_steps": 400, "av_batch": 32,
-    "av_lr": 5e-4, "lora_r": 16, "rl_steps": 200, "rl_batch_prompts": 16, "rl_group_size": 8, "rl_lr": 3e-5,
-    "kl_beta": 0.02, "max_new_tokens": 48, "rl_micro_batch": 128, "eval_rows": 512, "length_ks": (4, 8, 16),
+    "device": "auto", "dtype": "auto", "threads": 4, "nla_docs": 100_000, "positions_per_doc": 32,
+    "eval_fraction": 0.1, "ar_steps": 1000, "ar_batch": 128, "ar_lr": 2e-4, "av_steps": 1000, "av_batch": 64,
+    "av_lr": 1e-3, "lora_r": 16, "sft_eval_every": 100, "sft_eval_rows": 256, "sft_patience": 3,
+    "rl_steps": 200, "rl_batch_prompts": 16, "rl_group_size": 8, "rl_lr": 3e-5, "kl_beta": 0.02,
+    "max_new_tokens": 48, "rl_micro_batch": 128, "eval_rows": 512, "length_ks": (4, 8, 16),
 }
-"""`nla demo --model M`: the real-model settings, sized for one GPU (the H200 table in bench/RESULTS.md)."""
+"""`nla demo --model M`: the real-model settings, sized for one GPU (the H200 table in bench/RESULTS.md): every
+passage at 32 sites, SFT to its held-out plateau (at most ~3 epochs of the AR's rows, ~1.5 of the AV's)."""
 REAL_TINY: Mapping[str, Any] = {
     **REAL, "device": "cpu", "dtype": "float32", "threads": 2, "nla_docs": 24, "positions_per_doc": 2,
     "eval_fraction": 0.2, "ar_steps": 2, "ar_batch": 4, "av_steps": 2, "av_batch": 4, "lora_r": 4, "rl_steps": 2,
     "rl_batch_prompts": 2, "rl_group_size": 2, "max_new_tokens": 12, "rl_micro_batch": 4, "eval_rows": 6,
-    "length_ks": (4,),
+    "length_ks": (4,), "sft_eval_every": 1, "sft_eval_rows": 4,
 }
 """`nla demo --model M --tiny`: every stage of the real-model demo on CPU in minutes; nothing is expected to learn."""
 
@@ -356,9 +366,7 @@ def demo(cfg: DemoConfig) -> dict[str, Any]:
     """Run the whole demo; prints and returns the report (FVE per stage, wall time per stage)."""
     import transformers
 
-    from nla_shell.pipeline.datagen import DatagenConfig, datagen
     from nla_shell.pipeline.evaluate import evaluate
-    from nla_shell.pipeline.sft import SFTConfig, sft
     from nla_shell.training.train import train
 
     run_dir = Path(cfg.run_dir).absolute()
@@ -373,57 +381,116 @@ def demo(cfg: DemoConfig) -> dict[str, Any]:
     with _timed("target LM", times):
         target = toy_target(cfg, run_dir) if cfg.model is None else real_target(cfg.model)
     with _timed("datagen", times):
-        data = datagen(DatagenConfig(
-            model=str(target), corpus=str(demo_corpus(cfg, run_dir)), layer=extraction_layer(cfg, target),
-            out_dir=str(run_dir / "data"), explainer="rule" if cfg.model is None else "context",
-            max_docs=None if cfg.model is None else cfg.nla_docs, positions_per_doc=cfg.positions_per_doc,
-            eval_fraction=cfg.eval_fraction, seed=cfg.seed, device=cfg.device, dtype=cfg.dtype, progress=False,
-            batch_size=64,
-        ))
-
-    common = dict(model=str(target), seed=cfg.seed, device=cfg.device, dtype=cfg.dtype, logger=("console",))
+        data = demo_datagen(cfg, target, run_dir)
     with _timed("AR SFT", times):
-        ar = sft(SFTConfig(
-            mode="ar", parquet=str(data.paths["ar_sft"]), save_dir=str(run_dir / "ar_sft"), num_steps=cfg.ar_steps,
-            batch_size=cfg.ar_batch, micro_batch=cfg.ar_batch, lr=cfg.ar_lr, save_every=cfg.ar_steps,
-            log_every=max(1, cfg.ar_steps // 4), **common,
-        ))
+        ar = ar_warm_start(cfg, target, data.paths, run_dir)
     with _timed("AV SFT", times):
-        av = sft(SFTConfig(
-            mode="av", parquet=str(data.paths["av_sft"]), save_dir=str(run_dir / "av_sft"), num_steps=cfg.av_steps,
-            batch_size=cfg.av_batch, micro_batch=cfg.av_batch, lr=cfg.av_lr, lora_r=cfg.lora_r,
-            lora_alpha=cfg.lora_r, save_every=cfg.av_steps, log_every=max(1, cfg.av_steps // 6), **common,
-        ))
+        av = av_warm_start(cfg, target, data.paths, run_dir, ar)
+    (run_dir / SFT_CHECKPOINTS).write_text(json.dumps({"ar": str(ar), "av": str(av)}, indent=1))
 
     def run_eval(name: str, av_dir: Path | None, *, controls: bool = False) -> Any:
         return evaluate(eval_config(cfg, target, data.paths, ar, run_dir / "eval" / name, av_dir, controls=controls))
 
     with _timed("eval before RL", times):
-        gold = run_eval("gold", None).metrics
-        zero_shot = run_eval("before_sft", target).metrics
-        sft_eval = run_eval("after_sft", av, controls=True)
-        after_sft = sft_eval.metrics
-
+        evals = {"gold": run_eval("gold", None), "before_sft": run_eval("before_sft", target),
+                 "after_sft": run_eval("after_sft", av, controls=True)}
     with _timed("RL", times):
         rl_dir = train(rl_config(cfg, data.paths, data.rows, av, ar, run_dir / "rl"))
+    rl_adapter = rl_dir / f"step_{cfg.rl_steps:06d}" / "adapter"
     with _timed("eval after RL", times):
-        rl_eval = run_eval("after_rl", rl_dir / f"step_{cfg.rl_steps:06d}" / "adapter", controls=True)
-        after_rl = rl_eval.metrics
-
+        evals["after_rl"] = run_eval("after_rl", rl_adapter, controls=True)
     with _timed("plot", times):
-        try:
-            from nla_shell.pipeline.plot import plot_run
-
-            curves: Path | None = plot_run(rl_dir)
-        except ModuleNotFoundError as err:
-            print(f"[plot] skipped: {err}", flush=True)
-            curves = None
+        curves = _plot(rl_dir)
 
     times["total"] = time.perf_counter() - t_start
-    report = {
+    report = build_report(cfg, run_dir, evals, times=times, rl_dir=rl_dir, curves=curves,
+                          checkpoints={"ar": ar, "av": av, "rl": rl_adapter}, target=target)
+    text = format_report(report)
+    print("\n" + text, flush=True)
+    (run_dir / "report.md").write_text(text, encoding="utf-8")
+    (run_dir / "report.json").write_text(json.dumps(report, indent=2), encoding="utf-8")
+    return report
+
+
+SFT_CHECKPOINTS = "sft_checkpoints.json"
+"""Written once both SFT stages are done: the AR and AV checkpoints RL starts from (their steps vary with the
+held-out stop), for whatever trains again from them (bench/rl_variants.py)."""
+
+
+def demo_datagen(cfg: DemoConfig, target: Path, run_dir: Path) -> Any:
+    """Stage 2: activations at the extraction block over the demo corpus, labelled, split by document."""
+    from nla_shell.pipeline.datagen import DatagenConfig, datagen
+
+    return datagen(DatagenConfig(
+        model=str(target), corpus=str(demo_corpus(cfg, run_dir)), layer=extraction_layer(cfg, target),
+        out_dir=str(run_dir / "data"), explainer="rule" if cfg.model is None else "context",
+        max_docs=None if cfg.model is None else cfg.nla_docs, positions_per_doc=cfg.positions_per_doc,
+        eval_fraction=cfg.eval_fraction, seed=cfg.seed, device=cfg.device, dtype=cfg.dtype, progress=False,
+        batch_size=64,
+    ))
+
+
+def _sft_settings(cfg: DemoConfig, target: Path, data_paths: Mapping[str, Path], steps: int) -> dict[str, Any]:
+    """What both SFT stages share: the model, seed and device, and (sft_eval_every > 0) the held-out stop."""
+    settings: dict[str, Any] = dict(model=str(target), seed=cfg.seed, device=cfg.device, dtype=cfg.dtype,
+                                    logger=("console",), num_steps=steps, save_every=steps)
+    if cfg.sft_eval_every > 0:
+        settings.update(eval_parquet=str(data_paths["eval"]), eval_every=cfg.sft_eval_every,
+                        eval_rows=cfg.sft_eval_rows, patience=cfg.sft_patience, keep_last=1,
+                        log_every=cfg.sft_eval_every)
+    return settings
+
+
+def ar_warm_start(cfg: DemoConfig, target: Path, data_paths: Mapping[str, Path], run_dir: Path) -> Path:
+    """Stage 3: the AR on the gold explanations; returns its (best held-out) checkpoint."""
+    from nla_shell.pipeline.sft import SFTConfig, sft
+
+    settings = {"log_every": max(1, cfg.ar_steps // 4), **_sft_settings(cfg, target, data_paths, cfg.ar_steps)}
+    return sft(SFTConfig(mode="ar", parquet=str(data_paths["ar_sft"]), save_dir=str(run_dir / "ar_sft"),
+                         batch_size=cfg.ar_batch, micro_batch=cfg.ar_batch, lr=cfg.ar_lr, **settings))
+
+
+def av_warm_start(cfg: DemoConfig, target: Path, data_paths: Mapping[str, Path], run_dir: Path, ar: Path) -> Path:
+    """Stage 4: the AV's LoRA on the gold responses, selected by its round trip through `ar`; returns its checkpoint."""
+    from nla_shell.pipeline.sft import SFTConfig, sft
+
+    settings = {"log_every": max(1, cfg.av_steps // 6), **_sft_settings(cfg, target, data_paths, cfg.av_steps)}
+    if cfg.sft_eval_every > 0:
+        settings.update(eval_ar=str(ar), eval_max_new_tokens=cfg.max_new_tokens)
+    return sft(SFTConfig(mode="av", parquet=str(data_paths["av_sft"]), save_dir=str(run_dir / "av_sft"),
+                         batch_size=cfg.av_batch, micro_batch=cfg.av_batch, lr=cfg.av_lr, lora_r=cfg.lora_r,
+                         lora_alpha=cfg.lora_r, **settings))
+
+
+def _plot(rl_dir: Path) -> Path | None:
+    try:
+        from nla_shell.pipeline.plot import plot_run
+
+        return plot_run(rl_dir)
+    except ModuleNotFoundError as err:
+        print(f"[plot] skipped: {err}", flush=True)
+        return None
+
+
+def sft_summary(checkpoint: Path) -> dict[str, Any]:
+    """One SFT stage: steps run, the step handed on, and its held-out curve ([steps done, figure] pairs)."""
+    records = [json.loads(line) for line in (checkpoint.parent / "metrics.jsonl").read_text().splitlines()]
+    curve = {key: [[r["step"] + 1, r[key]] for r in records if r.get(key) is not None]
+             for key in ("heldout/fve", "heldout/nll", "heldout/nll_gap")}
+    return {"steps_run": len(records), "step_used": int(checkpoint.name.split("_")[-1]),
+            "heldout": {key: points for key, points in curve.items() if points}}
+
+
+def build_report(cfg: DemoConfig, run_dir: Path, evals: Mapping[str, Any], *, times: Mapping[str, float],
+                 rl_dir: Path, curves: Path | None, checkpoints: Mapping[str, Path], target: Path) -> dict[str, Any]:
+    """report.json: each stage's held-out figures beside the gold AR's, the controls, SFT's curves, wall times."""
+    gold, zero_shot = evals["gold"].metrics, evals["before_sft"].metrics
+    after_sft, after_rl = evals["after_sft"].metrics, evals["after_rl"].metrics
+    return {
         "run_dir": str(run_dir),
         "machine": f"{platform.machine()} {platform.system()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
-                   f"{cfg.threads} thread(s)",
+                   f"{cfg.threads} thread(s)" + (f", {torch.cuda.get_device_name()}" if torch.cuda.is_available()
+                                                 and cfg.device != "cpu" else ""),
         "eval_rows": int(gold["n_rows"]),
         "fve": {
             "AR on gold explanations": gold["gold/fve"],
@@ -433,6 +500,10 @@ def demo(cfg: DemoConfig) -> dict[str, Any]:
             "AV+AR after SFT, AV given a shuffled vector (control)": after_sft.get("shuffled/fve"),
             "AV+AR after RL, AV given a shuffled vector (control)": after_rl.get("shuffled/fve"),
         },
+        "fraction_of_gold": {"after SFT": _ratio(after_sft["av/fve"], gold["gold/fve"]),
+                             "after RL": _ratio(after_rl["av/fve"], gold["gold/fve"])},
+        "fve_nrm": {"AR on gold explanations": gold.get("gold/fve_nrm"), "AV+AR after SFT": after_sft.get("av/fve_nrm"),
+                    "AV+AR after RL": after_rl.get("av/fve_nrm")},
         "splice_kl": {
             "AR on gold explanations": after_rl.get("splice/kl_gold"),
             "AV+AR after SFT": after_sft.get("splice/kl_av"),
@@ -446,18 +517,19 @@ def demo(cfg: DemoConfig) -> dict[str, Any]:
                                "after RL": after_rl.get("length/tokens_mean")},
         "extraction_rate": {"before SFT": zero_shot["av/extraction_rate"], "after SFT": after_sft["av/extraction_rate"],
                             "after RL": after_rl["av/extraction_rate"]},
-        "seconds": times,
+        "sft": {"AR": sft_summary(checkpoints["ar"]), "AV": sft_summary(checkpoints["av"])},
+        "checkpoints": {name: str(path) for name, path in checkpoints.items()},
+        "seconds": dict(times),
         "seconds_per_rl_step": rl_step_seconds(rl_dir),
         "curves": None if curves is None else str(curves),
-        "samples": held_out_samples(sft_eval.samples, rl_eval.samples),
-        "explain": f"nla explain --av {rl_dir / f'step_{cfg.rl_steps:06d}' / 'adapter'} --ar {ar} --model {target} "
+        "samples": held_out_samples(evals["after_sft"].samples, evals["after_rl"].samples),
+        "explain": f"nla explain --av {checkpoints['rl']} --ar {checkpoints['ar']} --model {target} "
                    f"--text {EXPLAIN_TEXT['toy' if cfg.model is None else 'real']!r} --all",
     }
-    text = format_report(report)
-    print("\n" + text, flush=True)
-    (run_dir / "report.md").write_text(text, encoding="utf-8")
-    (run_dir / "report.json").write_text(json.dumps(report, indent=2), encoding="utf-8")
-    return report
+
+
+def _ratio(value: float, gold: float) -> float | None:
+    return value / gold if math.isfinite(value) and math.isfinite(gold) and gold > 0 else None
 
 
 def format_report(report: Mapping[str, Any]) -> str:
@@ -466,6 +538,16 @@ def format_report(report: Mapping[str, Any]) -> str:
              f"Held-out FVE on {report['eval_rows']} rows of documents no stage trained on (rawvar baseline; "
              "failed extractions excluded, see the extraction rate):", "", "| stage | FVE |", "|---|---|"]
     lines += [f"| {name} | {_number(value, '.3f')} |" for name, value in report["fve"].items()]
+    if report.get("fraction_of_gold"):
+        lines += ["", "Share of the gold AR's FVE: " + ", ".join(
+            f"{k} {_number(v, '.1%')}" for k, v in report["fraction_of_gold"].items())]
+    if report.get("fve_nrm"):
+        lines += ["", "kitft's fve_nrm (the AR's training baseline): " + ", ".join(
+            f"{k} {_number(v, '.3f')}" for k, v in report["fve_nrm"].items())]
+    for stage, summary in (report.get("sft") or {}).items():
+        lines += [f"{stage} SFT: {summary['steps_run']} steps, checkpoint of step {summary['step_used']} used"
+                  + "".join(f"; {key} " + ", ".join(f"{s}: {_number(v, '.3f')}" for s, v in points)
+                            for key, points in summary["heldout"].items() if key != "heldout/nll_gap")]
     lines += ["", "Extraction rate: " + ", ".join(f"{k} {v:.0%}" for k, v in report["extraction_rate"].items()), "",
               "Splice-KL (nats): the reconstruction put back into the LM at the extraction layer, KL of the next "
               "token against the unmodified run (lower is better):", "", "| reconstruction | splice-KL |", "|---|---|"]

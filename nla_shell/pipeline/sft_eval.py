@@ -153,7 +153,8 @@ class EarlyStopping:
     """The best held-out figure so far and the evaluations since it (state that a checkpoint carries).
 
     `patience` evaluations in a row without improving on the best by more than `min_delta` stop the
-    run (patience 0: never). `score` is the figure signed so that higher is better.
+    run (patience 0: never); evaluations before the first finite figure do not count. `score` is the figure
+    signed so that higher is better.
     """
 
     patience: int
@@ -166,6 +167,8 @@ class EarlyStopping:
         """The state after an evaluation at `step` (steps done) scored `score`; a NaN score never improves."""
         if math.isfinite(score) and score > self.best_score + self.min_delta:
             return replace(self, best_score=score, best_step=step, evals_since_best=0)
+        if self.best_step is None:  # nothing scored yet (an AV not yet writing the format): no plateau to count
+            return self
         return replace(self, evals_since_best=self.evals_since_best + 1)
 
     @property

@@ -39,7 +39,7 @@ def test_early_stopping_counts_evaluations_since_the_best(scores, patience, min_
         rule = rule.update(score, step)
         if math.isfinite(score) and score > best + min_delta:  # the rule, written out
             best, best_step, since = score, step, 0
-        else:
+        elif best_step is not None:  # before a first finite figure, nothing counts towards the plateau
             since += 1
         assert (rule.best_score, rule.best_step, rule.evals_since_best) == (best, best_step, since)
         assert rule.improved == (since == 0 and best_step is not None)

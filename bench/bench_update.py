@@ -271,7 +271,7 @@ def main() -> None:
         args.prompts, args.group, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
         d_model=config.hidden_size, tokens=tokens, vocab=min(config.vocab_size, len(tokenizer)))
     advantages = torch.randn(len(rollouts), generator=torch.Generator().manual_seed(2))
-    flops = path_flops(config, rollouts, shared_prefix=True, ar_tokens=[], critic_layers=0)["update"]
+    flops = path_flops(config, rollouts, ar_tokens=[], critic_layers=0)["update"]
 
     def update(variant: Variant, n: int, copies):
         return lambda: policy_update(

@@ -21,9 +21,7 @@ from nla_core.ratios import _check_ratio_band, gspo_token_log_ratio, ratio_band_
 from nla_core.surrogates import Surrogate, cispo_surrogate, clip_range, onpolicy_surrogate, ppo_clip_surrogate
 from nla_core.tis import capped_ratio, tis_weights
 
-TIS_MODES = ("ratio_cap", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask", None)
 AGGREGATIONS = ("sequence_mean", "token_mean", "seq_mean_token_sum_norm", "prompt_mean")
-POLICY_LOSSES = ("grpo", "gspo", "cispo", "onpolicy")
 
 
 class PolicyLossOutput(NamedTuple):
@@ -175,6 +173,7 @@ _OBJECTIVES = {
     "cispo": _Objective(_token_log_ratio, cispo_surrogate),
     "onpolicy": _Objective(_token_log_ratio, _onpolicy),
 }
+POLICY_LOSSES = tuple(_OBJECTIVES)
 
 
 class _Weighted(NamedTuple):
@@ -201,6 +200,8 @@ def _tis_decoupled(*, truncate: bool, per_sequence: bool) -> Callable[..., _Weig
     return weigh
 
 
+# Each mode maps (log_ratio, log_rho = the engine/trainer log-ratio, mask, *, cap, max_log_ratio) to the ratio the
+# surrogate sees, the importance weight and where TIS acted.
 _TIS = {
     "ratio_cap": _tis_ratio_cap,
     "token_truncate": _tis_decoupled(truncate=True, per_sequence=False),
@@ -209,6 +210,7 @@ _TIS = {
     "sequence_mask": _tis_decoupled(truncate=False, per_sequence=True),
     None: _tis_none,
 }
+TIS_MODES = tuple(_TIS)
 
 
 class _Unset:

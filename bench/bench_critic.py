@@ -12,9 +12,9 @@ trained in full with the trainer's optimizer (bitsandbytes AdamW8bit when instal
                host ops the GPU waited on (`timeline.idle_gaps`)
   peak GiB     torch.cuda.max_memory_allocated during the timed call
 
-A variant is MICRO_BATCH[:OPTION+...], options `compile` (compile_blocks on the AR's blocks, as
-`nla train` installs it) and `masked` (the AR's batches with their padding mask, as before the
-unmasked attention of 2026-12-03), e.g. `24:compile,48:compile`, `64:compile+masked,64:compile`.
+A variant is MICRO_BATCH[:compile] (compile_blocks on the AR's blocks, as `nla train` installs it), e.g.
+`24:compile,48:compile`. (The `masked` replay of the AR's padding mask before 2026-12-03 is retired; run AI's
+numbers are in bench/RESULTS.md.)
 
     python bench/bench_critic.py --inputs 512 --variants 24:compile,48:compile --out $OUT/critic.json   # H200
     .venv/bin/python bench/bench_critic.py --tiny --variants 2,4:compile --out /tmp/critic.json        # CPU smoke
@@ -23,7 +23,6 @@ unmasked attention of 2026-12-03), e.g. `24:compile,48:compile`, `64:compile+mas
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import sys
 from pathlib import Path
@@ -45,38 +44,18 @@ TEMPLATE = "Text: {explanation}"
 class Variant:
     micro_batch: int
     compiled: bool
-    masked: bool = False
 
     @property
     def name(self) -> str:
-        options = [o for o, on in (("compile", self.compiled), ("masked", self.masked)) if on]
-        return f"{self.micro_batch}" + (":" + "+".join(options) if options else "")
+        return f"{self.micro_batch}" + (":compile" if self.compiled else "")
 
 
 def parse_variant(text: str) -> Variant:
     size, _, options = text.partition(":")
     chosen = set(options.split("+")) - {""}
-    if not size.isdigit() or chosen - {"compile", "masked"}:
-        raise argparse.ArgumentTypeError(f"variant {text!r}: MICRO_BATCH[:compile][+masked]")
-    return Variant(int(size), "compile" in chosen, "masked" in chosen)
-
-
-@contextlib.contextmanager
-def padding_masks(active: bool):
-    """With `active`, the AR's right-padded batches get their padding mask again, as before 2026-12-03
-    (`ARModel.forward`'s right_padded ignored): transformers then builds the mask and repeats the heads."""
-    from nla_shell.models import ARModel
-
-    if not active:
-        yield
-        return
-    forward = ARModel.forward
-    ARModel.forward = lambda self, input_ids, attention_mask, *, right_padded=False: forward(self, input_ids,
-                                                                                            attention_mask)
-    try:
-        yield
-    finally:
-        ARModel.forward = forward
+    if not size.isdigit() or chosen - {"compile"}:
+        raise argparse.ArgumentTypeError(f"variant {text!r}: MICRO_BATCH[:compile]")
+    return Variant(int(size), "compile" in chosen)
 
 
 def parse_args() -> argparse.Namespace:
@@ -85,7 +64,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run at a tiny shape")
     parser.add_argument("--inputs", type=int, default=None, help="explanations per call (default 512; tiny 8)")
     parser.add_argument("--tokens", type=int, default=None, help="explanation tokens (default 160; tiny 8)")
-    parser.add_argument("--variants", default="24:compile", help="comma-separated MICRO_BATCH[:compile][+masked]")
+    parser.add_argument("--variants", default="24:compile", help="comma-separated MICRO_BATCH[:compile]")
     parser.add_argument("--profile-micro-batches", type=int, default=4,
                         help="micro-batches in the profiled call (0: no profile)")
     args = parser.parse_args()
@@ -132,8 +111,7 @@ def main() -> None:
     for variant in args.variants:
         label = f"{args.inputs} inputs mb {variant.name}"
         try:
-            with syn.trainer_options(ar.lm, bf16_autocast=False, compiled=(ar.lm,) if variant.compiled else ()), \
-                    padding_masks(variant.masked):
+            with syn.trainer_options(ar.lm, bf16_autocast=False, compiled=(ar.lm,) if variant.compiled else ()):
                 call(variant, min(args.inputs, 2 * variant.micro_batch))()  # compilation, allocator growth
                 syn.free_memory(device)
                 seconds, (scores, loss, grad_norm, _), memory = syn.measured(call(variant, args.inputs), device)

@@ -1,5 +1,5 @@
 """One full GRPO step at a Qwen3 shape (--shape, default 8b): seconds, TFLOP/s and peak memory per phase,
-the step before and after the throughput work (issue 12) on the same rollouts.
+of the trainer's step and of variants of its arithmetic on the same rollouts.
 
 The trainer's own step on random bf16 weights: a RunState (`trainer_state`) holds the actor
 (PEFT LoRA r128 on q, k, v, o, rsLoRA alpha 16, with the injection hook), the chosen engine, an
@@ -11,10 +11,8 @@ critic is co-trained) and `update_phase` (the policy update); `train_step` runs 
 (tests/shell/test_bench_step.py checks that both give the same numbers). Hyper-parameters are
 TrainConfig's defaults (the reference's), except the shapes and micro-batches set here.
 
-Two paths per step, on the same rollouts:
-  before  full sequences per sample, reference forward at the policy's micro-batch, scoring
-          (`score_explanations`) and the critic step (`critic_step`) as two AR passes at
-          --before-critic-micro-batch: the arithmetic of the trainer before issue 12.
+Paths, each on the same rollouts (the hand-replayed pre-issue-12 step, "before", is retired: its
+numbers stay in bench/RESULTS.md, made by this file at commit 74a810e):
   after   the trainer now: each group's prompt computed once (`training.prefix`), the
           reference in its own no-grad pass at --reference-micro-batch, scoring and the
           critic step on one AR forward (`score_and_train_critic`) at --critic-micro-batch.
@@ -45,8 +43,8 @@ weights as they were (its optimisers are lr-0 SGDs), so each sees the same weigh
 measures the step N times in all, each time on fresh rollouts, the paths in the order given and then
 reversed by turns (A B, B A, A B, ...), so a path's place in the order shows as spread: each
 case keeps its first measurement as before and adds every repeat's phase seconds. The step
-prints each path's loss, grad norm, KL, rewards and critic loss beside "before"'s ("after"'s for
-the after_* paths). A non-stepping path's times hold an lr-0 SGD step instead of AdamW's
+prints each path's loss, grad norm, KL, rewards and critic loss beside "after"'s (the first path's
+without "after"). A non-stepping path's times hold an lr-0 SGD step instead of AdamW's
 (milliseconds for the LoRA; ~0.1 s less for the AR).
 
 A random model writes no <explanation> tags, so each rollout's text is made an <explanation>
@@ -98,6 +96,8 @@ import json
 import math
 import os
 import re
+import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -112,7 +112,7 @@ import torch  # noqa: E402
 
 import synthetic as syn  # noqa: E402
 
-PATHS = ("before", "after", "after_tf32", "after_bf16", "after_compile", "after_all", "after_fp8", "after_all_fp8",
+PATHS = ("after", "after_tf32", "after_bf16", "after_compile", "after_all", "after_fp8", "after_all_fp8",
          "after_all_fp8_backward", "after_all_fp8_fast", "after_all_fp8_fastfwd")
 FAST_ACCUM_PATHS = {"after_all_fp8_fast": "all", "after_all_fp8_fastfwd": "forward"}
 """The paths with fp8_fast_accum on, and its value."""
@@ -145,17 +145,14 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--ar-lora", action="store_true",
                         help="the critic as an AR-LoRA (nla sft --mode ar ar_lora=true): only its LoRA and value head "
                              "train, so no optimiser moments over its backbone")
-    parser.add_argument("--paths", default="before,after",
+    parser.add_argument("--paths", default="after",
                         help=f"any of {','.join(PATHS)}, each also as PATH{CRITIC_ROLLOUTS_SUFFIX} (see above)")
     parser.add_argument("--micro-batch", type=int, default=16, help="after: logp_micro_batch of the policy update")
-    parser.add_argument("--before-micro-batch", type=int, default=8, help="before: logp_micro_batch (the issue's 8)")
     parser.add_argument("--reference-micro-batch", type=int, default=None,
                         help="after: samples per reference forward (default 4 x --micro-batch)")
     parser.add_argument("--critic-micro-batch", type=int, default=32, help="after: AR inputs per critic forward")
     parser.add_argument("--prompt-block", type=int, default=None,
                         help="after: micro-batches per prompt forward (default TrainConfig.logp_prompt_block)")
-    parser.add_argument("--before-critic-micro-batch", type=int, default=None,
-                        help="before: AR inputs per forward (default TrainConfig's critic_micro_batch)")
     parser.add_argument("--engine", default="native", choices=["native", "hf", "vllm"])
     parser.add_argument("--merge-lora", action="store_true", help="native engine: LoRA merged for the rollout")
     parser.add_argument("--vllm-gpu-mem", type=float, default=0.35,
@@ -199,8 +196,8 @@ def parse_args() -> argparse.Namespace:
     args.critic = args.critic == "on"
     args.paths = [p for p in args.paths.split(",") if p]
     kinds = {path_kind(p) for p in args.paths}
-    if not args.paths or kinds - set(PATHS) or f"before{CRITIC_ROLLOUTS_SUFFIX}" in args.paths:
-        parser.error(f"--paths must name some of {PATHS} (all but before also as PATH{CRITIC_ROLLOUTS_SUFFIX}), "
+    if not args.paths or kinds - set(PATHS):
+        parser.error(f"--paths must name some of {PATHS} (each also as PATH{CRITIC_ROLLOUTS_SUFFIX}), "
                      f"got {args.paths}")
     if any(p.endswith(CRITIC_ROLLOUTS_SUFFIX) for p in args.paths) and not args.critic:
         parser.error(f"--paths ...{CRITIC_ROLLOUTS_SUFFIX}: the critic steps on the best rollouts; leave --critic on")
@@ -346,7 +343,7 @@ def forward_flops(config, *, layers: int, tokens: int, attention_pairs: int, log
             + 2.0 * config.vocab_size * d * logit_rows)
 
 
-def path_flops(config, rollouts, *, shared_prefix: bool, ar_tokens: list[int], critic_layers: int,
+def path_flops(config, rollouts, *, ar_tokens: list[int], critic_layers: int,
                critic_trains_backbone: bool = True, critic_ar_tokens: list[int] | None = None) -> dict[str, float]:
     """FLOPs each phase of a path executes.
 
@@ -361,16 +358,12 @@ def path_flops(config, rollouts, *, shared_prefix: bool, ar_tokens: list[int], c
     layers = config.num_hidden_layers
     tokens = pairs = rows = 0
     prompts = {}
-    for r in rollouts:
+    for r in rollouts:  # each group's prompt once (`training.prefix`), then every sample's response
         p, n = r.prompt_len, r.response_len
         rows += n
-        if shared_prefix:
-            prompts[r.prompt_index] = p
-            tokens += n - 1
-            pairs += (n - 1) * p + (n - 1) * n // 2
-        else:
-            tokens += p + n
-            pairs += (p + n) * (p + n + 1) // 2
+        prompts[r.prompt_index] = p
+        tokens += n - 1
+        pairs += (n - 1) * p + (n - 1) * n // 2
     tokens += sum(prompts.values())
     pairs += sum(p * (p + 1) // 2 for p in prompts.values())
     blocks = forward_flops(config, layers=layers, tokens=tokens, attention_pairs=0, logit_rows=0)
@@ -452,7 +445,7 @@ def run_path(ctx: Context, path: str, state, rolled, args, *, keep_weights: bool
     """One path's score / update / critic phases. Returns ({phase: {"s", "peak_gib"}}, numbers, ar_tokens), the
     AR input lengths scored and those the critic trained on ({"scored", "trained"}).
 
-    Every path but "before" runs the trainer's own phases (`step.score_phase`, `step.update_phase`).
+    Every path runs the trainer's own phases (`step.score_phase`, `step.update_phase`).
     """
     from nla_shell.training import step
 
@@ -482,17 +475,15 @@ def run_path(ctx: Context, path: str, state, rolled, args, *, keep_weights: bool
     if keep_weights:  # another path follows on the same rollouts: leave every weight as it was
         state = dataclasses.replace(state, optimizer=lr0_sgd(ctx.actor),
                                     critic_optimizer=lr0_sgd(ctx.critic) if args.critic else None)
-    if path == "before":
-        update, critic_loss, critic_norm, scores = before_phases(ctx, state, rolled, args, phase)
-    else:
-        scored = phase("score", lambda: step.score_phase(state, rolled))
-        update = phase("update", lambda: step.update_phase(state, 0, scored))
-        critic_loss, critic_norm, scores = scored.critic_loss, scored.critic_grad_norm, scored.scores
+    scored = phase("score", lambda: step.score_phase(state, rolled))
+    update = phase("update", lambda: step.update_phase(state, 0, scored))
+    critic_loss, critic_norm, scores = scored.critic_loss, scored.critic_grad_norm, scored.scores
     ctx.optimizer.zero_grad(set_to_none=True)
     for copies in {id(c): c for c in (state.fp8_score, state.fp8_reference, state.fp8_update) if c}.values():
         copies.remove()  # the next path runs without them
     numbers = {"loss": update.loss, "grad_norm": update.grad_norm, "kl_mean": update.kl_mean,
                "clip_frac": update.clip_frac, "logp_diff_mean": update.logp_diff_mean,
+               "allreduce_s": update.time_allreduce,
                "critic_loss": critic_loss, "critic_grad_norm": critic_norm,
                "reward": scores.reward.tolist()}
     group_ids = torch.tensor([r.prompt_index for r in rolled.rollouts])
@@ -507,36 +498,6 @@ def lr0_sgd(model) -> torch.optim.Optimizer:
     from nla_shell.models import trainable_parameters
 
     return torch.optim.SGD(trainable_parameters(model), lr=0.0)
-
-
-def before_phases(ctx: Context, state, rolled, args, phase):
-    """The arithmetic of the trainer before issue 12: full sequences per sample, the reference at the
-    policy's micro-batch, scoring and the critic step as two AR passes. (update, critic loss, grad norm, scores)"""
-    import nla_core
-    from nla_shell.training.scoring import critic_step, score_explanations
-    from nla_shell.training.update import policy_update
-
-    d, cfg, pad = ctx.defaults, state.cfg, ctx.tokenizer.pad_token_id
-    rollouts = rolled.rollouts
-    golds = torch.stack([rolled.requests[r.prompt_index].activation for r in rollouts])
-    explanations = [nla_core.extract_explanation(r.text) for r in rollouts]
-    critic_micro = args.before_critic_micro_batch or d["critic_micro_batch"]
-    score_kwargs = {**state.score_kwargs, "micro_batch": critic_micro}
-    scores = phase("score", lambda: score_explanations(ctx.critic, ctx.tokenizer, explanations, golds, **score_kwargs))
-    groups = torch.tensor([r.prompt_index for r in rollouts])
-    advantages = nla_core.group_advantages(scores.reward, groups, scale=cfg.advantage_scale)
-    ctx.actor.train()
-    update = phase("update", lambda: policy_update(
-        ctx.actor, ctx.injector, state.optimizer, rollouts, advantages, golds, loss=state.loss_options,
-        micro_batch=args.before_micro_batch, max_grad_norm=cfg.max_grad_norm, pad_id=pad, share_prefix=False,
-        reference_micro_batch=args.before_micro_batch, prompt_block=cfg.logp_prompt_block))
-    critic_loss = critic_norm = math.nan
-    if args.critic:
-        kept = [i for i, ids in enumerate(scores.ar_inputs) if ids is not None]
-        critic_loss, critic_norm = phase("critic", lambda: critic_step(
-            ctx.critic, state.critic_optimizer, [scores.ar_inputs[i] for i in kept], golds[kept], pad_id=pad,
-            micro_batch=critic_micro, max_grad_norm=cfg.max_grad_norm))
-    return update, critic_loss, critic_norm, scores
 
 
 def grpo_step(ctx: Context, requests, group: int, args, *, paths: list[str]):
@@ -557,7 +518,7 @@ def grpo_step(ctx: Context, requests, group: int, args, *, paths: list[str]):
             if kind in AUTOCAST_PATHS:
                 numbers["own_logp_gap"] = behaviour_gap(ctx, own.rollouts, own.requests,
                                                         args.reference_micro_batch or 4 * args.micro_batch)
-        flops = path_flops(ctx.config, rolled.rollouts, shared_prefix=path != "before", ar_tokens=ar_tokens["scored"],
+        flops = path_flops(ctx.config, rolled.rollouts, ar_tokens=ar_tokens["scored"],
                            critic_layers=ctx.extraction_layer + 1, critic_trains_backbone=not args.ar_lora,
                            critic_ar_tokens=ar_tokens["trained"])
         critic_flops = flops.pop("critic")
@@ -765,7 +726,7 @@ def run(args, rank, device: torch.device) -> None:
                 p["tflops"] = flops.get(name, math.nan) / p["s"] / 1e12
                 p["pct_peak"] = 100.0 * p["tflops"] / PEAK_TFLOPS
             case = {"case": "step", "shape": args.shape, "path": path, "prompts": prompts, "group": group, "critic": args.critic,
-                    "micro_batch": args.before_micro_batch if path == "before" else args.micro_batch, "phases": phases, "flops": flops,
+                    "micro_batch": args.micro_batch, "phases": phases, "flops": flops,
                     "step_s": sum(p["s"] for p in phases.values()),
                     "peak_gib": max(p["peak_gib"] for p in phases.values()),
                     "in_use_gib": max(p["in_use_gib"] for p in phases.values()),
@@ -784,8 +745,8 @@ def run(args, rank, device: torch.device) -> None:
                                            for name in case["repeats"][0]), flush=True)
         for path in results:
             # The after_* paths change "after"'s arithmetic; without "after", the first path is the base.
-            base = "before" if path == "after" else "after" if "after" in results else next(iter(results))
-            if path in ("before", base) or base not in results:
+            base = "after" if "after" in results else next(iter(results))
+            if path == base:
                 continue
             diff = compare_numbers(results[base][1], results[path][1])
             record.data.setdefault("comparisons", []).append({"prompts": prompts, "group": group, "path": path,
@@ -825,10 +786,37 @@ def across_ranks(results: dict) -> None:
         flops.update({k: v / world for k, v in zip(keys, sums)})
 
 
+def run_case(script: str | Path, world_size: int, argv: list[str], *, timeout: int) -> dict:
+    """One torchrun job of `world_size` ranks, each running `script argv --worker PART`: the JSON
+    its rank 0 wrote to PART, or {"error": ...}."""
+    with tempfile.TemporaryDirectory() as tmp:
+        part = Path(tmp) / "part.json"
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world_size}",
+                   str(script), *argv, "--worker", str(part)]
+        env = {**os.environ, "NCCL_NVLS_ENABLE": "0"}  # NVLink multicast off on the lent machines
+        print(f"[case] {world_size} rank(s): {' '.join(command[1:])}", flush=True)
+        start = time.perf_counter()
+        proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            out, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGTERM)  # torchrun stops its ranks on SIGTERM
+            try:
+                out, _ = proc.communicate(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                out, _ = proc.communicate()
+            return {"world_size": world_size, "error": f"timed out after {timeout}s", "log_tail": out[-4000:]}
+        print(out[-3000:], flush=True)
+        if proc.returncode != 0 or not part.exists():
+            return {"world_size": world_size, "error": f"exit status {proc.returncode}", "log_tail": out[-4000:]}
+        result = json.loads(part.read_text())
+        result["wall_s"] = time.perf_counter() - start
+        return result
+
+
 def launch(args, argv: list[str]) -> int:
     """--ranks: this script once per world size as a torchrun job; each phase's speed-up against 1 rank."""
-    from bench_ddp import run_case
-
     out = Path(args.out)
     settings = json.loads(json.dumps({k: v for k, v in vars(args).items() if k != "worker"}, default=str))
     runs: dict[int, dict] = kept_runs(out, settings) if args.keep_runs else {}

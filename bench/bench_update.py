@@ -27,12 +27,11 @@ embedding and the log-prob head left eager, compile_blocks before the rotary joi
 forward instead of --reference-micro-batch), `pbN` (the prompts of N micro-batches in one forward
 instead of TrainConfig.logp_prompt_block; pb1: one prompt forward per micro-batch, as before prompt blocks), `noref`
 (no reference pass: kl_beta 0 and no KL metric;
-its time against the same variant's with the pass is the pass's) and `synced` (the shared-prefix forward as it was before
-its host synchronisations were removed: the prompt mask always passed, so transformers reads it on
-the host, and pageable host-to-device copies), `fp8` (the trainer's fp8=reference,update: the base's
+its time against the same variant's with the pass is the pass's), `fp8` (the trainer's fp8=reference,update: the base's
 forwards in FP8), `fp8bw` (fp8=reference,update,backward: its input gradients too), `fastacc` (with fp8 or
 fp8bw: fp8_fast_accum=all, every FP8 product's fast accumulation) and `fastfwd` (fp8_fast_accum=forward: the
-forward products'), e.g. `16 16:synced 32:bf16+compile 64:bf16+compile+ref256`.
+forward products'), e.g. `16 32:bf16+compile 64:bf16+compile+ref256`. (The `synced` replay of the
+shared-prefix forward before its sync fix is retired; its numbers are in bench/RESULTS.md, made at fbd025e..74a810e.)
 
     python bench/bench_update.py --cases 32x8 --variants 16,32,32:bf16 --out $OUT/update.json   # H200
     .venv/bin/python bench/bench_update.py --tiny --variants 2,4:compile --out /tmp/update.json  # CPU smoke
@@ -60,7 +59,7 @@ from bench_step import PEAK_TFLOPS, path_flops, write_profile_table  # noqa: E40
 from kernel_sites import format_sites, kernel_sites  # noqa: E402
 from timeline import HostLead, idle_gaps  # noqa: E402
 
-OPTIONS = ("bf16", "compile", "mlpcompile", "norotary", "nohead", "noref", "synced", "fp8", "fp8bw", "fastacc",
+OPTIONS = ("bf16", "compile", "mlpcompile", "norotary", "nohead", "noref", "fp8", "fp8bw", "fastacc",
            "fastfwd")
 
 
@@ -146,9 +145,8 @@ def options_installed(actor, options: frozenset[str]):
     with syn.trainer_options(actor, bf16_autocast="bf16" in options, compiled=compiled, lora_layers="mlpcompile" not in options,
                              rotary=not options & {"mlpcompile", "norotary"},
                              logprob_head=not options & {"mlpcompile", "norotary", "nohead"}):
-        with synchronising_prefix_batches() if "synced" in options else contextlib.nullcontext():
-            with fp8_copies(actor, options) as copies:
-                yield copies
+        with fp8_copies(actor, options) as copies:
+            yield copies
 
 
 @contextlib.contextmanager
@@ -172,30 +170,6 @@ def fp8_copies(actor, options: frozenset[str]):
         yield copies
     finally:
         copies.remove()
-
-
-@contextlib.contextmanager
-def synchronising_prefix_batches():
-    """`training.prefix` as before the sync fix: every prompt forward gets its mask (transformers
-    then checks it on the host) and batches move from pageable memory (a copy that waits for the
-    device's queue)."""
-    from nla_shell.training import prefix
-
-    build, move = prefix.prefix_batch, prefix.PrefixBatch.to
-
-    def masked(*args, **kwargs):
-        return dataclasses.replace(build(*args, **kwargs), prompts_padded=True)
-
-    def pageable(batch, device):
-        return prefix.PrefixBatch(**{f.name: getattr(batch, f.name).to(device, non_blocking=True)
-                                     if isinstance(getattr(batch, f.name), torch.Tensor) else getattr(batch, f.name)
-                                     for f in dataclasses.fields(batch)})
-
-    prefix.prefix_batch, prefix.PrefixBatch.to = masked, pageable
-    try:
-        yield
-    finally:
-        prefix.prefix_batch, prefix.PrefixBatch.to = build, move
 
 
 def profiled_call(fn, device: torch.device, table_path: Path | None, *, sites: bool = False) -> dict[str, float]:
@@ -271,7 +245,7 @@ def main() -> None:
         args.prompts, args.group, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
         d_model=config.hidden_size, tokens=tokens, vocab=min(config.vocab_size, len(tokenizer)))
     advantages = torch.randn(len(rollouts), generator=torch.Generator().manual_seed(2))
-    flops = path_flops(config, rollouts, shared_prefix=True, ar_tokens=[], critic_layers=0)["update"]
+    flops = path_flops(config, rollouts, ar_tokens=[], critic_layers=0)["update"]
 
     def update(variant: Variant, n: int, copies):
         return lambda: policy_update(

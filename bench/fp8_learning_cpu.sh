@@ -34,25 +34,21 @@ case $1 in
     done ;;
   table)
     $py bench/rl_variants.py table "$runs"/seed*/ --out "$runs/table" --against $base
-    # The parity rule of tests/parity.py on the paired held-out FVE differences (NAME - BASE).
+    # The parity rule (nla_shell.stats) on the paired held-out FVE differences (NAME - BASE).
     $py - "$runs" "$name" "$base" <<'PY'
-import json, statistics, sys
+import json, sys
 from pathlib import Path
-sys.path.insert(0, "tests")
-from parity import FVE_MARGIN, PairedShortfall
-name, base, diffs = sys.argv[2], sys.argv[3], {}
+from nla_shell.stats import paired_shortfall
+name, base, fves = sys.argv[2], sys.argv[3], {}
 for d in sorted(Path(sys.argv[1]).glob("seed*/variants")):
     try:
-        fve = {v: json.loads((d / v / "report.json").read_text())["fve"] for v in (base, name)}
+        fves[int(d.parent.name[4:])] = {v: json.loads((d / v / "report.json").read_text())["fve"] for v in (base, name)}
     except FileNotFoundError:
         continue
-    diffs[int(d.parent.name[4:])] = fve[name] - fve[base]
-if len(diffs) < 2:
+if len(fves) < 2:
     sys.exit(f"fewer than 2 seeds with both variants in {sys.argv[1]}")
-s = PairedShortfall(n=len(diffs), mean=statistics.fmean(diffs.values()), sd=statistics.stdev(diffs.values()))
-print(f"{name} - {base}, seeds {sorted(diffs)}: mean {s.mean:+.4f}, sd {s.sd:.4f}, one-sided 95 % lower bound "
-      f"{s.lower_bound:+.4f} ({'above' if s.lower_bound > -FVE_MARGIN else 'not above'} -{FVE_MARGIN}: parity "
-      f"{'shown' if s.lower_bound > -FVE_MARGIN else 'not shown'})")
+s = paired_shortfall({k: f[name] for k, f in fves.items()}, {k: f[base] for k, f in fves.items()})
+print(f"{name} - {base}, seeds {sorted(fves)}: {s.verdict()}")
 PY
     ;;
   *) echo "usage: bash bench/fp8_learning_cpu.sh lane SEED... | table" >&2; exit 2 ;;

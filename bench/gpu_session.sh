@@ -66,7 +66,8 @@
 #   families       p4         tests/gpu/test_families_gpu.py, native then vLLM cases      Model families on the GPU
 #   parity         p4, .bnb,  learning parity on the toy NLA: hf 6 seeds on GPU1, vLLM 6  Learning parity across engines
 #                  x2         seeds in 3 lanes on GPU0 (PARITY_ENGINES=hf,native: R2's legs)
-#   ddp            x2         bench_ddp: a step at 1 and 2 ranks, native engine           Multi-GPU: bench_ddp
+#   ddp            x2         bench_step --ranks 1,2: the trainer's step (16 x 8, critic   Multi-GPU
+#                             off, native engine) at 1 and 2 ranks
 set -uo pipefail
 stage=$1
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -311,7 +312,7 @@ case $stage in
     grep "^\[update\]\|^\[idle\]\|rror" "$OUT/update.log"; pack fp8-kernels ;;
   update)
     # The variant sets of RESULTS.md's tables: 16,32,64,16:bf16,32:bf16,64:bf16,32:bf16+compile (micro-batch, bf16);
-    # 16:synced,16,64:bf16+compile+synced,64:bf16+compile (host syncs); 64:bf16+mlpcompile,64:bf16+compile (LoRA layers);
+    # (host syncs: the retired `synced` replay, at 74a810e); 64:bf16+mlpcompile,64:bf16+compile (LoRA layers);
     # 64:bf16+compile+norotary,64:bf16+compile,64:bf16+compile+ref256,64:bf16+compile+noref (rotary, reference pass);
     # 64:bf16+compile with UPDATE_ARGS="--profile-micro-batches 4" (where the GPU waits);
     # 64:bf16+compile+nohead,64:bf16+compile and the default (log-prob head; prompt blocks) with --lead;
@@ -349,7 +350,8 @@ case $stage in
       python3 -m pytest tests/gpu/test_learning_parity.py -q -s -p no:cacheprovider -k reaches 2>&1 | grep -v "$QUIET" > "$OUT/parity.log"
     grep "^\[parity\]\|^|\|passed\|failed" "$OUT/parity.log" ;;
   ddp)
-    timeout -k 10 300 python3 bench/bench_ddp.py --engine native --out "$OUT/ddp.json" --timeout 140 > "$OUT/ddp.log" 2>&1
+    timeout -k 10 300 python3 bench/bench_step.py --engine native --cases 16x8 --critic off --paths after --micro-batch 8 \
+      --ranks 1,2 --case-timeout 140 --out "$OUT/ddp.json" > "$OUT/ddp.log" 2>&1
     tail -n 12 "$OUT/ddp.log" ;;
   *)
     echo "unknown stage '$stage'; see the table at the top of $0" >&2; exit 2 ;;

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -28,6 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from nla_shell.pipeline import demo as demo_mod  # noqa: E402
+from nla_shell.stats import MeanSE, mean_se  # noqa: E402
 
 BASE = "demo"
 """The name the table gives the demo's own RL (its TrainConfig, no overrides)."""
@@ -118,13 +118,6 @@ def _number(value: float | None) -> float:
     return float("nan") if value is None else float(value)
 
 
-def mean_se(values: list[float]) -> tuple[float, float]:
-    n = len(values)
-    mean = sum(values) / n
-    se = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1) / n) if n > 1 else float("nan")
-    return mean, se
-
-
 def table(run_dirs: list[Path], out: Path, *, against: str | None = None) -> dict[str, Any]:
     """Every variant over seeds: mean ± se, and the paired difference against the demo's RL and its SFT
     (and against the variant named `against`, when given: say, GRPO in the same dtype)."""
@@ -157,7 +150,9 @@ def table(run_dirs: list[Path], out: Path, *, against: str | None = None) -> dic
         rows.append(row)
     result = {"after_sft_fve": sft, "variants": rows}
     out.mkdir(parents=True, exist_ok=True)
-    (out / "rl_variants.json").write_text(json.dumps(result, indent=2))
+    # Each mean ± se as [mean, se], the layout of the recorded tables.
+    rows_json = [{k: [v.mean, v.se] if isinstance(v, MeanSE) else v for k, v in row.items()} for row in rows]
+    (out / "rl_variants.json").write_text(json.dumps({**result, "variants": rows_json}, indent=2))
     text = markdown(rows, against=against)
     (out / "rl_variants.md").write_text(text)
     print(text)
@@ -165,11 +160,8 @@ def table(run_dirs: list[Path], out: Path, *, against: str | None = None) -> dic
     return result
 
 
-def _cell(pair: tuple[float, float] | None, spec: str = ".3f") -> str:
-    if pair is None:
-        return "–"
-    mean, se = pair
-    return f"{mean:{spec}}" if math.isnan(se) else f"{mean:{spec}} ± {se:{spec}}"
+def _cell(summary: MeanSE | None, spec: str = ".3f") -> str:
+    return "–" if summary is None else summary.text(spec)
 
 
 def markdown(rows: list[dict[str, Any]], *, against: str | None = None) -> str:

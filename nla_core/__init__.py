@@ -1,7 +1,8 @@
 """nla_core: pure tensor functions for NLA training (torch + standard library only).
 
 Advantages and group selection, KL estimators, token log-probs and entropies, the policy losses
-(GRPO, GSPO, CISPO, on-policy) with TIS and ratio masks, marker injection, weight
+(GRPO, GSPO, CISPO, on-policy) with TIS and ratio masks, and
+the pieces they are composed of (surrogates, TIS weights, aggregation), marker injection, weight
 renaming and LoRA merge, reconstruction/reward/FVE math, splice vectors, sidecar parsing,
 splits, and rowwise-scaled FP8 matrix products.
 No I/O, no logging, no device synchronisation: usable from any RL loop.
@@ -64,6 +65,8 @@ from nla_core.sidecar import (
     resolve_target_scale,
     upstream_actor_template,
 )
+from nla_core.surrogates import Surrogate, cispo_surrogate, clip_range, onpolicy_surrogate, ppo_clip_surrogate
+from nla_core.tis import CappedRatio, ISWeights, capped_ratio, tis_weights
 from nla_core.splice import denormalize_activation, random_at_same_error
 from nla_core.splits import doc_disjoint_rows
 from nla_core.weights import hf_param_name, layer_buckets, merge_lora_weight
@@ -73,6 +76,7 @@ __all__ = [
     "AGGREGATIONS",
     "AMAX_FLOOR",
     "Baselines",
+    "CappedRatio",
     "ChunkKernels",
     "E4M3_MAX",
     "FAILED_EXTRACTION_REWARD",
@@ -80,20 +84,25 @@ __all__ = [
     "GRPOLossOutput",
     "INJECTION_STYLES",
     "INJECT_PLACEHOLDER",
+    "ISWeights",
     "LogprobsAndEntropy",
     "NLAConfig",
     "POLICY_LOSSES",
     "PolicyLossOutput",
     "REWARD_KINDS",
     "SampledTokens",
+    "Surrogate",
     "TIS_MODES",
     "actor_content",
     "aggregate_loss",
     "best_in_group",
     "canonical_neighbors",
+    "capped_ratio",
     "chunk_entropy",
     "chunk_logit_grads",
     "chunk_logprobs",
+    "cispo_surrogate",
+    "clip_range",
     "denormalize_activation",
     "doc_disjoint_rows",
     "extract_explanation",
@@ -119,8 +128,10 @@ __all__ = [
     "marker_well_formed",
     "merge_lora_weight",
     "normalize_activation",
+    "onpolicy_surrogate",
     "parse_sidecar",
     "policy_loss",
+    "ppo_clip_surrogate",
     "predict_mean_baselines",
     "quantize_rowwise",
     "random_at_same_error",
@@ -131,6 +142,7 @@ __all__ = [
     "reward_from_mse",
     "sample_tokens",
     "sequence_log_ratio",
+    "tis_weights",
     "token_entropy",
     "token_logprobs",
     "token_logprobs_from_hidden",

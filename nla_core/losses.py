@@ -3,8 +3,7 @@ k3 KL to a reference, truncated importance sampling, token masks and four aggreg
 
 from __future__ import annotations
 
-import math
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import torch
 
@@ -19,10 +18,10 @@ from nla_core._checks import (
 )
 from nla_core.kl import kl_k3
 from nla_core.ratios import _check_ratio_band, gspo_token_log_ratio, ratio_band_mask
+from nla_core.surrogates import Surrogate, cispo_surrogate, clip_range, onpolicy_surrogate, ppo_clip_surrogate
+from nla_core.tis import capped_ratio, tis_weights
 
-TIS_MODES = ("ratio_cap", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask", None)
 AGGREGATIONS = ("sequence_mean", "token_mean", "seq_mean_token_sum_norm", "prompt_mean")
-POLICY_LOSSES = ("grpo", "gspo", "cispo", "onpolicy")
 
 
 class PolicyLossOutput(NamedTuple):
@@ -143,6 +142,85 @@ def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.where(mask, x, torch.zeros_like(x)).sum() / mask.sum().clamp_min(1)
 
 
+def _masked_f32(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    # Padding is zeroed *before* any exp, so NaN/inf there cannot leak into values or grads.
+    return torch.where(mask, x.float(), torch.zeros((), dtype=torch.float32, device=x.device))
+
+
+def _token_log_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return logp - old_logp
+
+
+def _ppo(ratio: torch.Tensor, logp: torch.Tensor, adv: torch.Tensor, **clip: Any) -> Surrogate:
+    return ppo_clip_surrogate(ratio, adv, **clip)
+
+
+def _onpolicy(ratio: torch.Tensor, logp: torch.Tensor, adv: torch.Tensor, **clip: Any) -> Surrogate:
+    return onpolicy_surrogate(logp, adv)
+
+
+class _Objective(NamedTuple):
+    log_ratio: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+    """(logp, old_logp, mask) -> [N, T] log-ratio."""
+    surrogate: Callable[..., Surrogate]
+    """(ratio, logp, advantages, clip_eps=, clip_eps_high=) -> Surrogate."""
+
+
+# Each kind is a choice of functions; the math below never branches on the name.
+_OBJECTIVES = {
+    "grpo": _Objective(_token_log_ratio, _ppo),
+    "gspo": _Objective(gspo_token_log_ratio, _ppo),
+    "cispo": _Objective(_token_log_ratio, cispo_surrogate),
+    "onpolicy": _Objective(_token_log_ratio, _onpolicy),
+}
+POLICY_LOSSES = tuple(_OBJECTIVES)
+
+
+class _Weighted(NamedTuple):
+    ratio: torch.Tensor  # [N, T] the ratio the surrogate sees
+    weight: torch.Tensor  # [N, T] detached importance weight
+    capped: torch.Tensor  # [N, T] bool, where TIS changed the ratio or the weight
+
+
+def _tis_ratio_cap(log_ratio, log_rho, mask, *, cap, max_log_ratio) -> _Weighted:
+    r = capped_ratio(log_ratio, cap=cap)
+    return _Weighted(r.ratio, torch.ones_like(r.ratio), r.capped)
+
+
+def _tis_none(log_ratio, log_rho, mask, *, cap, max_log_ratio) -> _Weighted:
+    ratio = torch.exp(log_ratio.clamp(max=max_log_ratio))
+    return _Weighted(ratio, torch.ones_like(ratio), torch.zeros_like(mask))
+
+
+def _tis_decoupled(*, truncate: bool, per_sequence: bool) -> Callable[..., _Weighted]:
+    def weigh(log_ratio, log_rho, mask, *, cap, max_log_ratio) -> _Weighted:
+        # A ratio beyond e^max_log_ratio carries no gradient; bounding it keeps exp finite.
+        w = tis_weights(log_rho, mask, cap=cap, truncate=truncate, per_sequence=per_sequence)
+        return _Weighted(torch.exp(log_ratio.clamp(max=max_log_ratio)), w.weight, w.capped)
+    return weigh
+
+
+# Each mode maps (log_ratio, log_rho = the engine/trainer log-ratio, mask, *, cap, max_log_ratio) to the ratio the
+# surrogate sees, the importance weight and where TIS acted.
+_TIS = {
+    "ratio_cap": _tis_ratio_cap,
+    "token_truncate": _tis_decoupled(truncate=True, per_sequence=False),
+    "token_mask": _tis_decoupled(truncate=False, per_sequence=False),
+    "sequence_truncate": _tis_decoupled(truncate=True, per_sequence=True),
+    "sequence_mask": _tis_decoupled(truncate=False, per_sequence=True),
+    None: _tis_none,
+}
+TIS_MODES = tuple(_TIS)
+
+
+class _Unset:
+    def __repr__(self) -> str:
+        return "'ratio_cap' (the default)"
+
+
+_DEFAULT_TIS: Any = _Unset()
+
+
 def policy_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
@@ -156,7 +234,7 @@ def policy_loss(
     clip_eps_high: float | None = None,
     kl_beta: float = 0.04,
     kl_clamp: float | None = None,
-    tis: str | None = "ratio_cap",
+    tis: str | None = _DEFAULT_TIS,
     tis_cap: float = 2.0,
     token_mask: tuple[float, float] | None = None,
     keep: torch.Tensor | None = None,
@@ -167,7 +245,9 @@ def policy_loss(
     group_tokens: torch.Tensor | None = None,
     max_log_ratio: float = 20.0,
 ) -> PolicyLossOutput:
-    """A policy-gradient loss over sampled tokens, with k3 KL and truncated importance sampling.
+    """A policy-gradient loss over sampled tokens, with k3 KL and truncated importance sampling:
+    the composition of `gspo_token_log_ratio`, `capped_ratio` / `tis_weights`, a surrogate
+    (`ppo_clip_surrogate`, `cispo_surrogate`, `onpolicy_surrogate`), `kl_k3` and `aggregate_loss`.
 
       r_it  = exp(logp_it - old_logp_it)                      (grpo, cispo, onpolicy)
             = exp(logp_it - sg[logp_it] + sg[log s_i])        (gspo; log s_i = mean_t (logp_it - old_logp_it))
@@ -184,21 +264,19 @@ def policy_loss(
     `keep` is any caller's token mask, e.g. `top_entropy_mask`.
 
     TIS (engine/trainer mismatch):
-      "ratio_cap" (the reference): old_logp are the engine's log-probs; r = min(r, tis_cap); w = 1
-        (gspo caps s_i; onpolicy, which has no ratio, refuses it).
+      "ratio_cap" (the reference; the default except for gspo): old_logp are the engine's log-probs;
+        r = min(r, tis_cap); w = 1 (gspo caps s_i; onpolicy, which has no ratio, refuses it).
       "token_*" / "sequence_*" (decoupled): old_logp are the trainer's (logp.detach() for a
-        single update per batch), behavior_logp the engine's; rho = exp(old - behavior) per
-        token, or exp(sum_t over the mask) per sequence; truncate: w = min(rho, tis_cap);
-        mask: w = rho * 1[rho <= tis_cap]. w is detached.
+        single update per batch), behavior_logp the engine's; w from `tis_weights`
+        (truncate: min(rho, tis_cap); mask: rho 1[rho <= tis_cap]), detached.
       None: w = 1 and no cap.
-    With "ratio_cap", tis_cap must be >= 1 + clip_eps_high: a lower cap would bind before the
-    PPO clip on positive-advantage tokens. behavior_logp is refused where it would be ignored
-    (tis "ratio_cap" or None: there old_logp *are* the engine's log-probs).
-    The KL term is dropped when ref_logp is None or kl_beta == 0; kl_clamp bounds the log-ratio
-    inside k3 (EasyNLA: onpolicy with kl_clamp = 12). Outside ratio_cap the log-ratio is clamped
-    at max_log_ratio before exp (a ratio beyond e^20 carries no gradient) so that no token can
-    overflow to inf and turn the backward into NaN. cispo takes any clip_eps > 0 (>= 1: no
-    lower clip; TRL's epsilon_high = 5 is clip_eps_high = 4).
+    kind="gspo" must name its tis: GSPO's clip (about 3e-4) is far below the engine/trainer gap
+    that "ratio_cap" and None put inside its ratio (old_logp = the engine's); "sequence_truncate"
+    takes the ratio against the trainer's. With "ratio_cap", tis_cap must be >= 1 + clip_eps_high.
+    behavior_logp is refused where it would be ignored (tis "ratio_cap" or None).
+    kl_beta != 0 needs ref_logp (pass kl_beta=0 for no KL term); with a reference, kl is measured
+    at kl_beta = 0 too. kl_clamp bounds the log-ratio inside k3 (EasyNLA: 12). Outside ratio_cap
+    the log-ratio is clamped at max_log_ratio before exp, so no token overflows to inf.
 
     Args (N = B prompts x G samples each, T response tokens):
       logp: [N, T] trainer log-probs of the sampled tokens (the only input with gradient).
@@ -207,7 +285,7 @@ def policy_loss(
       mask: [N, T] bool, True on generated tokens. Masked positions never reach the loss or
         the gradients, even if they hold NaN or inf.
       kind: "grpo", "gspo", "cispo" or "onpolicy" (POLICY_LOSSES).
-      ref_logp: [N, T] reference-policy log-probs (adapter off), or None.
+      ref_logp: [N, T] reference-policy log-probs (adapter off), or None (then kl_beta must be 0).
       behavior_logp: [N, T] engine log-probs, required by the decoupled TIS modes.
       token_mask: (low, high) with 0 < low <= 1 <= high, or None.
       keep: [N, T] bool, or None.
@@ -215,6 +293,64 @@ def policy_loss(
     Returns:
       PolicyLossOutput; every tensor but `loss` is detached.
     """
+    tis = _check_policy_arguments(
+        logp, old_logp, advantages, mask, kind=kind, ref_logp=ref_logp, behavior_logp=behavior_logp,
+        clip_eps=clip_eps, clip_eps_high=clip_eps_high, kl_beta=kl_beta, tis=tis, tis_cap=tis_cap,
+        token_mask=token_mask, keep=keep, aggregation=aggregation, max_len=max_len, group_ids=group_ids,
+        group_tokens=group_tokens)
+    objective = _OBJECTIVES[kind]
+    lp, old = _masked_f32(logp, mask), _masked_f32(old_logp, mask).detach()
+    engine = None if behavior_logp is None else _masked_f32(behavior_logp, mask).detach()
+    # The engine/trainer log-ratio: decoupled, old_logp are the trainer's; else they are the engine's.
+    engine_gap = lp.detach() - old if engine is None else old - engine
+    tis_out = _TIS[tis](objective.log_ratio(lp, old, mask), engine_gap, mask, cap=tis_cap,
+                        max_log_ratio=max_log_ratio)
+    kept = _surrogate_mask(mask, keep, token_mask, engine_gap)
+    weight = torch.where(kept, tis_out.weight, torch.zeros_like(tis_out.weight))
+    surrogate = objective.surrogate(tis_out.ratio, lp, advantages.float(), clip_eps=clip_eps,
+                                    clip_eps_high=clip_eps_high)
+    per_token = -(weight * surrogate.value)
+    kl = torch.zeros_like(lp) if ref_logp is None else kl_k3(lp, _masked_f32(ref_logp, mask).detach(), clamp=kl_clamp)
+    if kl_beta != 0:
+        per_token = per_token + kl_beta * kl
+    per_token = torch.where(mask, per_token, torch.zeros_like(per_token))
+    loss = aggregate_loss(per_token, mask, mode=aggregation, denominator=denominator, max_len=max_len,
+                          group_ids=group_ids, group_tokens=group_tokens)
+    low, high = clip_range(clip_eps, clip_eps_high)
+    ratio = tis_out.ratio.detach()
+    zero = torch.zeros_like(lp)
+    return PolicyLossOutput(
+        loss=loss,
+        per_token=per_token.detach(),
+        kl=torch.where(mask, kl, zero).detach(),
+        ratio=torch.where(mask, ratio, zero),
+        tis_weight=torch.where(mask, weight, zero).detach(),
+        clip_frac=_masked_mean(surrogate.clipped.float(), mask),
+        outside_clip_frac=_masked_mean(((ratio < low) | (ratio > high)).float(), mask),
+        kl_mean=_masked_mean(kl.detach(), mask),
+        tis_frac=_masked_mean(tis_out.capped.float(), mask),
+        token_mask_frac=_masked_mean((mask & ~kept).float(), mask),
+    )
+
+
+def _surrogate_mask(
+    mask: torch.Tensor, keep: torch.Tensor | None, token_mask: tuple[float, float] | None, engine_gap: torch.Tensor
+) -> torch.Tensor:
+    """The tokens whose surrogate counts: mask, the caller's keep, and the ratio band on the engine gap."""
+    kept = mask if keep is None else mask & keep
+    if token_mask is None:
+        return kept
+    return kept & ratio_band_mask(engine_gap, mask, low=token_mask[0], high=token_mask[1])
+
+
+def _check_policy_arguments(
+    logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *, kind: str,
+    ref_logp: torch.Tensor | None, behavior_logp: torch.Tensor | None, clip_eps: float,
+    clip_eps_high: float | None, kl_beta: float, tis: Any, tis_cap: float, token_mask: tuple[float, float] | None,
+    keep: torch.Tensor | None, aggregation: str, max_len: int | None, group_ids: torch.Tensor | None,
+    group_tokens: torch.Tensor | None,
+) -> str | None:
+    """`policy_loss`'s checks, up front with one line each; returns tis with its default resolved."""
     for name, x in (("logp", logp), ("old_logp", old_logp), ("advantages", advantages)):
         require_floating(name, x)
     require_bool("mask", mask)
@@ -222,17 +358,21 @@ def policy_loss(
     require_same_shape("old_logp", old_logp, "logp", logp)
     require_same_shape("mask", mask, "logp", logp)
     if advantages.shape != logp.shape[:1]:
-        raise ValueError(
-            f"advantages must be [N] = [{logp.shape[0]}] (one per row of logp {tuple(logp.shape)}), "
-            f"got shape {tuple(advantages.shape)}"
-        )
-    if ref_logp is not None:
-        require_floating("ref_logp", ref_logp)
-        require_same_shape("ref_logp", ref_logp, "logp", logp)
+        raise ValueError(f"advantages must be [N] = [{logp.shape[0]}] (one per row of logp {tuple(logp.shape)}), "
+                         f"got shape {tuple(advantages.shape)}")
+    for name, x in (("ref_logp", ref_logp), ("behavior_logp", behavior_logp)):
+        if x is not None:
+            require_floating(name, x)
+            require_same_shape(name, x, "logp", logp)
     if keep is not None:
         require_bool("keep", keep)
         require_same_shape("keep", keep, "logp", logp)
     require_choice("kind", kind, POLICY_LOSSES)
+    if tis is _DEFAULT_TIS and kind == "gspo":
+        raise ValueError("kind='gspo' needs tis stated: 'ratio_cap' and None take GSPO's sequence ratio against "
+                         "old_logp (the engine's), whose gap to the trainer exceeds GSPO's ~3e-4 clip; "
+                         "tis='sequence_truncate' with behavior_logp takes it against the trainer's")
+    tis = "ratio_cap" if tis is _DEFAULT_TIS else tis
     require_choice("tis", tis, TIS_MODES)
     require_choice("aggregation", aggregation, AGGREGATIONS)
     _check_aggregation(logp.shape[0], aggregation, max_len=max_len, group_ids=group_ids, group_tokens=group_tokens)
@@ -240,106 +380,24 @@ def policy_loss(
         raise ValueError("kind='onpolicy' has no ratio for tis='ratio_cap' to cap: use tis=None (EasyNLA) "
                          "or a decoupled mode (token_/sequence_ truncate or mask) with behavior_logp")
     decoupled = tis not in ("ratio_cap", None)
-    if decoupled:
-        if behavior_logp is None:
-            raise ValueError(f"tis={tis!r} needs behavior_logp (the rollout engine's log-probs)")
-        require_floating("behavior_logp", behavior_logp)
-        require_same_shape("behavior_logp", behavior_logp, "logp", logp)
-    elif behavior_logp is not None:
-        raise ValueError(
-            f"behavior_logp would be ignored with tis={tis!r}: pass the engine's log-probs as old_logp, "
-            "or choose a decoupled tis mode (token_/sequence_ truncate or mask)"
-        )
-    if not clip_eps > 0 or (clip_eps_high is not None and not clip_eps_high > 0):
-        raise ValueError(f"clip_eps and clip_eps_high must be > 0, got {clip_eps!r}, {clip_eps_high!r}")
-    high = clip_eps if clip_eps_high is None else clip_eps_high
+    if decoupled and behavior_logp is None:
+        raise ValueError(f"tis={tis!r} needs behavior_logp (the rollout engine's log-probs)")
+    if not decoupled and behavior_logp is not None:
+        raise ValueError(f"behavior_logp would be ignored with tis={tis!r}: pass the engine's log-probs as "
+                         "old_logp, or choose a decoupled tis mode (token_/sequence_ truncate or mask)")
+    _, high = clip_range(clip_eps, clip_eps_high)
     if tis is not None and not tis_cap > 0:
         raise ValueError(f"tis_cap must be > 0, got {tis_cap!r}")
-    if tis == "ratio_cap" and tis_cap < 1.0 + high:
+    if tis == "ratio_cap" and tis_cap < high:
         raise ValueError(
-            f"tis_cap = {tis_cap!r} is below 1 + clip_eps_high = {1.0 + high!r}: with tis='ratio_cap' it would "
-            "cap positive-advantage ratios inside the PPO clip range; use tis_cap >= 1 + clip_eps_high"
-        )
+            f"tis_cap = {tis_cap!r} is below 1 + clip_eps_high = {high!r}: with tis='ratio_cap' it would "
+            "cap positive-advantage ratios inside the PPO clip range; use tis_cap >= 1 + clip_eps_high")
     if token_mask is not None:
         _check_ratio_band(*token_mask)
-
-    def masked_f32(x: torch.Tensor) -> torch.Tensor:
-        # Zero out padding *before* any exp, so NaN/inf there cannot leak into values or grads.
-        return torch.where(mask, x.float(), torch.zeros((), dtype=torch.float32, device=x.device))
-
-    lp = masked_f32(logp)
-    old = masked_f32(old_logp).detach()
-    log_ratio = gspo_token_log_ratio(lp, old, mask) if kind == "gspo" else lp - old
-    capped = torch.zeros_like(mask)
-    weight = torch.ones_like(lp)
-    # The log-ratio is bounded *before* exp: an overflowing ratio would make 0 * inf = NaN
-    # in the backward even where the clip zeroes the gradient.
-    if tis == "ratio_cap":
-        capped = log_ratio.detach() > math.log(tis_cap)
-        ratio = torch.exp(log_ratio.clamp(max=math.log(tis_cap)))
-    else:
-        ratio = torch.exp(log_ratio.clamp(max=max_log_ratio))
-    if decoupled:
-        log_rho = old - masked_f32(behavior_logp).detach()
-        if tis.startswith("sequence"):
-            log_rho = log_rho.sum(-1, keepdim=True).expand_as(lp)
-        over = log_rho > math.log(tis_cap)
-        capped = over
-        if tis.endswith("truncate"):
-            weight = torch.exp(log_rho.clamp(max=math.log(tis_cap)))
-        else:
-            weight = torch.where(over, torch.zeros_like(log_rho), torch.exp(log_rho.clamp(max=math.log(tis_cap))))
-
-    dropped = torch.zeros_like(mask)
-    if token_mask is not None or keep is not None:
-        kept = mask if keep is None else mask & keep
-        if token_mask is not None:
-            # The engine/trainer ratio: decoupled, old_logp are the trainer's; else old_logp are the engine's.
-            engine_log_ratio = old - masked_f32(behavior_logp).detach() if decoupled else lp.detach() - old
-            kept = kept & ratio_band_mask(engine_log_ratio, mask, low=token_mask[0], high=token_mask[1])
-        dropped = mask & ~kept
-        weight = torch.where(kept, weight, torch.zeros_like(weight))
-
-    adv = advantages.float().detach()[:, None]
-    lo_clip = 1.0 - clip_eps
-    if kind in ("grpo", "gspo"):
-        surrogate = torch.minimum(ratio * adv, ratio.clamp(lo_clip, 1.0 + high) * adv)
-    elif kind == "cispo":
-        surrogate = ratio.detach().clamp(max(lo_clip, 0.0), 1.0 + high) * adv * lp
-    else:
-        surrogate = adv * lp
-    per_token = -(weight * surrogate)
-    kl = torch.zeros_like(lp)
-    if ref_logp is not None:
-        # Measured whenever a reference is given (KL is worth watching at kl_beta = 0 too).
-        kl = kl_k3(lp, masked_f32(ref_logp).detach(), clamp=kl_clamp)
-        if kl_beta != 0:
-            per_token = per_token + kl_beta * kl
-    per_token = torch.where(mask, per_token, torch.zeros_like(per_token))
-    loss = aggregate_loss(per_token, mask, mode=aggregation, denominator=denominator, max_len=max_len,
-                          group_ids=group_ids, group_tokens=group_tokens)
-
-    ratio_d = ratio.detach()
-    outside = (ratio_d < lo_clip) | (ratio_d > 1.0 + high)
-    if kind in ("grpo", "gspo"):
-        # The clip binds where the clipped term is the minimum: above the range for A > 0, below it for A < 0.
-        active = ((ratio_d > 1.0 + high) & (adv > 0)) | ((ratio_d < lo_clip) & (adv < 0))
-    elif kind == "cispo":
-        active = outside
-    else:
-        active = torch.zeros_like(mask)
-    return PolicyLossOutput(
-        loss=loss,
-        per_token=per_token.detach(),
-        kl=torch.where(mask, kl, torch.zeros_like(kl)).detach(),
-        ratio=torch.where(mask, ratio_d, torch.zeros_like(ratio_d)),
-        tis_weight=torch.where(mask, weight, torch.zeros_like(weight)).detach(),
-        clip_frac=_masked_mean(active.float(), mask),
-        outside_clip_frac=_masked_mean(outside.float(), mask),
-        kl_mean=_masked_mean(kl.detach(), mask),
-        tis_frac=_masked_mean(capped.float(), mask),
-        token_mask_frac=_masked_mean(dropped.float(), mask),
-    )
+    if kl_beta != 0 and ref_logp is None:
+        raise ValueError(f"kl_beta={kl_beta!r} weighs a KL to the reference, but ref_logp is None: "
+                         "pass ref_logp, or kl_beta=0 for no KL term")
+    return tis
 
 
 def grpo_loss(

@@ -6,7 +6,8 @@ seeds, on one or more GPUs) and, with tiny settings, by CPU tests of the same lo
 is `nla train` with the demo's RL settings and one engine, followed by `nla eval` of its final
 adapter on the held-out rows, each in a process of its own; legs run concurrently in lanes.
 Every step's record carries the engine's behaviour log-probs against the trainer's
-(`logp_diff_mean`, `logp_diff_max`), kept per step. `parity_failures` is the verdict.
+(`logp_diff_mean`, `logp_diff_max`), kept per step. `parity_failures` is the verdict, by the rule
+of nla_shell.stats (FVE_MARGIN, PairedShortfall).
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
+
+from nla_shell.stats import FVE_MARGIN, MeanSE, PairedShortfall, mean_se
+from nla_shell.stats import paired_shortfall as stats_paired_shortfall
 
 
 @dataclass(frozen=True)
@@ -239,73 +243,19 @@ def format_table(runs: Sequence[ParityRun]) -> str:
         step0 = max(r.step0_logp_diff_mean for r in mine.values())
         worst = max(r.worst_logp_diff_mean for r in mine.values())
         worst_token = max(r.worst_logp_diff_max for r in mine.values())
-        lines.append(f"| {engine} | " + " | ".join(cells) + f" | {stats.mean:.3f} ± {stats.standard_error:.3f} | "
+        lines.append(f"| {engine} | " + " | ".join(cells) + f" | {stats.mean:.3f} ± {stats.se:.3f} | "
                      f"{step0:.2g} / {worst:.2g} | {worst_token:.2g} |")
     return "\n".join(lines)
 
 
-@dataclass(frozen=True)
-class EngineStats:
-    n: int
-    mean: float
-    sd: float
-    """Sample standard deviation over seeds (n - 1 denominator)."""
-
-    @property
-    def standard_error(self) -> float:
-        return self.sd / math.sqrt(self.n)
-
-
-def engine_stats(runs: Sequence[ParityRun], engine: str) -> EngineStats:
-    fves = [r.fve for r in runs if r.engine == engine]
-    return EngineStats(n=len(fves), mean=statistics.fmean(fves), sd=statistics.stdev(fves) if len(fves) > 1 else math.nan)
-
-
-FVE_MARGIN = 0.01
-"""The loss of held-out FVE (one point) that the parity rule must catch."""
-
-_T95 = (6.314, 2.920, 2.353, 2.132, 2.015, 1.943, 1.895, 1.860, 1.833, 1.812, 1.796, 1.782, 1.771, 1.761, 1.753,
-        1.746, 1.740, 1.734, 1.729, 1.725, 1.721, 1.717, 1.714, 1.711, 1.708, 1.706, 1.703, 1.701, 1.699, 1.697)
-"""One-sided 95 % quantiles of Student's t for 1..30 degrees of freedom (1.645, the normal's, beyond)."""
-
-
-def t95(df: int) -> float:
-    return _T95[df - 1] if df <= len(_T95) else 1.645
-
-
-@dataclass(frozen=True)
-class PairedShortfall:
-    """An engine's held-out FVE against the baseline's, paired by seed: d_s = FVE_engine(s) - FVE_base(s).
-
-    Legs of one seed share the SFT start and the data order, so d_s carries neither the SFT's nor
-    the data's seed noise: its spread is far smaller than either engine's own.
-    """
-
-    n: int
-    mean: float
-    sd: float
-    """Sample standard deviation of d_s (n - 1 denominator)."""
-
-    @property
-    def lower_bound(self) -> float:
-        """One-sided 95 % lower confidence bound of the mean difference: mean - t95(n - 1) sd / sqrt(n)."""
-        return self.mean - t95(self.n - 1) * self.sd / math.sqrt(self.n)
-
-    def seeds_needed(self, margin: float = FVE_MARGIN) -> int:
-        """The fewest seeds whose bound, at this spread and a true difference of 0, sits margin / 2 above -margin:
-        t95(n - 1) sd / sqrt(n) <= margin / 2, so that equal engines pass about 19 times in 20."""
-        n = 2
-        while t95(n - 1) * self.sd / math.sqrt(n) > margin / 2 and n < 10_000:
-            n += 1
-        return n
+def engine_stats(runs: Sequence[ParityRun], engine: str) -> MeanSE:
+    return mean_se([r.fve for r in runs if r.engine == engine])
 
 
 def paired_shortfall(runs: Sequence[ParityRun], engine: str, baseline: str) -> PairedShortfall:
-    """The paired differences over the seeds that both `engine` and `baseline` ran."""
-    base = {r.seed: r.fve for r in runs if r.engine == baseline}
-    diffs = [r.fve - base[r.seed] for r in runs if r.engine == engine and r.seed in base]
-    return PairedShortfall(n=len(diffs), mean=statistics.fmean(diffs) if diffs else math.nan,
-                           sd=statistics.stdev(diffs) if len(diffs) > 1 else math.nan)
+    """The paired differences over the seeds that both `engine` and `baseline` ran (nla_shell.stats' rule)."""
+    return stats_paired_shortfall({r.seed: r.fve for r in runs if r.engine == engine},
+                                  {r.seed: r.fve for r in runs if r.engine == baseline})
 
 
 def parity_failures(runs: Sequence[ParityRun], *, baseline: str | None = "hf", logp_tolerance: dict[str, float],
@@ -356,7 +306,7 @@ def write_json(path: Path, runs: Sequence[ParityRun], *, settings: dict[str, obj
         "settings": settings,
         "legs": [{**dataclasses.asdict(r), "worst_logp_diff_mean": r.worst_logp_diff_mean,
                   "worst_logp_diff_max": r.worst_logp_diff_max} for r in runs],
-        "engines": {e: {**dataclasses.asdict(engine_stats(runs, e)), "se": engine_stats(runs, e).standard_error}
+        "engines": {e: {**engine_stats(runs, e)._asdict(), "se": engine_stats(runs, e).se}
                     for e in engines},
         "complete": failures is not None,
         "failures": None if failures is None else list(failures),

@@ -358,7 +358,7 @@ def datagen(cfg: DatagenConfig) -> DatagenResult | Path:
 
 
 def _write_datasets(cfg: DatagenConfig) -> DatagenResult | Path:
-    # --- validate before anything is written ---------------------------------------------
+    """Validate, stream the corpus into per-split parquet files in a temp dir, check them, then move them in."""
     require_model("model", cfg.model)
     require_file("corpus", cfg.corpus)
     require_file("explanations", cfg.explanations if cfg.explainer == "jsonl" else None)
@@ -366,6 +366,48 @@ def _write_datasets(cfg: DatagenConfig) -> DatagenResult | Path:
     tokenizer = families.load_tokenizer(cfg.model)
     if cfg.write_sites is not None:
         return datagen_sites(cfg, tokenizer)
+    model, device = _load_target_model(cfg)
+    d_model = model.config.hidden_size
+    char = dataset_marker(cfg, tokenizer, model.config)  # before the forward passes, as the sites pass does
+    av_content = marker_content(actor_content(cfg.av_template), char)
+    explainer = make_explainer(cfg, tokenizer)
+    fractions = split_fractions(cfg)
+    active = [s for s in SPLITS if fractions[s] > 0]
+    existing = _claim_out_dir(cfg)
+    tmp_dir = Path(cfg.out_dir) / TMP_DIR_NAME
+    writers = {s: _SplitWriter(tmp_dir / f"{s}.parquet", s, d_model, cfg.row_group_size) for s in active}
+    rows = _RowStream(cfg, tokenizer, model, device, fractions, writers, explainer, av_prompt_messages(av_content))
+    n_docs, skipped = rows.run()
+    for writer in writers.values():
+        writer.close()
+    _check_splits(cfg, explainer, writers, active, n_docs=n_docs, skipped=skipped)
+    sidecar = dict(
+        base_model=str(Path(cfg.model).resolve()), d_model=d_model, layer_index=cfg.layer,
+        corpus=str(Path(cfg.corpus).resolve()), positions_per_doc=cfg.positions_per_doc, av_content=av_content,
+        ar_template=cfg.ar_template, mse_scale=_sidecar_scale(cfg.mse_scale), injection_char=char,
+    )
+    counts = {"documents_read": n_docs, "documents_skipped_short": skipped, "positions_per_doc": cfg.positions_per_doc,
+              "min_context": cfg.min_context, "explainer": cfg.explainer}
+    for split in active:
+        mapping = dataset_sidecar(
+            tokenizer, stage="av_sft" if split == "eval" else split, row_count=writers[split].rows, **sidecar,
+            provenance={"split": split, "model": sidecar["base_model"], "corpus": sidecar["corpus"], "seed": cfg.seed,
+                        "rows": writers[split].rows, **counts},
+            api_summaries=explainer.sidecar_summary() if EXTRA_COLUMNS[split] and explainer is not None else None,
+        )
+        check_tokenizer(parse_sidecar(mapping), tokenizer)
+        write_sidecar(mapping, tmp_dir / f"{split}.parquet.nla_meta.yaml")
+    final_paths = _move_into_place(Path(cfg.out_dir), active, existing)
+    remember_injection_char(tokenizer, char)
+    rows_by_split = {s: writers[s].rows for s in active}
+    say_line(f"[datagen] {n_docs} documents -> " + ", ".join(f"{s} {n} rows" for s, n in rows_by_split.items())
+             + f"; injection char {char!r}; d_model {d_model}, layer {cfg.layer}")
+    say_line(f"[datagen] wrote {', '.join(str(p) for p in final_paths.values())} (+ .nla_meta.yaml sidecars)")
+    return DatagenResult(final_paths, rows_by_split, n_docs, skipped, char, d_model)
+
+
+def _load_target_model(cfg: DatagenConfig) -> tuple[torch.nn.Module, torch.device]:
+    """The target LM in eval mode on its device, once `layer` is known to be one of its blocks."""
     device, dtype = resolve_device(cfg.device, cfg.dtype)
     model = families.load_causal_lm(cfg.model, dtype=dtype).to(device).eval()
     n_layers = model.config.num_hidden_layers
@@ -374,14 +416,12 @@ def _write_datasets(cfg: DatagenConfig) -> DatagenResult | Path:
             f"config key 'layer' = {cfg.layer} is invalid: {cfg.model} has {n_layers} blocks, so layer must be "
             f"0..{n_layers - 1}"
         )
-    d_model = model.config.hidden_size
-    char = dataset_marker(cfg, tokenizer, model.config)  # before the forward passes, as the sites pass does
-    av_content = marker_content(actor_content(cfg.av_template), char)
-    explainer = make_explainer(cfg, tokenizer)
-    fractions = split_fractions(cfg)
-    active = [s for s in SPLITS if fractions[s] > 0]
+    return model, device
+
+
+def _claim_out_dir(cfg: DatagenConfig) -> list[Path]:
+    """Refuse an out_dir holding datasets unless overwrite; start a fresh temp dir. Returns the files to replace."""
     out_dir = Path(cfg.out_dir)
-    final_paths = {s: out_dir / f"{s}.parquet" for s in active}
     existing = [p for s in SPLITS for p in (out_dir / f"{s}.parquet", out_dir / f"{s}.parquet.nla_meta.yaml") if p.exists()]
     if existing and not cfg.overwrite:
         raise ConfigError(
@@ -392,36 +432,48 @@ def _write_datasets(cfg: DatagenConfig) -> DatagenResult | Path:
     if tmp_dir.exists():  # left by an interrupted run: start over
         shutil.rmtree(tmp_dir)
     tmp_dir.mkdir(parents=True)
-    writers = {s: _SplitWriter(tmp_dir / f"{s}.parquet", s, d_model, cfg.row_group_size) for s in active}
+    return existing
 
-    # --- stream documents in batches; rows that need an explanation wait for a full explainer batch ---
-    prompt = av_prompt_messages(av_content)
-    n_docs = skipped = 0
-    bar = progress_bar(total=count_documents(cfg.corpus, limit=cfg.max_docs), desc="datagen", unit="doc",
-                       enabled=cfg.progress)
-    batch: list[tuple[Document, list[int]]] = []
-    unlabelled: list[tuple[str, dict[str, Any], Site]] = []
 
-    def label(final: bool) -> None:
-        while len(unlabelled) >= cfg.explainer_batch_size or (final and unlabelled):
-            chunk = unlabelled[: cfg.explainer_batch_size]
-            del unlabelled[: cfg.explainer_batch_size]
-            for (split, row, _), text in zip(chunk, explainer.explain([site for _, _, site in chunk])):
-                if text is None:  # no explanation: the explainer counts and reports it
-                    continue
-                # Stripped, as extract_explanation returns it (upstream nla/schema.py): the AR then
-                # reads the same text in SFT and in RL. wrap_explanation's layout for the response.
-                text = text.strip()
-                row.update(explanation=text, response=f"<explanation>\n{text}\n</explanation>")
-                if split == "ar_sft":
-                    row["prompt"] = cfg.ar_template.format(explanation=text)
-                writers[split].add({k: row[k] for k in writers[split].schema.names})
+class _RowStream:
+    """Documents in batches -> activations at their sites -> rows in the split writers; rows that need an
+    explanation wait for a full explainer batch."""
 
-    def process(batch: list[tuple[Document, list[int]]]) -> None:
-        ids, mask = pad_right([tokens for _, tokens in batch], tokenizer.pad_token_id, device)
-        acts = capture_activations(model, ids, mask, cfg.layer).cpu()
+    def __init__(self, cfg: DatagenConfig, tokenizer: Any, model: torch.nn.Module, device: torch.device,
+                 fractions: dict[str, float], writers: dict[str, _SplitWriter], explainer: Any, prompt: Any):
+        self.cfg, self.tokenizer, self.model, self.device = cfg, tokenizer, model, device
+        self.fractions, self.writers, self.explainer, self.prompt = fractions, writers, explainer, prompt
+        self.unlabelled: list[tuple[str, dict[str, Any], Site]] = []
+
+    def run(self) -> tuple[int, int]:
+        """Stream the whole corpus; (documents read, documents too short)."""
+        cfg = self.cfg
+        n_docs = skipped = 0
+        bar = progress_bar(total=count_documents(cfg.corpus, limit=cfg.max_docs), desc="datagen", unit="doc",
+                           enabled=cfg.progress)
+        batch: list[tuple[Document, list[int]]] = []
+        for doc, tokens in tokenized_documents(cfg, self.tokenizer):
+            n_docs += 1
+            bar.update()
+            if len(tokens) <= cfg.min_context:
+                skipped += 1
+                continue
+            batch.append((doc, tokens))
+            if len(batch) == cfg.batch_size:
+                self.process(batch)
+                batch = []
+        if batch:
+            self.process(batch)
+        self.label(final=True)
+        bar.close()
+        return n_docs, skipped
+
+    def process(self, batch: list[tuple[Document, list[int]]]) -> None:
+        cfg = self.cfg
+        ids, mask = pad_right([tokens for _, tokens in batch], self.tokenizer.pad_token_id, self.device)
+        acts = capture_activations(self.model, ids, mask, cfg.layer).cpu()
         for b, (doc, tokens) in enumerate(batch):
-            split, sites = document_sites(doc, tokens, cfg, tokenizer, fractions)
+            split, sites = document_sites(doc, tokens, cfg, self.tokenizer, self.fractions)
             for site in sites:
                 vector = acts[b, site.position].numpy()
                 if not (np.isfinite(vector).all() and vector.any()):
@@ -429,33 +481,36 @@ def _write_datasets(cfg: DatagenConfig) -> DatagenResult | Path:
                         f"activation at doc_id {doc.doc_id!r} position {site.position} is not finite or all zero; "
                         "check the model and dtype"
                     )
-                row = {"prompt": prompt, "activation_vector": vector, "doc_id": doc.doc_id,
+                row = {"prompt": self.prompt, "activation_vector": vector, "doc_id": doc.doc_id,
                        "n_raw_tokens": site.position + 1, "activation_layer": cfg.layer,
                        "position": site.position, "context": site.context}
                 if EXTRA_COLUMNS[split]:
-                    unlabelled.append((split, row, site))
+                    self.unlabelled.append((split, row, site))
                 else:
-                    writers[split].add(row)
-        label(final=False)
+                    self.writers[split].add(row)
+        self.label(final=False)
 
-    for doc, tokens in tokenized_documents(cfg, tokenizer):
-        n_docs += 1
-        bar.update()
-        if len(tokens) <= cfg.min_context:
-            skipped += 1
-            continue
-        batch.append((doc, tokens))
-        if len(batch) == cfg.batch_size:
-            process(batch)
-            batch = []
-    if batch:
-        process(batch)
-    label(final=True)
-    bar.close()
-    for writer in writers.values():
-        writer.close()
+    def label(self, final: bool) -> None:
+        size = self.cfg.explainer_batch_size
+        while len(self.unlabelled) >= size or (final and self.unlabelled):
+            chunk = self.unlabelled[:size]
+            del self.unlabelled[:size]
+            for (split, row, _), text in zip(chunk, self.explainer.explain([site for _, _, site in chunk])):
+                if text is None:  # no explanation: the explainer counts and reports it
+                    continue
+                # Stripped, as extract_explanation returns it (upstream nla/schema.py): the AR then
+                # reads the same text in SFT and in RL. wrap_explanation's layout for the response.
+                text = text.strip()
+                row.update(explanation=text, response=f"<explanation>\n{text}\n</explanation>")
+                if split == "ar_sft":
+                    row["prompt"] = self.cfg.ar_template.format(explanation=text)
+                self.writers[split].add({k: row[k] for k in self.writers[split].schema.names})
 
-    # --- check, then write sidecars and move everything into place ------------------------
+
+def _check_splits(cfg: DatagenConfig, explainer: Any, writers: dict[str, _SplitWriter], active: list[str], *,
+                  n_docs: int, skipped: int) -> None:
+    """Say what was skipped; refuse (temp dir removed) an explainer failure or a split left empty."""
+    tmp_dir = Path(cfg.out_dir) / TMP_DIR_NAME
     if skipped:
         say_line(f"[datagen] skipped {skipped} of {n_docs} documents shorter than min_context + 1 = "
                  f"{cfg.min_context + 1} tokens")
@@ -473,34 +528,19 @@ def _write_datasets(cfg: DatagenConfig) -> DatagenResult | Path:
             "add documents, or set " + " ".join(f"{s}_fraction=0" for s in empty if s != "rl")
             + (" (rl takes the rest: lower the other fractions)" if "rl" in empty else "")
         )
-    for split in active:
-        mapping = dataset_sidecar(
-            tokenizer, stage="av_sft" if split == "eval" else split, row_count=writers[split].rows,
-            base_model=str(Path(cfg.model).resolve()), d_model=d_model, layer_index=cfg.layer,
-            corpus=str(Path(cfg.corpus).resolve()), positions_per_doc=cfg.positions_per_doc, av_content=av_content,
-            ar_template=cfg.ar_template, mse_scale=_sidecar_scale(cfg.mse_scale), injection_char=char,
-            provenance={"split": split,
-                "model": str(Path(cfg.model).resolve()), "corpus": str(Path(cfg.corpus).resolve()),
-                "seed": cfg.seed, "rows": writers[split].rows, "documents_read": n_docs,
-                "documents_skipped_short": skipped, "positions_per_doc": cfg.positions_per_doc,
-                "min_context": cfg.min_context, "explainer": cfg.explainer,
-            },
-            api_summaries=explainer.sidecar_summary() if EXTRA_COLUMNS[split] and explainer is not None else None,
-        )
-        check_tokenizer(parse_sidecar(mapping), tokenizer)
-        write_sidecar(mapping, tmp_dir / f"{split}.parquet.nla_meta.yaml")
+
+
+def _move_into_place(out_dir: Path, active: list[str], existing: list[Path]) -> dict[str, Path]:
+    """Replace the old datasets with the temp dir's parquet files and sidecars; the final parquet paths."""
+    tmp_dir = out_dir / TMP_DIR_NAME
     for path in existing:
         path.unlink()
+    final_paths = {s: out_dir / f"{s}.parquet" for s in active}
     for split in active:
         os.replace(tmp_dir / f"{split}.parquet", final_paths[split])
         os.replace(tmp_dir / f"{split}.parquet.nla_meta.yaml", out_dir / f"{split}.parquet.nla_meta.yaml")
     shutil.rmtree(tmp_dir)
-    remember_injection_char(tokenizer, char)
-    rows = {s: writers[s].rows for s in active}
-    say_line(f"[datagen] {n_docs} documents -> " + ", ".join(f"{s} {n} rows" for s, n in rows.items())
-             + f"; injection char {char!r}; d_model {d_model}, layer {cfg.layer}")
-    say_line(f"[datagen] wrote {', '.join(str(p) for p in final_paths.values())} (+ .nla_meta.yaml sidecars)")
-    return DatagenResult(final_paths, rows, n_docs, skipped, char, d_model)
+    return final_paths
 
 
 def _sidecar_scale(raw: str) -> str | float | None:

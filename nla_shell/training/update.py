@@ -205,108 +205,20 @@ def policy_update(
         [n_local, sum(r.response_len for r in rollouts)]
     ))
     denominator, group_tokens = _denominator(rollouts, loss.aggregation, n_samples=n, n_tokens=n_tokens, device=device)
-    group_ids = torch.tensor([r.prompt_index for r in rollouts], device=device)
-    share_prefix = share_prefix and prefix.supports_prefix_sharing(actor)
-    advantages = advantages.to(device, torch.float32, non_blocking=True)
-    activations = activations.to(device, torch.float32, non_blocking=True)
-
-    def micro_batch_logprobs(
-        size: int, *, with_entropy: bool = False
-    ) -> Iterator[tuple[torch.Tensor | nla_core.LogprobsAndEntropy, torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """(logp [n, T] (with_entropy: LogprobsAndEntropy), mask [n, T], behaviour logp [n, T], rows [n] on
-        the device) per micro-batch of `size` samples, in `plan_micro_batches` order.
-
-        With `share_prefix` the prompts of `prompt_block` consecutive micro-batches run in one
-        forward, whose backward runs when the caller asks for the micro-batch after the block's
-        last: by then each micro-batch's own backward has summed its gradient into the prompts' states.
-        """
-        plan = prefix.plan_micro_batches(rollouts, size)
-        if not share_prefix:
-            for rows in plan:
-                batch = response_batch([rollouts[i] for i in rows], pad_id=pad_id, device=device)
-                index = torch.tensor(rows, device=device)
-                with injector.inject(batch.input_ids, activations[index]):
-                    logprobs = response_logprobs(actor, batch.input_ids, batch.attention_mask, batch.positions,
-                                                 batch.targets, with_entropy=with_entropy)
-                yield logprobs, batch.mask, batch.behavior_logp, index
-            return
-        for first in range(0, len(plan), prompt_block):
-            block = plan[first : first + prompt_block]
-            block_rows = [i for rows in block for i in rows]
-            whole = prefix.prefix_batch(rollouts, block_rows, injector, pad_id=pad_id).to(device)
-            states = prefix.prompt_forward(
-                actor, injector, whole, activations[whole.prompt_sources], defer_gradient=True)
-            for part in whole.split([len(rows) for rows in block]):
-                logprobs = prefix.response_logprobs(actor, states, part, with_entropy=with_entropy)
-                yield logprobs, part.mask, part.behavior_logp, part.rows
-            states.backward()
-
-    # --- reference log-probs: one no-grad pass, larger micro-batches ------------------------
-    width = max((r.response_len for r in rollouts), default=1)
+    forward = _Forward(actor, injector, rollouts, activations.to(device, torch.float32, non_blocking=True),
+                       pad_id=pad_id, device=device, prompt_block=prompt_block,
+                       share_prefix=share_prefix and prefix.supports_prefix_sharing(actor))
     reference = None
     if loss.runs_reference:
-        reference = torch.zeros(n_local, max(1, width), device=device)
-        with torch.no_grad(), reference_policy(actor), fp8_matmuls(fp8_reference):
-            for ref_logp, _, _, index in micro_batch_logprobs(reference_micro_batch or 4 * micro_batch):
-                reference[index, : ref_logp.shape[1]] = ref_logp
-
-    # --- policy forward + loss + backward, micro-batch by micro-batch -------------------------
+        reference = _reference_logprobs(forward, reference_micro_batch or 4 * micro_batch, fp8_reference)
+    loss_inputs = _LossInputs(
+        advantages=advantages.to(device, torch.float32, non_blocking=True), reference=reference,
+        denominator=denominator, group_tokens=group_tokens,
+        group_ids=torch.tensor([r.prompt_index for r in rollouts], device=device),
+    )
     optimizer.zero_grad(set_to_none=True)
-    zero = torch.zeros((), dtype=torch.float64, device=device)
-    sums = dict(loss=zero, kl=zero, clip=zero, outside=zero, tis=zero, band=zero, diff=zero, tokens=zero, masked=zero,
-                entropy=zero, entropy_drop=zero)
-    diff_max = zero
-    decoupled = loss.tis not in ("ratio_cap", None)
     with fp8_matmuls(fp8_update):  # the backwards run inside too: a checkpointed block recomputes in FP8
-        for logprobs, mask, behavior, index in micro_batch_logprobs(micro_batch, with_entropy=loss.needs_entropy):
-            logp, entropy = logprobs if loss.needs_entropy else (logprobs, None)
-            diff = torch.where(mask, (behavior - logp.detach()).abs(), torch.zeros_like(logp))
-            if loss.entropy_metric:  # over every response token, like logp_diff_mean: before the mismatch mask
-                sums["entropy"] = sums["entropy"] + torch.where(mask, entropy, torch.zeros_like(entropy)).sum()
-            if mismatch_threshold is not None:
-                off_policy = diff.sum(-1) / mask.sum(-1).clamp_min(1) > mismatch_threshold
-                sums["masked"] = sums["masked"] + off_policy.sum()
-                mask = mask & ~off_policy[:, None]
-            keep = None
-            if loss.masks_entropy:  # over the tokens the loss sees: after the mismatch mask
-                keep = nla_core.top_entropy_mask(entropy.detach(), mask, quantile=loss.top_entropy_quantile)
-                sums["entropy_drop"] = sums["entropy_drop"] + (mask & ~keep).sum()
-            prompt_mean = loss.aggregation == "prompt_mean"
-            out = nla_core.policy_loss(
-                logp,
-                logp.detach() if decoupled else behavior,
-                advantages[index],
-                mask,
-                ref_logp=None if reference is None else reference[index, : logp.shape[1]],
-                behavior_logp=behavior if decoupled else None,
-                kind=loss.policy_loss,
-                clip_eps=loss.clip_eps,
-                clip_eps_high=loss.clip_eps_high,
-                kl_beta=loss.kl_beta,
-                kl_clamp=loss.kl_clamp,
-                tis=loss.tis,
-                tis_cap=loss.tis_cap,
-                token_mask=loss.token_mask,
-                keep=keep,
-                aggregation=loss.aggregation,
-                denominator=denominator,
-                max_len=loss.max_len if loss.aggregation == "seq_mean_token_sum_norm" else None,
-                group_ids=group_ids[index] if prompt_mean else None,
-                group_tokens=group_tokens[index] if prompt_mean else None,
-            )
-            out.loss.backward()
-            tokens = mask.sum()
-            sums["loss"] = sums["loss"] + out.loss.detach()
-            sums["kl"] = sums["kl"] + out.kl_mean * tokens
-            sums["clip"] = sums["clip"] + out.clip_frac * tokens
-            sums["outside"] = sums["outside"] + out.outside_clip_frac * tokens
-            sums["tis"] = sums["tis"] + out.tis_frac * tokens
-            sums["band"] = sums["band"] + out.token_mask_frac * tokens
-            sums["diff"] = sums["diff"] + diff.sum()
-            sums["tokens"] = sums["tokens"] + tokens
-            diff_max = torch.maximum(diff_max, diff.max())
-
-    # --- all-reduce, clip, step ------------------------------------------------------------------
+        sums, diff_max = _policy_backward(forward, micro_batch, loss, loss_inputs, mismatch_threshold)
     params = [p for p in actor.parameters() if p.requires_grad]
     time_allreduce = distributed.all_reduce_grads(params)
     grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm))
@@ -334,4 +246,143 @@ def policy_update(
         logp_diff_max=diff_max,
         mismatch_masked_frac=sums["masked"] / max(n, 1),
         time_allreduce=time_allreduce,
+    )
+
+
+@dataclass(frozen=True)
+class _Forward:
+    """The actor's forwards over one rank's rollouts, micro-batch by micro-batch."""
+
+    actor: torch.nn.Module
+    injector: Injector
+    rollouts: Sequence[Rollout]
+    activations: torch.Tensor  # [n, D] float32 on the device
+    pad_id: int
+    device: torch.device
+    share_prefix: bool
+    prompt_block: int
+
+    def micro_batches(
+        self, size: int, *, with_entropy: bool = False
+    ) -> Iterator[tuple[torch.Tensor | nla_core.LogprobsAndEntropy, torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """(logp [n, T] (with_entropy: LogprobsAndEntropy), mask [n, T], behaviour logp [n, T], rows [n] on
+        the device) per micro-batch of `size` samples, in `plan_micro_batches` order.
+
+        With `share_prefix` the prompts of `prompt_block` consecutive micro-batches run in one
+        forward, whose backward runs when the caller asks for the micro-batch after the block's
+        last: by then each micro-batch's own backward has summed its gradient into the prompts' states.
+        """
+        plan = prefix.plan_micro_batches(self.rollouts, size)
+        if not self.share_prefix:
+            for rows in plan:
+                batch = response_batch([self.rollouts[i] for i in rows], pad_id=self.pad_id, device=self.device)
+                index = torch.tensor(rows, device=self.device)
+                with self.injector.inject(batch.input_ids, self.activations[index]):
+                    logprobs = response_logprobs(self.actor, batch.input_ids, batch.attention_mask, batch.positions,
+                                                 batch.targets, with_entropy=with_entropy)
+                yield logprobs, batch.mask, batch.behavior_logp, index
+            return
+        for first in range(0, len(plan), self.prompt_block):
+            block = plan[first : first + self.prompt_block]
+            block_rows = [i for rows in block for i in rows]
+            whole = prefix.prefix_batch(self.rollouts, block_rows, self.injector, pad_id=self.pad_id).to(self.device)
+            states = prefix.prompt_forward(
+                self.actor, self.injector, whole, self.activations[whole.prompt_sources], defer_gradient=True)
+            for part in whole.split([len(rows) for rows in block]):
+                logprobs = prefix.response_logprobs(self.actor, states, part, with_entropy=with_entropy)
+                yield logprobs, part.mask, part.behavior_logp, part.rows
+            states.backward()
+
+
+def _reference_logprobs(forward: _Forward, size: int, fp8: FP8Linears | None) -> torch.Tensor:
+    """[n, T] the reference policy's (adapter off) log-probs, in one no-grad pass of `size`-sample micro-batches
+    (no autograd state is alive, so they can be larger than the policy's)."""
+    width = max((r.response_len for r in forward.rollouts), default=1)
+    reference = torch.zeros(len(forward.rollouts), max(1, width), device=forward.device)
+    with torch.no_grad(), reference_policy(forward.actor), fp8_matmuls(fp8):
+        for ref_logp, _, _, index in forward.micro_batches(size):
+            reference[index, : ref_logp.shape[1]] = ref_logp
+    return reference
+
+
+@dataclass(frozen=True)
+class _LossInputs:
+    """What each micro-batch's `nla_core.policy_loss` takes from the whole (rank's) batch."""
+
+    advantages: torch.Tensor  # [n] float32 on the device
+    reference: torch.Tensor | None  # [n, T] reference log-probs, None when the reference pass is skipped
+    denominator: int
+    group_ids: torch.Tensor  # [n] prompt index
+    group_tokens: torch.Tensor | None  # [n] for prompt_mean
+
+
+def _policy_backward(
+    forward: _Forward, micro_batch: int, loss: LossOptions, inputs: _LossInputs, mismatch_threshold: float | None
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """Policy forward, loss and backward per micro-batch; the gradients accumulate in the actor.
+
+    Returns the rank's statistic sums (token-weighted, on the device: the loop never waits for the
+    GPU) and the largest |behaviour - trainer| log-prob gap.
+    """
+    zero = torch.zeros((), dtype=torch.float64, device=forward.device)
+    sums = dict(loss=zero, kl=zero, clip=zero, outside=zero, tis=zero, band=zero, diff=zero, tokens=zero, masked=zero,
+                entropy=zero, entropy_drop=zero)
+    diff_max = zero
+    for logprobs, mask, behavior, index in forward.micro_batches(micro_batch, with_entropy=loss.needs_entropy):
+        logp, entropy = logprobs if loss.needs_entropy else (logprobs, None)
+        diff = torch.where(mask, (behavior - logp.detach()).abs(), torch.zeros_like(logp))
+        if loss.entropy_metric:  # over every response token, like logp_diff_mean: before the mismatch mask
+            sums["entropy"] = sums["entropy"] + torch.where(mask, entropy, torch.zeros_like(entropy)).sum()
+        if mismatch_threshold is not None:
+            off_policy = diff.sum(-1) / mask.sum(-1).clamp_min(1) > mismatch_threshold
+            sums["masked"] = sums["masked"] + off_policy.sum()
+            mask = mask & ~off_policy[:, None]
+        keep = None
+        if loss.masks_entropy:  # over the tokens the loss sees: after the mismatch mask
+            keep = nla_core.top_entropy_mask(entropy.detach(), mask, quantile=loss.top_entropy_quantile)
+            sums["entropy_drop"] = sums["entropy_drop"] + (mask & ~keep).sum()
+        out = _micro_batch_loss(logp, mask, behavior, index, keep, loss, inputs)
+        out.loss.backward()
+        tokens = mask.sum()
+        sums["loss"] = sums["loss"] + out.loss.detach()
+        for key, frac in (("kl", out.kl_mean), ("clip", out.clip_frac), ("outside", out.outside_clip_frac),
+                          ("tis", out.tis_frac), ("band", out.token_mask_frac)):
+            sums[key] = sums[key] + frac * tokens
+        sums["diff"] = sums["diff"] + diff.sum()
+        sums["tokens"] = sums["tokens"] + tokens
+        diff_max = torch.maximum(diff_max, diff.max())
+    return sums, diff_max
+
+
+def _micro_batch_loss(
+    logp: torch.Tensor, mask: torch.Tensor, behavior: torch.Tensor, index: torch.Tensor, keep: torch.Tensor | None,
+    loss: LossOptions, inputs: _LossInputs,
+) -> nla_core.PolicyLossOutput:
+    """`nla_core.policy_loss` on one micro-batch, with the whole batch's denominator.
+
+    Decoupled TIS takes the ratio against the trainer's own log-probs (one update per batch) and
+    weighs by the engine's; ratio_cap and none take it against the engine's."""
+    decoupled = loss.tis not in ("ratio_cap", None)
+    prompt_mean = loss.aggregation == "prompt_mean"
+    return nla_core.policy_loss(
+        logp,
+        logp.detach() if decoupled else behavior,
+        inputs.advantages[index],
+        mask,
+        ref_logp=None if inputs.reference is None else inputs.reference[index, : logp.shape[1]],
+        behavior_logp=behavior if decoupled else None,
+        kind=loss.policy_loss,
+        clip_eps=loss.clip_eps,
+        clip_eps_high=loss.clip_eps_high,
+        kl_beta=loss.kl_beta,
+        kl_clamp=loss.kl_clamp,
+        tis=loss.tis,
+        tis_cap=loss.tis_cap,
+        token_mask=loss.token_mask,
+        keep=keep,
+        aggregation=loss.aggregation,
+        denominator=inputs.denominator,
+        max_len=loss.max_len if loss.aggregation == "seq_mean_token_sum_norm" else None,
+        group_ids=inputs.group_ids[index] if prompt_mean else None,
+        group_tokens=inputs.group_tokens[index] if prompt_mean else None,
     )

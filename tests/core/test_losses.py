@@ -227,6 +227,7 @@ def test_hand_worked_sequence_level_weights():
 )
 def test_matches_float64_transcription_of_spec(b, tis, agg, kl_beta, kl_clamp, eps_high, cap, with_ref):
     assume(boundaries_ok(b, clip_eps_high=eps_high, tis=tis, tis_cap=cap, kl_clamp=kl_clamp))
+    assume(with_ref or kl_beta == 0)  # a KL weight without a reference is refused (test_kl_weight_needs_a_reference)
     ref = b["ref"] if with_ref else None
     beh = b["beh"] if tis in DECOUPLED else None
     kw = dict(
@@ -560,7 +561,7 @@ def test_loss_differentiable_wrt_logp_only(b, tis):
         assert gr is None or (gr == 0).all()
 
 
-def test_kl_dropped_without_reference_or_beta():
+def test_kl_dropped_at_zero_beta_and_measured():
     g = torch.Generator().manual_seed(0)
     logp = -torch.rand(3, 4, generator=g)
     old = logp + 0.1 * torch.randn(3, 4, generator=g)
@@ -568,12 +569,21 @@ def test_kl_dropped_without_reference_or_beta():
     adv = torch.randn(3, generator=g)
     mask = torch.rand(3, 4, generator=g) > 0.3
     none = grpo_loss(logp, old, adv, mask, kl_beta=0.0)
-    no_ref = grpo_loss(logp, old, adv, mask, kl_beta=0.5)
     zero_beta = grpo_loss(logp, old, adv, mask, ref_logp=ref, kl_beta=0.0)
     with_kl = grpo_loss(logp, old, adv, mask, ref_logp=ref, kl_beta=0.5)
-    assert no_ref.loss.item() == pytest.approx(none.loss.item(), abs=1e-7)
     assert zero_beta.loss.item() == pytest.approx(none.loss.item(), abs=1e-7)
+    assert scalar(zero_beta.kl_mean) > 0 and scalar(none.kl_mean) == 0  # measured at kl_beta = 0 too
     assert with_kl.loss.item() > none.loss.item()  # k3 >= 0 and some delta != 0
+
+
+@pytest.mark.parametrize("kl_beta", [None, 0.5])
+def test_kl_weight_needs_a_reference(kl_beta):
+    # The default kl_beta (0.04) or any other non-zero weight without ref_logp used to drop the KL silently.
+    logp, old, adv, mask = _ok()
+    kw = {} if kl_beta is None else dict(kl_beta=kl_beta)
+    with pytest.raises(ValueError, match=r"^kl_beta=0\.(04|5) weighs a KL to the reference, but ref_logp is None: "
+                                         r"pass ref_logp, or kl_beta=0 for no KL term$"):
+        grpo_loss(logp, old, adv, mask, **kw)
 
 
 def test_kl_mean_zero_when_reference_equals_policy():
@@ -722,8 +732,8 @@ def test_ratio_cap_below_the_upper_clip_is_refused():
     with pytest.raises(ValueError, match="tis_cap"):
         grpo_loss(logp, old, adv, mask, tis="ratio_cap", tis_cap=1.3, clip_eps_high=0.4)
     # at or above the upper clip edge the cap is fine; the decoupled modes cap a different ratio
-    grpo_loss(logp, old, adv, mask, tis="ratio_cap", tis_cap=1.2)
-    grpo_loss(logp, old, adv, mask, tis="token_truncate", tis_cap=1.1, behavior_logp=old)
+    grpo_loss(logp, old, adv, mask, tis="ratio_cap", tis_cap=1.2, kl_beta=0.0)
+    grpo_loss(logp, old, adv, mask, tis="token_truncate", tis_cap=1.1, behavior_logp=old, kl_beta=0.0)
 
 
 @pytest.mark.parametrize("tis", ["ratio_cap", None])

@@ -39,6 +39,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 import nla_core  # noqa: E402
 import parity  # noqa: E402
+from nla_shell.stats import FVE_MARGIN  # noqa: E402
 
 _FIRST_SEED = int(os.environ.get("NLA_PARITY_FIRST_SEED", "1"))
 SEEDS = tuple(range(_FIRST_SEED, _FIRST_SEED + int(os.environ.get("NLA_PARITY_SEEDS", "50"))))
@@ -80,7 +81,7 @@ def test_every_engine_reaches_the_hf_engines_heldout_fve(inputs, work_dir):
     then comes from the JSONs of both commands together (`parity.read_json`)."""
     json_path = os.environ.get("NLA_PARITY_JSON")
     settings = dict(steps=STEPS, seeds=SEEDS, engines=ENGINES, lanes=LANES, vllm_lanes=VLLM_LANES, dtypes=DTYPE,
-                    engine_settings=ENGINE_SETTINGS, logp_tolerance=LOGP_TOLERANCE, fve_margin=parity.FVE_MARGIN)
+                    engine_settings=ENGINE_SETTINGS, logp_tolerance=LOGP_TOLERANCE, fve_margin=FVE_MARGIN)
 
     def record(runs: list[parity.ParityRun], failures: list[str] | None = None) -> None:
         if json_path:

@@ -23,6 +23,7 @@ from nla_shell.engines.base import Rollout, RolloutRequest
 from nla_shell.engines.hf import HFRolloutEngine
 from nla_shell.io.data import build_prompt_ids, load_rows
 from nla_shell.io.sidecars import load_sidecar
+from nla_shell.stats import PairedShortfall
 from nla_shell.models import (
     Injector, eos_token_ids, inner_lm, load_actor, load_generation_config, response_logprobs,
 )
@@ -362,7 +363,7 @@ def test_the_paired_rule_catches_a_one_point_loss_and_passes_equal_engines_given
 
     assert verdicts(-0.010, 4) <= 0.06 and verdicts(-0.010, 12) <= 0.06  # a one-point loss is caught
     assert verdicts(-0.015, 4) <= 0.01
-    needed = parity.PairedShortfall(n=2, mean=0.0, sd=0.004).seeds_needed()
+    needed = PairedShortfall(n=2, mean=0.0, sd=0.004).seeds_needed()
     assert 4 <= needed <= 8 and verdicts(0.0, needed) >= 0.9  # equal engines pass at that many seeds
 
     hf_fves = [0.795, 0.786, 0.784, 0.782, 0.783, 0.787, 0.780, 0.804, 0.800]

@@ -205,7 +205,7 @@ def test_an_ar_lora_critic_counts_two_forwards_a_trained_backbone_three():
     config = SimpleNamespace(hidden_size=64, intermediate_size=160, num_attention_heads=4, num_key_value_heads=2,
                              head_dim=16, num_hidden_layers=3, vocab_size=101)
     rollouts = [SimpleNamespace(prompt_len=6, response_len=n, prompt_index=0) for n in (3, 5)]
-    common = dict(shared_prefix=True, ar_tokens=[7, 9], critic_layers=2)
+    common = dict(ar_tokens=[7, 9], critic_layers=2)
     full = bench_step.path_flops(config, rollouts, **common)
     lora = bench_step.path_flops(config, rollouts, **common, critic_trains_backbone=False)
     assert full["score"] > 0 and full["critic"] == 3 * full["score"] and lora["critic"] == 2 * lora["score"]

@@ -17,9 +17,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
+import sys
 from pathlib import Path
 from typing import Any, Sequence
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from nla_shell.stats import mean_se  # noqa: E402
 
 COLUMNS = (
     ("AR on gold", ("fve", "AR on gold explanations")),
@@ -97,14 +101,6 @@ def _get(report: dict[str, Any], path: Sequence[str]) -> float | None:
     return value if isinstance(value, (int, float)) and math.isfinite(value) else None
 
 
-def _mean_se(values: list[float]) -> str:
-    if not values:
-        return "—"
-    if len(values) == 1:
-        return f"{values[0]:.3f}"
-    return f"{statistics.mean(values):.3f} ± {statistics.stdev(values) / math.sqrt(len(values)):.3f}"
-
-
 def table(run_dirs: list[str], out: str) -> None:
     runs = []
     for run_dir in map(Path, run_dirs):
@@ -131,12 +127,12 @@ def table(run_dirs: list[str], out: str) -> None:
     for engine in sorted({r["engine"] for r in runs}):
         rows = [r for r in summary["runs"] if r["engine"] == engine]
         stats = {name: [r[name] for r in rows if r[name] is not None] for name in [*dict(COLUMNS), "RL − SFT"]}
-        summary["by_engine"][engine] = {name: {"mean": statistics.mean(v) if v else None, "n": len(v),
-                                               "se": statistics.stdev(v) / math.sqrt(len(v)) if len(v) > 1 else None}
-                                        for name, v in stats.items()}
+        summary["by_engine"][engine] = {name: {"mean": m.mean if v else None, "n": m.n,
+                                               "se": m.se if len(v) > 1 else None}
+                                        for name, v in stats.items() for m in [mean_se(v)]}
         summary["by_engine"][engine]["rl_beats_sft_every_seed"] = all(v > 0 for v in stats["RL − SFT"]) and bool(
             stats["RL − SFT"])
-        lines.append(f"| **{engine}** | mean ± se | " + " | ".join(_mean_se(v) for v in stats.values()) + " |")
+        lines.append(f"| **{engine}** | mean ± se | " + " | ".join(mean_se(v).text() for v in stats.values()) + " |")
     lines += ["", "Held-out explanations (the first eval rows), verbatim, of each engine's first run:", ""]
     for engine in sorted({r["engine"] for r in runs}):
         first = next(r for r in runs if r["engine"] == engine)

@@ -10,6 +10,9 @@
         The per-run table of `nla demo` reports (engine, seed) with mean ± se per engine, the paired
         RL − SFT differences, the training curves of every run as one PNG, and a dozen held-out
         explanations before and after RL: DIR/real_nla.json, DIR/real_nla.md, DIR/real_nla_curves.png.
+    python bench/real_nla.py label-parts RUN_DIR... [--out FILE]
+        Which parts of the context label the AV gets right on the held-out rows after SFT and after RL: the play,
+        the speaker, the ending's last word and its words (from each run's eval_samples.jsonl).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import sys
 from pathlib import Path
 from typing import Any, Sequence
@@ -181,6 +185,44 @@ def curves(runs: list[dict[str, Any]], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def label_parts(run_dirs: list[str], out: str | None) -> dict[str, Any]:
+    """Which parts of the context label (`explainer=context`) the AV gets right on the held-out rows, after SFT and
+    after RL, over every run: the play (topic), the speaker (rows whose gold names one), the last word of the
+    quoted ending, and the share of the ending's words it writes; `parsed` is the share in the label's layout."""
+    from nla_shell.explainers.context import parse
+
+    def last_word(ending: str) -> str:
+        words = ending.split()
+        return words[-1].strip(".,;:!?'\"").lower() if words else ""
+
+    result: dict[str, Any] = {}
+    for stage in ("after_sft", "after_rl"):
+        counts: dict[str, list[float]] = {"parsed": [], "play": [], "speaker": [], "last_word": [], "ending_words": []}
+        for run_dir in map(Path, run_dirs):
+            for sample in _samples(run_dir / "eval" / stage):
+                gold, written = parse(sample["gold_explanation"]), parse(sample.get("explanation"))
+                counts["parsed"].append(written is not None)
+                if gold is None or written is None:
+                    continue
+                counts["play"].append(gold.topic == written.topic)
+                if gold.speaker is not None:
+                    counts["speaker"].append(gold.speaker == written.speaker)
+                counts["last_word"].append(last_word(gold.ending) == last_word(written.ending))
+                gold_words = {w.lower() for w in gold.ending.split()}
+                counts["ending_words"].append(len(gold_words & {w.lower() for w in written.ending.split()})
+                                              / max(1, len(gold_words)))
+        result[stage] = {key: statistics.fmean(v) if v else None for key, v in counts.items()}
+        result[stage]["rows"] = len(counts["parsed"])
+    plays = {p.topic for run_dir in map(Path, run_dirs) for s in _samples(run_dir / "eval" / "after_sft")
+             if (p := parse(s["gold_explanation"])) is not None}
+    result["plays_among_gold"] = len(plays)
+    text = json.dumps(result, indent=1)
+    print(text)
+    if out is not None:
+        Path(out).write_text(text + "\n")
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -194,12 +236,17 @@ def main() -> None:
     p = sub.add_parser("table")
     p.add_argument("run_dirs", nargs="+")
     p.add_argument("--out", required=True)
+    p = sub.add_parser("label-parts")
+    p.add_argument("run_dirs", nargs="+")
+    p.add_argument("--out", help="a JSON file")
     args = parser.parse_args()
     if args.command == "random-model":
         random_model(args.meta_dir, args.out_dir)
     elif args.command == "assemble":
         assemble(engine=args.engine, seed=args.seed, sft_run=args.sft_run, rl_dir=args.rl_dir, after_rl=args.after_rl,
                  out=args.out)
+    elif args.command == "label-parts":
+        label_parts(args.run_dirs, args.out)
     else:
         table(args.run_dirs, args.out)
 

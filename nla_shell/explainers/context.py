@@ -19,7 +19,7 @@ model in the loop, so datagen on a real corpus needs nothing but the target LM.
 from __future__ import annotations
 
 import re
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 from nla_shell.explainers import Site
 
@@ -36,6 +36,24 @@ def describe(site: Site, *, words: int = WORDS) -> str:
         parts.append(f"{speakers[-1]} speaking")
     parts.append(f'it ends "{" ".join(site.context.split()[-words:])}"')
     return "; ".join(parts)
+
+
+class ContextLabel(NamedTuple):
+    """The parts of a `describe` label (None where left out)."""
+
+    topic: str | None
+    speaker: str | None
+    ending: str
+
+
+_LABEL = re.compile(r'(?:(?P<topic>[^;]*?)(?<! speaking); )?(?:(?P<speaker>[^;]*?) speaking; )?it ends "(?P<ending>.*)"',
+                    re.DOTALL)
+
+
+def parse(text: str | None) -> ContextLabel | None:
+    """`describe`'s label split back into its parts; None for text not in its layout (e.g. an AV's free text)."""
+    match = None if text is None else _LABEL.fullmatch(text.strip())
+    return None if match is None else ContextLabel(match["topic"], match["speaker"], match["ending"])
 
 
 class ContextExplainer:

@@ -9,7 +9,7 @@ import pytest
 
 from nla_shell import cli
 from nla_shell.explainers import Site
-from nla_shell.explainers.context import describe
+from nla_shell.explainers.context import describe, parse
 from nla_shell.pipeline.corpora import play_files, play_passages
 
 
@@ -58,6 +58,16 @@ def test_a_passage_holds_whole_speeches_of_one_scene():
 ])
 def test_the_context_label_names_topic_speaker_and_last_words(context, topic, expected):
     assert describe(Site("d", 0, (1,), context, "x", topic)) == expected
+    # parse splits it back: the topic given, the speaker named before " speaking", the quoted words.
+    label = parse(expected)
+    assert label.topic == topic and label.ending == expected.rsplit('it ends "', 1)[1][:-1]
+    assert (label.speaker is None) == (" speaking; " not in expected)
+    assert label.speaker is None or f"{label.speaker} speaking; " in expected
+
+
+def test_parse_refuses_text_outside_the_label_layout():
+    assert parse("the sea, at night") is None and parse(None) is None
+    assert parse('Hamlet; it ends "x"') == ("Hamlet", None, "x")
 
 
 def test_convert_refuses_bad_sources_in_one_line(tmp_path, capsys):

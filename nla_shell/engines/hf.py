@@ -34,6 +34,13 @@ def eos_lengths(generated: torch.Tensor, eos_ids: Sequence[int]) -> list[int]:
     return torch.where(hits.any(dim=1), first + 1, generated.shape[1]).tolist()
 
 
+def _sharded_over_ranks(actor: torch.nn.Module) -> bool:
+    """True when FSDP2 shards `actor` over more than one rank."""
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) and p.device_mesh.size() > 1 for p in actor.parameters())
+
+
 class HFRolloutEngine:
     """Batched `generate` with the actor: left padding, injection in prefill, temperature 1 (or greedy).
 
@@ -66,6 +73,9 @@ class HFRolloutEngine:
             return_dict_in_generate=True,
             output_logits=True,
         )
+        self.lockstep = _sharded_over_ranks(actor)
+        """Every rank's generate runs until the last rank's ends (HF's synced_gpus): each forward of an FSDP2-sharded
+        actor (sharding=fsdp2) gathers its blocks from every rank."""
         self.greedy = greedy
         """Argmax decoding for reading explanations (`nla explain --greedy`, settable between calls); never
         for training, whose importance ratios assume samples from the softmax."""
@@ -103,6 +113,7 @@ class HFRolloutEngine:
                     input_ids=ids,
                     attention_mask=mask,
                     generation_config=GenerationConfig(**self._generation(), max_new_tokens=max_new_tokens),
+                    synced_gpus=self.lockstep,
                 )
         finally:
             lm.train(was_training)

@@ -31,7 +31,7 @@ from nla_shell.models import (
     is_adapter_dir, load_actor, require_fp8, trainable_parameters,
 )
 from nla_shell.training import checkpoint as ckpt
-from nla_shell.training import distributed, sampling
+from nla_shell.training import distributed, sampling, sharding
 from nla_shell.training.canary import CanaryWatch
 from nla_shell.training.distributed import RankInfo
 from nla_shell.training.memory import resolve_micro_batches
@@ -387,6 +387,8 @@ def load_models(cfg: TrainConfig, nla: nla_core.NLAConfig, critic: ARModel, resu
         CompiledBlockParts(actor)
         CompiledBlockParts(critic.lm)
     distributed.broadcast_parameters(trainable_parameters(actor))
+    if cfg.sharding == "fsdp2":
+        sharding.shard_actor(actor)
     return actor, injector, critic
 
 
@@ -442,6 +444,7 @@ def resume_progress(cfg: TrainConfig, rank: RankInfo, order: DataOrder, optimize
     state = ckpt.load_training_state(resume_from)
     order.epoch, order.offset = state.data_cursor["epoch"], state.data_cursor["offset"]
     ckpt.restore_optimizer(optimizer, state, "actor", resume_from)
+    sharding.shard_optimizer_state(optimizer)  # (checkpoints hold whole moments; a no-op for a whole actor)
     if critic_optimizer is not None:
         ckpt.restore_optimizer(critic_optimizer, state, "critic", resume_from)
     restore_rank_rng(state, rank, seed=cfg.seed, step=state.step)

@@ -40,7 +40,7 @@ from nla_shell.metrics import fve_metrics, token_lengths
 from nla_shell.models import ARModel, base_model_dir, is_ar_lora_dir
 from nla_shell.quant import require_quant
 from nla_shell.training import checkpoint as ckpt
-from nla_shell.training import distributed, sampling
+from nla_shell.training import distributed, sampling, sharding
 from nla_shell.training.preemption import StopSignals, boundary_save_due
 from nla_shell.training.runlock import RunDirLock
 from nla_shell.training.scoring import score_explanations
@@ -73,6 +73,7 @@ def train(cfg: TrainConfig) -> Path:
     from transformers import AutoConfig
 
     rank = distributed.rank_info()
+    sharding.check_supported(cfg, rank.world_size)
     device, dtype = resolve_device(cfg.device, cfg.dtype, rank)
     families.require_engine(AutoConfig.from_pretrained(base_model_dir(cfg.av_ckpt)), cfg.engine)
     require_quant(cfg.quant, device, engine=cfg.engine, trains_ar_backbone=cfg.train_critic and not is_ar_lora_dir(cfg.ar_ckpt))
@@ -88,7 +89,7 @@ def train(cfg: TrainConfig) -> Path:
         require_vllm()  # before anything is written: say how to install it
     distributed.check_divisible("batch_prompts", cfg.batch_prompts, rank.world_size)
     # Rank 0 holds the run dir's lock for the whole run; a signal stops every rank at one step.
-    with distributed.process_group(rank, device), RunDirLock(cfg.save_dir), StopSignals(cfg.save_dir) as stop:
+    with distributed.process_group(rank, device, single=cfg.sharding == "fsdp2"), RunDirLock(cfg.save_dir), StopSignals(cfg.save_dir) as stop:
         return loop(setup(cfg, rank, device, dtype), stop)
 
 
@@ -142,10 +143,14 @@ def loop(state: RunState, stop: StopSignals) -> Path:
 def save(state: RunState, step_done: int) -> None:
     """The checkpoint after `step_done` steps: adapter, critic (and its EMA), optimisers, data cursor, RNG.
 
-    Every rank calls this (gathering the RNG states is a collective); rank 0 writes.
+    Every rank calls this (gathering the RNG states, and under sharding=fsdp2 the LoRA and its moments, are
+    collectives); rank 0 writes.
     """
     cfg, rank, save_dir = state.cfg, state.rank, state.save_dir
     rng_states = distributed.all_gather(ckpt.rng_state())
+    sharded = sharding.is_sharded(state.actor)
+    adapter = sharding.full_trainable_state(state.actor) if sharded else None
+    actor_optimizer = sharding.full_optimizer_state(state.optimizer) if sharded else state.optimizer.state_dict()
     if not rank.is_main:
         return
     extra: dict[str, Any] = {"skipped_steps": state.skipped_steps}
@@ -153,14 +158,14 @@ def save(state: RunState, step_done: int) -> None:
         extra["rank_rng"] = rng_states
 
     def write(tmp: Path) -> None:
-        state.actor.save_pretrained(tmp / "adapter", selected_adapters=["default"])
+        state.actor.save_pretrained(tmp / "adapter", selected_adapters=["default"], state_dict=adapter)
         write_sidecar(sidecar_for(state, "av"), tmp / "adapter" / MODEL_SIDECAR)
         if cfg.train_critic:
             state.critic.save_pretrained(tmp / "critic")
             if state.critic_ema is not None:
                 save_file(state.critic_ema.state_dict(), str(tmp / CRITIC_EMA_FILE))
             write_sidecar(sidecar_for(state, "ar"), tmp / "critic" / MODEL_SIDECAR)
-        optimizers = {"actor": state.optimizer.state_dict()}
+        optimizers = {"actor": actor_optimizer}
         if state.critic_optimizer is not None:
             optimizers["critic"] = state.critic_optimizer.state_dict()
         ckpt.save_training_state(

@@ -1,0 +1,125 @@
+"""`sharding=fsdp2` on CPU (gloo): one rank and two ranks train like the unsharded process, resume exactly,
+and the settings it cannot serve are refused in one line before anything is written.
+
+The 2-rank runs are torchrun jobs with test_distributed's per-request seeded engine (its samples
+depend only on the request), run through that file's script entry point.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from nla_shell import cli
+from nla_shell.training import distributed
+from nla_shell.training import setup as trainer_setup
+
+sys.path.insert(0, str(Path(__file__).parent))
+import test_distributed as dp  # noqa: E402  (the 2-rank harness and its seeded engine)
+
+RANKS = str(Path(dp.__file__))
+
+
+def _fresh_lora(av: str, path: Path) -> Path:
+    """An adapter with a non-zero LoRA B, so lora_A gets a gradient from the first step."""
+    from nla_shell.models import load_actor
+
+    torch.manual_seed(1)
+    actor = load_actor(av, lora_r=4, lora_alpha=8, use_rslora=True, resume_adapter=None, dtype=torch.float32,
+                       device=torch.device("cpu"))
+    for name, p in actor.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.05)
+    actor.save_pretrained(path)
+    return path
+
+
+def _assert_checkpoints_close(a: Path, b: Path, steps: list[str]) -> None:
+    for step in steps:
+        for part in ("adapter", "critic"):
+            left, right = dp._tensors(a / step / part), dp._tensors(b / step / part)
+            assert left.keys() == right.keys() and left
+            for name in right:
+                torch.testing.assert_close(left[name], right[name], rtol=1e-4, atol=1e-2 * dp.CRITIC_LR,
+                                           msg=f"{step} {part} {name}")
+        moments = [torch.load(d / step / "training_state.pt", weights_only=True)["optimizer_states"]["actor"]
+                   for d in (a, b)]
+        assert moments[0]["state"].keys() == moments[1]["state"].keys() and moments[0]["state"]
+        for index, state in moments[1]["state"].items():
+            for key, value in state.items():
+                torch.testing.assert_close(moments[0]["state"][index][key], value, rtol=1e-4, atol=1e-7,
+                                           msg=f"{step} actor optimizer {index} {key}")
+
+
+@pytest.fixture
+def common(nla_run_inputs, tmp_path):
+    av, _, _ = nla_run_inputs
+    return dict(num_steps=2, save_every=1, batch_prompts=4, eval_every=0, aggregation="token_mean",
+                resume_from_lora=_fresh_lora(av, tmp_path / "init"))
+
+
+def test_one_rank_of_fsdp2_gives_the_unsharded_runs_numbers(nla_run_inputs, tmp_path, common, monkeypatch):
+    """In one process (a process group of one): the same metrics, adapter, critic and saved Adam moments."""
+    plain, sharded = tmp_path / "plain", tmp_path / "fsdp2"
+    monkeypatch.setattr(trainer_setup, "make_engine", dp.seeded_make_engine)
+    assert cli.main(["train", *dp._settings(nla_run_inputs, plain, **common)]) == 0
+    assert cli.main(["train", *dp._settings(nla_run_inputs, sharded, sharding="fsdp2", **common)]) == 0
+    assert not torch.distributed.is_initialized()
+    dp._assert_metrics_close(dp._metrics(sharded), dp._metrics(plain))
+    assert all(line["grad_norm"] > 0 for line in dp._metrics(plain))
+    _assert_checkpoints_close(sharded, plain, ["step_000001", "step_000002"])
+
+
+def test_two_fsdp2_ranks_train_like_one_process(nla_run_inputs, tmp_path, common, monkeypatch):
+    """Per-step loss, grad norm, reward and every metric; the saved adapter, critic and Adam moments."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    monkeypatch.setattr(trainer_setup, "make_engine", dp.seeded_make_engine)
+    assert cli.main(["train", *dp._settings(nla_run_inputs, one, **common)]) == 0
+    dp._run_job([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", RANKS,
+                 "train", *dp._settings(nla_run_inputs, two, sharding="fsdp2", **common)])
+    dp._assert_metrics_close(dp._metrics(two), dp._metrics(one))
+    _assert_checkpoints_close(two, one, ["step_000001", "step_000002"])
+
+
+def test_a_killed_two_rank_fsdp2_run_resumes_exactly(nla_run_inputs, tmp_path):
+    """The finished run's directory without its last checkpoint is what a kill -9 after saving step 2 leaves;
+    rerunning the command (real per-rank sampling, co-trained critic) reproduces step 2 exactly."""
+    whole, split = tmp_path / "whole", tmp_path / "split"
+
+    def command(save_dir: Path) -> list[str]:
+        settings = dp._settings(nla_run_inputs, save_dir, num_steps=3, save_every=2, eval_every=0,
+                                sharding="fsdp2")
+        return [sys.executable, "-m", "nla_shell.cli", "train", "--nproc", "2", *settings]
+
+    dp._run_job(command(whole))
+    shutil.copytree(whole, split)
+    shutil.rmtree(split / "step_000003")
+    out = dp._run_job(command(split))
+    assert "[resume]" in out and "at step 2" in out
+    assert dp._metrics(whole) == dp._metrics(split)
+    assert [line["step"] for line in dp._metrics(split)] == [0, 1, 2]
+    for name, value in dp._tensors(whole / "step_000003" / "adapter").items():
+        assert torch.equal(value, dp._tensors(split / "step_000003" / "adapter")[name]), name
+
+
+@pytest.mark.parametrize("ranks, keys, named", [
+    (1, ["engine=native"], ["engine=native"]),
+    (1, ["quant=4bit", "compile_blocks=true"], ["quant=4bit", "compile_blocks=true"]),
+    (2, ["eval_every=2", "dynamic_sampling=true"], ["eval_every=2", "dynamic_sampling=true"]),
+])
+def test_what_fsdp2_cannot_serve_is_refused_in_one_line_and_nothing_is_written(
+        nla_run_inputs, tmp_path, monkeypatch, capsys, ranks, keys, named):
+    monkeypatch.setenv("WORLD_SIZE", str(ranks))
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    save_dir = tmp_path / "run"
+    assert cli.main(["train", *dp._settings(nla_run_inputs, save_dir, batch_prompts=4), "sharding=fsdp2",
+                     *keys]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "'sharding' = 'fsdp2'" in err and "sharding=ddp" in err, err
+    assert all(key in err for key in named), err
+    assert not save_dir.exists() and not distributed.active()

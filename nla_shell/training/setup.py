@@ -388,7 +388,9 @@ def load_models(cfg: TrainConfig, nla: nla_core.NLAConfig, critic: ARModel, resu
         CompiledBlockParts(critic.lm)
     distributed.broadcast_parameters(trainable_parameters(actor))
     if cfg.sharding == "fsdp2":
-        sharding.shard_actor(actor)
+        blocks = sharding.shard_actor(actor)
+        say(f"[sharding] fsdp2: the actor's {blocks} decoder blocks (base and LoRA) sharded over "
+            f"{torch.distributed.get_world_size()} rank(s); the critic whole on each")
     return actor, injector, critic
 
 

@@ -74,8 +74,9 @@ def check_supported(cfg: Any, world_size: int) -> None:
 # --------------------------------------------------------------------------- sharding the actor
 
 
-def shard_actor(actor: torch.nn.Module) -> None:
-    """fully_shard each decoder block of `actor` (base and LoRA), then the backbone as the root, in place.
+def shard_actor(actor: torch.nn.Module) -> int:
+    """fully_shard each decoder block of `actor` (base and LoRA), then the backbone as the root, in place;
+    returns the number of blocks.
 
     Needs a process group (one rank will do) and the actor on its device. Gradients of the
     trainable parameters are summed over ranks in float32 (SUM, not AVG: the losses carry the
@@ -96,6 +97,7 @@ def shard_actor(actor: torch.nn.Module) -> None:
     for unit in units:
         unit.set_gradient_divide_factor(1.0)
         unit.set_force_sum_reduction_for_comms(True)
+    return len(blocks)
 
 
 def is_sharded(module: torch.nn.Module) -> bool:

@@ -79,8 +79,9 @@ def test_two_fsdp2_ranks_train_like_one_process(nla_run_inputs, tmp_path, common
     one, two = tmp_path / "one", tmp_path / "two"
     monkeypatch.setattr(trainer_setup, "make_engine", dp.seeded_make_engine)
     assert cli.main(["train", *dp._settings(nla_run_inputs, one, **common)]) == 0
-    dp._run_job([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", RANKS,
-                 "train", *dp._settings(nla_run_inputs, two, sharding="fsdp2", **common)])
+    out = dp._run_job([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", RANKS,
+                       "train", *dp._settings(nla_run_inputs, two, sharding="fsdp2", **common)])
+    assert "[sharding] fsdp2: the actor's 3 decoder blocks (base and LoRA) sharded over 2 rank(s)" in out, out[-3000:]
     dp._assert_metrics_close(dp._metrics(two), dp._metrics(one))
     _assert_checkpoints_close(two, one, ["step_000001", "step_000002"])
 

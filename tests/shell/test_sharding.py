@@ -107,6 +107,17 @@ def test_a_killed_two_rank_fsdp2_run_resumes_exactly(nla_run_inputs, tmp_path):
         assert torch.equal(value, dp._tensors(split / "step_000003" / "adapter")[name]), name
 
 
+def test_a_sharded_actor_streams_the_whole_actors_merged_weights_block_by_block(nla_run_inputs, tmp_path):
+    """The engine push of an FSDP2-sharded actor over 2 gloo ranks: on every rank the same buckets, names and
+    bit-identical LoRA-merged tensors as the push of the same actor unsharded, each bucket one block gathered."""
+    av, _, _ = nla_run_inputs
+    dp._run_job([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__,
+                 "push", str(_fresh_lora(av, tmp_path / "init")), av, str(tmp_path)])
+    for rank in (0, 1):
+        buckets = (tmp_path / f"push_{rank}.txt").read_text().split()
+        assert buckets == ["other", "layers.0", "layers.1", "layers.2"], buckets
+
+
 @pytest.mark.parametrize("ranks, keys, named", [
     (1, ["engine=native"], ["engine=native"]),
     (1, ["quant=4bit", "compile_blocks=true"], ["quant=4bit", "compile_blocks=true"]),
@@ -124,3 +135,30 @@ def test_what_fsdp2_cannot_serve_is_refused_in_one_line_and_nothing_is_written(
     assert err.count("\n") == 0 and "'sharding' = 'fsdp2'" in err and "sharding=ddp" in err, err
     assert all(key in err for key in named), err
     assert not save_dir.exists() and not distributed.active()
+
+
+def _check_streamed_push(adapter: str, av: str, out: str) -> None:
+    """A rank of the push test: the merged buckets of the actor whole, then sharded; every tensor must agree."""
+    from nla_shell.engines.weight_sync import iter_merged_weight_buckets, merged_weight_buckets
+    from nla_shell.models import load_actor
+    from nla_shell.training import sharding
+
+    torch.distributed.init_process_group("gloo")
+    actor = load_actor(av, lora_r=4, lora_alpha=8, use_rslora=True, resume_adapter=adapter, dtype=torch.float32,
+                       device=torch.device("cpu"))
+    whole = merged_weight_buckets(actor)
+    sharding.shard_actor(actor)
+    assert sharding.is_sharded(actor)
+    streamed = iter_merged_weight_buckets(actor)
+    for (bucket, pairs), (expected_bucket, expected) in zip(streamed, whole, strict=True):
+        assert bucket == expected_bucket and [n for n, _ in pairs] == [n for n, _ in expected], bucket
+        for (name, tensor), (_, reference) in zip(pairs, expected):
+            assert type(tensor) is torch.Tensor and torch.equal(tensor, reference), name
+    rank = torch.distributed.get_rank()
+    Path(out, f"push_{rank}.txt").write_text(" ".join(bucket for bucket, _ in whole))
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    _check_streamed_push(*sys.argv[2:5])

@@ -154,7 +154,7 @@ def table(shapes: list[str], cases: list[tuple[int, int]], settings: Settings) -
 
 def fsdp2_table(shapes: list[str], gpus: list[int], settings: Settings) -> str:
     """Markdown, per GPU under sharding=fsdp2: actor, critic, optimiser, activations, rollout, and what fits."""
-    lines = ["| shape | GPUs | actor (blocks 1/N + embedding, head) | LoRA + moments | critic weights + moments "
+    lines = ["| shape | GPUs | actor (blocks 1/N + embedding, head) | LoRA + moments | critic weights + moments (1/N) "
              "| rollout (HF generate) | update activations + gathered blocks | critic step | peak phase "
              "| per GPU GiB | fits 139 GiB | to fit (estimate after) | vLLM, vllm_tp=N (not served yet) |",
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | --- | --- | ---: |"]
@@ -164,7 +164,7 @@ def fsdp2_table(shapes: list[str], gpus: list[int], settings: Settings) -> str:
             fixed, applied = fitting(shape, settings, gpus=n)
             r, phase = e.resident, {k: sum(v.values()) for k, v in e.phases.items()}
             actor = r["actor blocks (1/N)"] + r["actor embedding + head (whole)"]
-            critic = r["AR weights"] + r.get("AR moments", 0.0)
+            critic = r["AR weights (1/N)"] + r.get("AR moments (1/N)", 0.0)
             lines.append(
                 f"| {shape} | {n} | {actor:.1f} | {r['LoRA + moments (1/N)']:.1f} | {critic:.1f} | {phase['rollout']:.1f} "
                 f"| {phase['update']:.1f} | {phase['critic']:.1f} | {e.peak_phase} | {e.total:.1f} "

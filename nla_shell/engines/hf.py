@@ -13,6 +13,7 @@ import torch
 from nla_shell import families
 from nla_shell.engines.base import Rollout, RolloutRequest
 from nla_shell.models import Injector, eos_token_ids, inner_lm
+from nla_shell.models.common import sharded_over_ranks
 
 
 def left_pad(sequences: Sequence[Sequence[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -32,13 +33,6 @@ def eos_lengths(generated: torch.Tensor, eos_ids: Sequence[int]) -> list[int]:
     hits = torch.isin(generated, torch.as_tensor(list(eos_ids), device=generated.device))
     first = hits.int().argmax(dim=1)  # the first hit (argmax returns the first maximum)
     return torch.where(hits.any(dim=1), first + 1, generated.shape[1]).tolist()
-
-
-def _sharded_over_ranks(actor: torch.nn.Module) -> bool:
-    """True when FSDP2 shards `actor` over more than one rank."""
-    from torch.distributed.tensor import DTensor
-
-    return any(isinstance(p, DTensor) and p.device_mesh.size() > 1 for p in actor.parameters())
 
 
 class HFRolloutEngine:
@@ -73,7 +67,7 @@ class HFRolloutEngine:
             return_dict_in_generate=True,
             output_logits=True,
         )
-        self.lockstep = _sharded_over_ranks(actor)
+        self.lockstep = sharded_over_ranks(actor)
         """Every rank's generate runs until the last rank's ends (HF's synced_gpus): each forward of an FSDP2-sharded
         actor (sharding=fsdp2) gathers its blocks from every rank."""
         self.greedy = greedy

@@ -47,9 +47,9 @@ The step's peak is the resident parts plus its largest phase.
 
 **Per GPU under sharding=fsdp2** (`fsdp2_estimate`): the same parts on each of N GPUs as nla shards
 them (nla_shell.training.sharding): the actor's blocks and LoRA (with their float32 torch AdamW
-moments and gradients) 1/N each, the embedding and head whole, two gathered blocks in flight (the
-one running and the one prefetched), the critic whole on every rank, rollouts by HF generate (its KV
-cache and the float32 logits it keeps) of the rank's 1/N of the batch. vLLM with vllm_tp=N is given
+moments and gradients) 1/N each, the embedding and head whole, the critic's weights, torch AdamW
+moments and gradients 1/N, two gathered blocks in flight (the one running and the one prefetched),
+rollouts by HF generate (its KV cache and the float32 logits it keeps) of the rank's 1/N of the batch. vLLM with vllm_tp=N is given
 beside it (weights and KV cache 1/N each), not served with fsdp2 yet. Not yet measured on a GPU.
 """
 
@@ -386,8 +386,9 @@ def estimate(shape_name: str, settings: Settings = Settings()) -> Estimate:
 
 
 def fsdp2_estimate(shape_name: str, gpus: int, settings: Settings = Settings()) -> Estimate:
-    """One step's memory per GPU under sharding=fsdp2 over `gpus` GPUs, part by part (GiB), as nla shards today:
-    the actor's blocks and LoRA 1/N, the critic whole, rollouts by HF generate of the rank's 1/N of the batch."""
+    """One step's memory per GPU under sharding=fsdp2 over `gpus` GPUs, part by part (GiB), as nla shards it: the
+    actor's blocks and LoRA 1/N (embedding and head whole), the critic 1/N, two gathered blocks in flight,
+    rollouts by HF generate of the rank's 1/N of the batch."""
     s = settings
     shape, config, _, _ = _geometry(shape_name)
     layers, vocab = shape["num_hidden_layers"], shape["vocab_size"]
@@ -395,11 +396,16 @@ def fsdp2_estimate(shape_name: str, gpus: int, settings: Settings = Settings()) 
     block = matrices * QUANT_BYTES["none"] + norms * 2
     lora = lora_params(shape, s.lora_r)
     samples = math.ceil(s.prompts * s.group / gpus)
-    critic_resident, critic_phase = _critic_parts(shape_name, dataclasses.replace(s, prompts=samples, group=1))
+    # torch AdamW on sharded parameters (bitsandbytes takes no DTensor): the LoRA's moments float32, a trained
+    # AR backbone's in its bf16. The AR's weights, moments and gradients are sharded 1/N like the actor's.
+    critic_resident, critic_phase = _critic_parts(shape_name, dataclasses.replace(s, prompts=samples, group=1,
+                                                                                   adamw8bit=False))
+    critic_resident = {f"{k} (1/N)": v / gpus for k, v in critic_resident.items()}
+    critic_phase = {"AR grads (1/N)": critic_phase["AR grads"] / gpus, "AR activations": critic_phase["AR activations"],
+                    "gathered AR blocks (running + prefetched)": 2 * block}
     resident = {
         "actor blocks (1/N)": layers * block / gpus,
         "actor embedding + head (whole)": outer_bytes(shape, lm_head=True),
-        # torch AdamW on sharded parameters (bitsandbytes takes no DTensor): float32 moments.
         "LoRA + moments (1/N)": lora * (4 + 8) / gpus,
         **critic_resident,
         "rollouts": samples * (s.prompt_len + s.new_tokens) * 24,

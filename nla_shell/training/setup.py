@@ -388,9 +388,9 @@ def load_models(cfg: TrainConfig, nla: nla_core.NLAConfig, critic: ARModel, resu
         CompiledBlockParts(critic.lm)
     distributed.broadcast_parameters(trainable_parameters(actor))
     if cfg.sharding == "fsdp2":
-        blocks = sharding.shard_actor(actor)
-        say(f"[sharding] fsdp2: the actor's {blocks} decoder blocks (base and LoRA) sharded over "
-            f"{torch.distributed.get_world_size()} rank(s); the critic whole on each")
+        blocks, critic_blocks = sharding.shard_actor(actor), sharding.shard_critic(critic)
+        say(f"[sharding] fsdp2: the actor's {blocks} decoder blocks (base and LoRA) and the critic's {critic_blocks} "
+            f"sharded over {torch.distributed.get_world_size()} rank(s)")
     return actor, injector, critic
 
 
@@ -449,6 +449,7 @@ def resume_progress(cfg: TrainConfig, rank: RankInfo, order: DataOrder, optimize
     sharding.shard_optimizer_state(optimizer)  # (checkpoints hold whole moments; a no-op for a whole actor)
     if critic_optimizer is not None:
         ckpt.restore_optimizer(critic_optimizer, state, "critic", resume_from)
+        sharding.shard_optimizer_state(critic_optimizer)
     restore_rank_rng(state, rank, seed=cfg.seed, step=state.step)
     say(f"[resume] from {resume_from} at step {state.step}")
     return state.step, int(state.extra.get("skipped_steps", 0))

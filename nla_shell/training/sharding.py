@@ -32,6 +32,8 @@ import torch
 
 from nla_shell import families
 from nla_shell.io.config import ConfigError
+from nla_shell.models.common import sharded_over_ranks
+from nla_shell.training import distributed
 
 # --------------------------------------------------------------------------- what it can serve
 
@@ -50,6 +52,8 @@ def unservable(cfg: Any, world_size: int) -> list[str]:
         found.append(f"fp8={','.join(cfg.fp8)} (the FP8 copies are made of whole weights)")
     if cfg.compile_blocks:
         found.append("compile_blocks=true (not tested with sharded blocks)")
+    if cfg.critic_ema is not None:
+        found.append(f"critic_ema={cfg.critic_ema} (the EMA swaps the critic's sharded weights; not built)")
     if cfg.gradient_checkpointing:
         found.append("gradient_checkpointing=true (not tested with sharded blocks)")
     if world_size > 1:
@@ -74,37 +78,64 @@ def check_supported(cfg: Any, world_size: int) -> None:
 # --------------------------------------------------------------------------- sharding the actor
 
 
-def shard_actor(actor: torch.nn.Module) -> int:
-    """fully_shard each decoder block of `actor` (base and LoRA), then the backbone as the root, in place;
-    returns the number of blocks.
+def _fully_shard(modules: list[torch.nn.Module], *, ignored: set[torch.nn.Parameter] | None = None) -> None:
+    """fully_shard each module in order (children before their parent), in place.
 
-    Needs a process group (one rank will do) and the actor on its device. Gradients of the
-    trainable parameters are summed over ranks in float32 (SUM, not AVG: the losses carry the
-    global denominator), which gloo serves too.
+    Parameters keep their own dtypes (param_dtype None: one rank's numbers are the unsharded run's);
+    gradients are reduced in float32 and summed over ranks (SUM, not AVG: the losses carry the global
+    denominator), which gloo serves too. The last module is the root; `ignored` stay whole on every rank.
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    # param_dtype None: each parameter computes in its own dtype, so one rank's numbers are the unsharded run's.
     policy = MixedPrecisionPolicy(reduce_dtype=torch.float32)
-    blocks = list(families.decoder_blocks(actor))
-    backbone = families.backbone(actor)
-    units = []
-    for block in blocks:
-        units.append(fully_shard(block, mp_policy=policy))
-    # The embedding stays whole: a tied output embedding is the same tensor, read directly by the log-prob head.
-    embedding = backbone.get_input_embeddings()
-    units.append(fully_shard(backbone, mp_policy=policy, ignored_params=set(embedding.parameters())))
-    for unit in units:
+    for index, module in enumerate(modules):
+        last = index == len(modules) - 1
+        unit = fully_shard(module, mp_policy=policy, **({"ignored_params": ignored} if last and ignored else {}))
         unit.set_gradient_divide_factor(1.0)
         unit.set_force_sum_reduction_for_comms(True)
+
+
+def shard_actor(actor: torch.nn.Module) -> int:
+    """fully_shard each decoder block of `actor` (base and LoRA), then the backbone as the root, in place;
+    returns the number of blocks. Needs a process group (one rank will do) and the actor on its device."""
+    blocks = list(families.decoder_blocks(actor))
+    backbone = families.backbone(actor)
+    # The embedding stays whole: a tied output embedding is the same tensor, read directly by the log-prob head.
+    _fully_shard([*blocks, backbone], ignored=set(backbone.get_input_embeddings().parameters()))
     return len(blocks)
 
 
-def is_sharded(module: torch.nn.Module) -> bool:
-    """True when some parameter of `module` is a DTensor (FSDP2 sharded it)."""
-    from torch.distributed.tensor import DTensor
+def shard_critic(critic: torch.nn.Module) -> int:
+    """fully_shard each decoder block of the AR `critic`, its float32 value head, then the whole AR as the root
+    (embedding, bypassed final norm, unused LM head), in place; returns the number of blocks."""
+    blocks = list(families.decoder_blocks(critic.lm))
+    # The value head is a unit of its own: FSDP2 reduces one dtype per unit, and it is float32 beside a bf16 embedding.
+    _fully_shard([*blocks, critic.value_head, critic])
+    return len(blocks)
 
-    return any(isinstance(p, DTensor) for p in module.parameters())
+
+# --------------------------------------------------------------------------- forwards in lockstep
+
+
+def spare_forwards(model: torch.nn.Module, needed: int) -> int:
+    """How many forwards this rank must add to its `needed` so that it runs as many as the busiest rank: every
+    forward of a model sharded over ranks is a collective. 0 for a model that is not (a collective only then)."""
+    if not sharded_over_ranks(model):
+        return 0
+    (most,) = distributed.all_reduce_max([needed])
+    return int(most) - needed
+
+
+def idle_forwards(ar: torch.nn.Module, count: int, *, pad_id: int, grad: bool) -> None:
+    """`count` forwards of the AR on one pad token (and with `grad` the backward of zero times it): this rank's
+    part in the collectives of forwards other ranks run on their inputs; they add nothing to any gradient."""
+    device = ar.value_head.weight.device
+    ids = torch.full((1, 1), pad_id, device=device)
+    for _ in range(count):
+        with torch.set_grad_enabled(grad):
+            out = ar(ids, torch.ones_like(ids), right_padded=True)
+        if grad:
+            (out.sum() * 0.0).backward()
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:
@@ -122,6 +153,12 @@ def full_trainable_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     A collective under FSDP2: every rank calls it, in the same order (named_parameters').
     """
     return {name: _full(p) for name, p in module.named_parameters() if p.requires_grad}
+
+
+def full_critic_state(critic: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The AR's `saved_tensors`, whole, on the CPU: `ARModel.save_pretrained(tensors=)`. A collective under
+    FSDP2 (every rank calls it); every rank holds the result, so only the rank that saves should keep it."""
+    return {name: _full(tensor) for name, tensor in critic.saved_tensors().items()}
 
 
 def full_optimizer_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:

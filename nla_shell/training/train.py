@@ -148,9 +148,11 @@ def save(state: RunState, step_done: int) -> None:
     """
     cfg, rank, save_dir = state.cfg, state.rank, state.save_dir
     rng_states = distributed.all_gather(ckpt.rng_state())
-    sharded = sharding.is_sharded(state.actor)
+    sharded = cfg.sharding == "fsdp2"
     adapter = sharding.full_trainable_state(state.actor) if sharded else None
-    actor_optimizer = sharding.full_optimizer_state(state.optimizer) if sharded else state.optimizer.state_dict()
+    critic = sharding.full_critic_state(state.critic) if sharded and cfg.train_critic else None
+    optimizers = {"actor": state.optimizer, **({"critic": state.critic_optimizer} if state.critic_optimizer else {})}
+    optimizers = {k: sharding.full_optimizer_state(o) if sharded else o.state_dict() for k, o in optimizers.items()}
     if not rank.is_main:
         return
     extra: dict[str, Any] = {"skipped_steps": state.skipped_steps}
@@ -161,13 +163,10 @@ def save(state: RunState, step_done: int) -> None:
         state.actor.save_pretrained(tmp / "adapter", selected_adapters=["default"], state_dict=adapter)
         write_sidecar(sidecar_for(state, "av"), tmp / "adapter" / MODEL_SIDECAR)
         if cfg.train_critic:
-            state.critic.save_pretrained(tmp / "critic")
+            state.critic.save_pretrained(tmp / "critic", tensors=critic)
             if state.critic_ema is not None:
                 save_file(state.critic_ema.state_dict(), str(tmp / CRITIC_EMA_FILE))
             write_sidecar(sidecar_for(state, "ar"), tmp / "critic" / MODEL_SIDECAR)
-        optimizers = {"actor": actor_optimizer}
-        if state.critic_optimizer is not None:
-            optimizers["critic"] = state.critic_optimizer.state_dict()
         ckpt.save_training_state(
             tmp, step=step_done, data_cursor=state.order.state(), optimizer_states=optimizers,
             rng=rng_states[0], extra=extra,

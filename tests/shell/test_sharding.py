@@ -7,6 +7,7 @@ depend only on the request), run through that file's script entry point.
 
 from __future__ import annotations
 
+import math
 import shutil
 import sys
 from pathlib import Path
@@ -81,7 +82,7 @@ def test_two_fsdp2_ranks_train_like_one_process(nla_run_inputs, tmp_path, common
     assert cli.main(["train", *dp._settings(nla_run_inputs, one, **common)]) == 0
     out = dp._run_job([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", RANKS,
                        "train", *dp._settings(nla_run_inputs, two, sharding="fsdp2", **common)])
-    assert "[sharding] fsdp2: the actor's 3 decoder blocks (base and LoRA) sharded over 2 rank(s)" in out, out[-3000:]
+    assert "[sharding] fsdp2: the actor's 3 decoder blocks (base and LoRA) and the critic's 2 sharded over 2 rank(s)" in out, out[-3000:]
     dp._assert_metrics_close(dp._metrics(two), dp._metrics(one))
     _assert_checkpoints_close(two, one, ["step_000001", "step_000002"])
 
@@ -107,12 +108,14 @@ def test_a_killed_two_rank_fsdp2_run_resumes_exactly(nla_run_inputs, tmp_path):
         assert torch.equal(value, dp._tensors(split / "step_000003" / "adapter")[name]), name
 
 
-def test_a_sharded_actor_streams_the_whole_actors_merged_weights_block_by_block(nla_run_inputs, tmp_path):
-    """The engine push of an FSDP2-sharded actor over 2 gloo ranks: on every rank the same buckets, names and
-    bit-identical LoRA-merged tensors as the push of the same actor unsharded, each bucket one block gathered."""
-    av, _, _ = nla_run_inputs
+def test_sharded_units_on_two_ranks_give_the_whole_models_results(nla_run_inputs, tmp_path):
+    """On 2 gloo ranks (one torchrun job, `_check_units`): the engine push of an FSDP2-sharded actor gives on every
+    rank the same buckets, names and bit-identical LoRA-merged tensors as the push of the actor unsharded, each
+    bucket one block gathered; and the sharded critic, with all of the inputs on rank 0 and none on rank 1,
+    predicts and steps as the whole critic does in one process (the idle rank keeps the forwards in lockstep)."""
+    av, ar, _ = nla_run_inputs
     dp._run_job([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__,
-                 "push", str(_fresh_lora(av, tmp_path / "init")), av, str(tmp_path)])
+                 "units", str(_fresh_lora(av, tmp_path / "init")), av, ar, str(tmp_path)])
     for rank in (0, 1):
         buckets = (tmp_path / f"push_{rank}.txt").read_text().split()
         assert buckets == ["other", "layers.0", "layers.1", "layers.2"], buckets
@@ -137,18 +140,58 @@ def test_what_fsdp2_cannot_serve_is_refused_in_one_line_and_nothing_is_written(
     assert not save_dir.exists() and not distributed.active()
 
 
+def _check_units(adapter: str, av: str, ar_dir: str, out: str) -> None:
+    """A rank of the units test: the streamed push, then the critic in lockstep; any disagreement fails the job."""
+    torch.distributed.init_process_group("gloo")
+    _check_streamed_push(adapter, av, out)
+    _check_critic_lockstep(ar_dir)
+    torch.distributed.destroy_process_group()
+
+
+def _check_critic_lockstep(ar_dir: str) -> None:
+    """Rank 0 scores and steps on three AR inputs, rank 1 on none: the predictions and the stepped weights are the
+    whole critic's in one process on the three."""
+    import copy
+
+    from nla_shell.models import ARModel
+    from nla_shell.training import sharding
+    from nla_shell.training.scoring import ar_predictions, critic_step
+
+    torch.manual_seed(0)
+    inputs = [[5, 6, 7], None, [8, 9], [10, 11, 12, 13]]
+    golds = torch.randn(3, 64)
+    critic = ARModel.from_pretrained(ar_dir, mse_scale=None)
+    whole = copy.deepcopy(critic)
+    expected = ar_predictions(whole, inputs, pad_id=0, micro_batch=2)
+    expected_loss, expected_norm = critic_step(whole, torch.optim.SGD(whole.parameters(), lr=0.5),
+                                               [i for i in inputs if i], golds, pad_id=0, micro_batch=2,
+                                               max_grad_norm=1e9)
+    sharding.shard_critic(critic)
+    mine = inputs if torch.distributed.get_rank() == 0 else [None] * 3
+    predicted = ar_predictions(critic, mine, pad_id=0, micro_batch=2)
+    pairs = [i for i in mine if i]
+    loss, norm = critic_step(critic, torch.optim.SGD(critic.parameters(), lr=0.5), pairs, golds[: len(pairs)],
+                             pad_id=0, micro_batch=2, max_grad_norm=1e9)
+    if torch.distributed.get_rank() == 0:
+        torch.testing.assert_close(predicted, expected, equal_nan=True)
+    assert torch.isnan(predicted).all() or torch.distributed.get_rank() == 0
+    assert math.isclose(norm, expected_norm, rel_tol=1e-5) and math.isclose(loss, expected_loss, rel_tol=1e-5)
+    for (name, p), reference in zip(critic.named_parameters(), whole.parameters()):
+        torch.testing.assert_close(p.full_tensor() if hasattr(p, "full_tensor") else p, reference, msg=name)
+
+
 def _check_streamed_push(adapter: str, av: str, out: str) -> None:
-    """A rank of the push test: the merged buckets of the actor whole, then sharded; every tensor must agree."""
+    """The merged buckets of the actor whole, then sharded; every tensor must agree."""
     from nla_shell.engines.weight_sync import iter_merged_weight_buckets, merged_weight_buckets
     from nla_shell.models import load_actor
+    from nla_shell.models.common import sharded_over_ranks
     from nla_shell.training import sharding
 
-    torch.distributed.init_process_group("gloo")
     actor = load_actor(av, lora_r=4, lora_alpha=8, use_rslora=True, resume_adapter=adapter, dtype=torch.float32,
                        device=torch.device("cpu"))
     whole = merged_weight_buckets(actor)
     sharding.shard_actor(actor)
-    assert sharding.is_sharded(actor)
+    assert sharded_over_ranks(actor)
     streamed = iter_merged_weight_buckets(actor)
     for (bucket, pairs), (expected_bucket, expected) in zip(streamed, whole, strict=True):
         assert bucket == expected_bucket and [n for n, _ in pairs] == [n for n, _ in expected], bucket
@@ -156,9 +199,8 @@ def _check_streamed_push(adapter: str, av: str, out: str) -> None:
             assert type(tensor) is torch.Tensor and torch.equal(tensor, reference), name
     rank = torch.distributed.get_rank()
     Path(out, f"push_{rank}.txt").write_text(" ".join(bucket for bucket, _ in whole))
-    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
-    _check_streamed_push(*sys.argv[2:5])
+    _check_units(*sys.argv[2:6])

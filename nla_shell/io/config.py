@@ -107,13 +107,13 @@ class TrainConfig:
     gradient_checkpointing: bool = False
     """Recompute actor activations in backward (less memory, about 30% more compute)."""
     sharding: Literal["ddp", "fsdp2"] = "ddp"
-    """How `nla train --nproc N` lays the actor out over the ranks. "ddp": every rank holds the whole actor and the
-    ranks sum their gradients. "fsdp2": torch FSDP2 shards each decoder block of the actor (frozen base and LoRA)
-    over the ranks and gathers one block at a time, forward and backward (nla_shell.training.sharding); the critic
-    stays whole on every rank. Same arithmetic: one rank of fsdp2 gives the unsharded run's numbers, and a run may
-    resume under the other value. fsdp2 serves engine=hf without quant, fp8, compile_blocks or
-    gradient_checkpointing, and with several ranks no held-out eval or dynamic sampling; other settings are refused
-    at start. An nla addition (kitft's trainer shards with FSDP2)."""
+    """How `nla train --nproc N` lays the models out over the ranks. "ddp": every rank holds the whole actor and
+    critic and the ranks sum their gradients. "fsdp2": torch FSDP2 shards each decoder block of the actor (frozen
+    base and LoRA) and of the critic over the ranks and gathers one block at a time, forward and backward
+    (nla_shell.training.sharding). Same arithmetic: one rank of fsdp2 gives the unsharded run's numbers, and a run
+    may resume under the other value. fsdp2 serves engine=hf without quant, fp8, compile_blocks or
+    critic_ema, and with several ranks no held-out eval or dynamic sampling; other
+    settings are refused at start (docs/training.md). An nla addition (kitft's trainer shards with FSDP2)."""
     bf16_autocast: bool = False
     """Run the actor's decoder blocks under torch.autocast(bfloat16) in every forward (update,
     reference, native/HF rollouts): the float32 LoRA factors then enter bf16 matrix products

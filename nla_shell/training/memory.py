@@ -162,7 +162,8 @@ QWEN3_SHAPES: dict[str, dict[str, Any]] = {
 }
 SHAPES: dict[str, dict[str, Any]] = {
     **QWEN3_SHAPES,
-    # meta-llama/Llama-3.3-70B-Instruct's config.json: no q/k norms (their few parameters are counted anyway).
+    # Llama-3.3-70B's geometry as oumi's configs/recipes/llama3_3/README.md tables it (vulkomilev/oumi, a stored
+    # copy); no q/k norms (their few parameters are counted anyway).
     "llama-3.3-70b": dict(vocab_size=128256, head_dim=128, num_key_value_heads=8, hidden_size=8192,
                           intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
                           tie_word_embeddings=False),
@@ -449,7 +450,7 @@ _OPTIONS = (
      lambda s, e: dataclasses.replace(s, critic_micro_batch=s.critic_micro_batch // 2),
      "critic_micro_batch={critic_micro_batch}", True),
     (lambda s, e: not s.gradient_checkpointing, lambda s, e: dataclasses.replace(s, gradient_checkpointing=True),
-     "gradient_checkpointing=true", False),
+     "gradient_checkpointing=true", True),
     (lambda s, e: s.critic and not s.ar_lora, lambda s, e: dataclasses.replace(s, ar_lora=True),
      "an AR-LoRA ar_ckpt (nla sft --mode ar ar_lora=true)", True),
     (lambda s, e: s.quant == "none", lambda s, e: dataclasses.replace(s, quant="8bit"), "quant=8bit (engine=hf)", False),
@@ -463,7 +464,7 @@ def fitting(shape_name: str, settings: Settings = Settings(), *, gpus: int | Non
 
     Greedy, cheapest first (vLLM's share up to its need, AdamW8bit, sleeping vLLM, halved micro-batches
     down to 8, gradient checkpointing, an AR-LoRA, quant=8bit then 4bit; under fsdp2 (`gpus`) only the
-    micro-batches and the AR-LoRA, the options it serves): each round takes the first option that lowers the
+    micro-batches, gradient checkpointing and the AR-LoRA, the options it serves): each round takes the first option that lowers the
     peak (a smaller micro-batch does not help a step whose peak is the rollout, and helps again once quant=
     drops vLLM), until the estimate fits or no option helps; then the last estimate.
     """

@@ -1,27 +1,24 @@
-"""`sharding=fsdp2`: the actor's decoder blocks sharded over the ranks with torch FSDP2.
+"""`sharding=fsdp2`: the actor and the critic sharded over the ranks with torch FSDP2.
 
-Under `sharding=ddp` (the default) every rank holds the whole actor (nla_shell.training.distributed).
-Under `sharding=fsdp2` each decoder block of the actor (its frozen base and its LoRA) is one
-`fully_shard` unit and the backbone is the root: a rank keeps 1/N of every block and gathers a
-block only while that block runs, forward or backward. The reference pass is the same sharded
-model with the adapter off. Parameters keep their own dtypes (the base in the run's dtype, bf16
-on a GPU; the LoRA in float32) and gradients are reduced in float32, summed, not averaged:
-every rank's loss is already divided by the global count, as under ddp, so the sharded run
-steps on the single-process gradient.
+Under `sharding=ddp` (the default) every rank holds both models whole (nla_shell.training.distributed).
+Under `sharding=fsdp2` each decoder block is one `fully_shard` unit (the actor's frozen base with its
+LoRA; the critic's trained block), then the actor's backbone and the whole critic (its float32 value
+head a unit of its own) are the roots: a rank keeps 1/N of every unit and gathers a block only while
+it runs, forward or backward. The reference pass is the same sharded actor with the adapter off.
+Parameters keep their own dtypes, and gradients are reduced in float32 and summed, not averaged:
+every rank's loss is already divided by the global count, as under ddp, so the sharded run steps on
+the single-process gradient. The actor's input embedding stays whole on every rank (the log-prob
+head reads the output embedding's weight directly, and a tied model shares it).
 
-What stays whole on every rank: the input embedding (the log-prob head reads the output
-embedding's weight directly, and a tied model shares it with the input embedding) and the
-log-prob head; the critic (this module does not shard it yet).
+Every forward of a sharded unit is a collective: every rank must run the same forwards. The HF
+engine keeps generation in lockstep (`synced_gpus`); the update's micro-batches match because every
+rank holds the same number of whole groups; the critic's scoring and step add idle forwards where a
+rank has fewer micro-batches (`spare_forwards`, `idle_forwards`). What would break that lockstep (or
+needs a whole model in one place) is refused up front by `check_supported`.
 
-Every forward of a sharded block is a collective: every rank must run the same forwards. The
-HF engine keeps generation in lockstep (`synced_gpus`); the update's micro-batches match because
-every rank holds the same number of whole groups. What would break that lockstep (or needs the
-whole actor in one place) is refused up front by `check_supported`.
-
-Checkpoints stay in the unsharded format: the trainable state (the LoRA and its Adam moments, a
-few percent of the base) is gathered to every rank for the save, and a resumed run shards the
-full moments it loads (`shard_optimizer_state`). A run may therefore switch between ddp and
-fsdp2 on resume.
+Checkpoints stay in the unsharded format: the LoRA, the critic and their Adam moments are gathered
+whole for the save, and a resumed run shards the whole moments it loads (`shard_optimizer_state`). A
+run may therefore switch between ddp and fsdp2 on resume.
 """
 
 from __future__ import annotations
@@ -54,8 +51,6 @@ def unservable(cfg: Any, world_size: int) -> list[str]:
         found.append("compile_blocks=true (not tested with sharded blocks)")
     if cfg.critic_ema is not None:
         found.append(f"critic_ema={cfg.critic_ema} (the EMA swaps the critic's sharded weights; not built)")
-    if cfg.gradient_checkpointing:
-        found.append("gradient_checkpointing=true (not tested with sharded blocks)")
     if world_size > 1:
         if cfg.eval_every > 0 and cfg.eval_n_prompts > 0:
             found.append(f"eval_every={cfg.eval_every} (the held-out eval runs on rank 0 alone, and a sharded "
@@ -138,34 +133,31 @@ def idle_forwards(ar: torch.nn.Module, count: int, *, pad_id: int, grad: bool) -
             (out.sum() * 0.0).backward()
 
 
-def _full(tensor: torch.Tensor) -> torch.Tensor:
-    """The whole tensor of a DTensor (a collective), detached on the CPU; a plain tensor as it is, on the CPU."""
+def _full(tensor: torch.Tensor) -> torch.Tensor | None:
+    """The whole tensor of a DTensor (a collective), detached on rank 0's CPU (None on the other ranks, which
+    save nothing: no host holds more than one copy); a plain tensor as it is, on the CPU."""
     from torch.distributed.tensor import DTensor
 
     if isinstance(tensor, DTensor):
         tensor = tensor.full_tensor()
-    return tensor.detach().cpu()
+    return tensor.detach().cpu() if distributed.is_main() else None
 
 
 def full_trainable_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Every trainable parameter, whole, on the CPU, by its state_dict name: PEFT's `save_pretrained(state_dict=)`.
-
-    A collective under FSDP2: every rank calls it, in the same order (named_parameters').
-    """
+    """Every trainable parameter, whole, on rank 0's CPU, by its state_dict name: PEFT's
+    `save_pretrained(state_dict=)`. A collective under FSDP2: every rank calls it, in the same order."""
     return {name: _full(p) for name, p in module.named_parameters() if p.requires_grad}
 
 
 def full_critic_state(critic: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The AR's `saved_tensors`, whole, on the CPU: `ARModel.save_pretrained(tensors=)`. A collective under
-    FSDP2 (every rank calls it); every rank holds the result, so only the rank that saves should keep it."""
+    """The AR's `saved_tensors`, whole, on rank 0's CPU: `ARModel.save_pretrained(tensors=)`. A collective under
+    FSDP2 (every rank calls it)."""
     return {name: _full(tensor) for name, tensor in critic.saved_tensors().items()}
 
 
 def full_optimizer_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """`optimizer.state_dict()` with every sharded moment gathered whole: the unsharded run's format.
-
-    A collective under FSDP2 (every rank calls it). The optimizer's own state is left as it is.
-    """
+    """`optimizer.state_dict()` with every sharded moment gathered whole on rank 0's CPU: the unsharded run's
+    format. A collective under FSDP2 (every rank calls it). The optimizer's own state is left as it is."""
     saved = optimizer.state_dict()
     state = {index: {key: _full(value) if isinstance(value, torch.Tensor) and value.dim() else value
                      for key, value in moments.items()}

@@ -272,7 +272,8 @@ def test_fsdp2_fitting_names_only_keys_fsdp2_serves():
     for shape in FSDP2_SHAPES:
         for n in (1, 2, 4, 8):
             fixed, applied = memory_model.fitting(shape, memory_model.Settings(prompts=64, group=8), gpus=n)
-            assert all(a.startswith(("logp_micro_batch=", "critic_micro_batch=", "an AR-LoRA")) for a in applied)
+            assert all(a.startswith(("logp_micro_batch=", "critic_micro_batch=", "gradient_checkpointing=", "an AR-LoRA"))
+                       for a in applied)
             assert fixed.gpus == n
     # 8B fits one H200 under fsdp2 as it is; Llama-3.3-70B's weights and critic alone do not fit one.
     assert memory_model.fsdp2_estimate("8b", 1, memory_model.Settings(prompts=64, group=8)).fits

@@ -63,25 +63,27 @@ def common(nla_run_inputs, tmp_path):
                 resume_from_lora=_fresh_lora(av, tmp_path / "init"))
 
 
-def test_one_rank_of_fsdp2_gives_the_unsharded_runs_numbers(nla_run_inputs, tmp_path, common, monkeypatch):
+@pytest.mark.parametrize("extra", [{}, {"gradient_checkpointing": "true"}], ids=["plain", "checkpointing"])
+def test_one_rank_of_fsdp2_gives_the_unsharded_runs_numbers(nla_run_inputs, tmp_path, common, monkeypatch, extra):
     """In one process (a process group of one): the same metrics, adapter, critic and saved Adam moments."""
     plain, sharded = tmp_path / "plain", tmp_path / "fsdp2"
     monkeypatch.setattr(trainer_setup, "make_engine", dp.seeded_make_engine)
-    assert cli.main(["train", *dp._settings(nla_run_inputs, plain, **common)]) == 0
-    assert cli.main(["train", *dp._settings(nla_run_inputs, sharded, sharding="fsdp2", **common)]) == 0
+    assert cli.main(["train", *dp._settings(nla_run_inputs, plain, **common, **extra)]) == 0
+    assert cli.main(["train", *dp._settings(nla_run_inputs, sharded, sharding="fsdp2", **common, **extra)]) == 0
     assert not torch.distributed.is_initialized()
     dp._assert_metrics_close(dp._metrics(sharded), dp._metrics(plain))
     assert all(line["grad_norm"] > 0 for line in dp._metrics(plain))
     _assert_checkpoints_close(sharded, plain, ["step_000001", "step_000002"])
 
 
-def test_two_fsdp2_ranks_train_like_one_process(nla_run_inputs, tmp_path, common, monkeypatch):
+@pytest.mark.parametrize("extra", [{}, {"gradient_checkpointing": "true"}], ids=["plain", "checkpointing"])
+def test_two_fsdp2_ranks_train_like_one_process(nla_run_inputs, tmp_path, common, monkeypatch, extra):
     """Per-step loss, grad norm, reward and every metric; the saved adapter, critic and Adam moments."""
     one, two = tmp_path / "one", tmp_path / "two"
     monkeypatch.setattr(trainer_setup, "make_engine", dp.seeded_make_engine)
-    assert cli.main(["train", *dp._settings(nla_run_inputs, one, **common)]) == 0
+    assert cli.main(["train", *dp._settings(nla_run_inputs, one, **common, **extra)]) == 0
     out = dp._run_job([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", RANKS,
-                       "train", *dp._settings(nla_run_inputs, two, sharding="fsdp2", **common)])
+                       "train", *dp._settings(nla_run_inputs, two, sharding="fsdp2", **common, **extra)])
     assert "[sharding] fsdp2: the actor's 3 decoder blocks (base and LoRA) and the critic's 2 sharded over 2 rank(s)" in out, out[-3000:]
     dp._assert_metrics_close(dp._metrics(two), dp._metrics(one))
     _assert_checkpoints_close(two, one, ["step_000001", "step_000002"])

@@ -16,13 +16,16 @@ rank holds the same number of whole groups; the critic's scoring and step add id
 rank has fewer micro-batches (`spare_forwards`, `idle_forwards`). What would break that lockstep (or
 needs a whole model in one place) is refused up front by `check_supported`.
 
-Checkpoints stay in the unsharded format: the LoRA, the critic and their Adam moments are gathered
-whole for the save, and a resumed run shards the whole moments it loads (`shard_optimizer_state`). A
-run may therefore switch between ddp and fsdp2 on resume.
+Checkpoints: the LoRA and the critic are gathered whole for the save, so they export as an unsharded
+run's do; the Adam moments (twice the trained weights) stay sharded, every rank writing its shard
+through torch Distributed Checkpoint (`save_optimizer_shards`), which a resumed run reads back in
+shards, with any number of ranks. A run of sharding=ddp resumed under fsdp2 cuts the whole moments it
+loads (`shard_optimizer_state`).
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -155,19 +158,36 @@ def full_critic_state(critic: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: _full(tensor) for name, tensor in critic.saved_tensors().items()}
 
 
-def full_optimizer_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """`optimizer.state_dict()` with every sharded moment gathered whole on rank 0's CPU: the unsharded run's
-    format. A collective under FSDP2 (every rank calls it). The optimizer's own state is left as it is."""
-    saved = optimizer.state_dict()
-    state = {index: {key: _full(value) if isinstance(value, torch.Tensor) and value.dim() else value
-                     for key, value in moments.items()}
-             for index, moments in saved["state"].items()}
-    return {**saved, "state": state}
+Optimized = dict[str, tuple[torch.nn.Module, torch.optim.Optimizer]]
+"""The optimisers a checkpoint holds, by name ("actor", "critic"), each with the model whose parameters it steps."""
+
+
+def save_optimizer_shards(optimized: Optimized, directory: Path) -> None:
+    """Every rank's shard of each optimiser's moments into `directory`, through torch Distributed Checkpoint (a
+    collective: every rank calls it; nothing is gathered). Keys: the name, then DCP's (parameter names)."""
+    from torch.distributed.checkpoint import FileSystemWriter, save
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    state = {name: get_optimizer_state_dict(model, optimizer) for name, (model, optimizer) in optimized.items()}
+    save(state, storage_writer=FileSystemWriter(str(directory), sync_files=True))
+
+
+def load_optimizer_shards(optimized: Optimized, directory: Path) -> None:
+    """Each optimiser's moments from `save_optimizer_shards`' `directory`, this rank's shard of each (a collective;
+    DCP re-cuts the shards when the number of ranks changed)."""
+    from torch.distributed.checkpoint import FileSystemReader, load
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    state = {name: get_optimizer_state_dict(model, optimizer) for name, (model, optimizer) in optimized.items()}
+    load(state, storage_reader=FileSystemReader(str(directory)))
+    for name, (model, optimizer) in optimized.items():
+        set_optimizer_state_dict(model, optimizer, state[name])
 
 
 def shard_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
-    """After `load_state_dict` of a whole state into an optimizer of sharded parameters: each moment cut to
-    this rank's shard, in place (no communication: every rank loaded the same whole state)."""
+    """After `load_state_dict` of a whole state (a checkpoint of sharding=ddp) into an optimizer of sharded
+    parameters: each moment cut to this rank's shard, in place (no communication: every rank loaded the same
+    whole state)."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     for param, moments in optimizer.state.items():

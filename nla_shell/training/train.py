@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -143,16 +145,16 @@ def loop(state: RunState, stop: StopSignals) -> Path:
 def save(state: RunState, step_done: int) -> None:
     """The checkpoint after `step_done` steps: adapter, critic (and its EMA), optimisers, data cursor, RNG.
 
-    Every rank calls this (gathering the RNG states, and under sharding=fsdp2 the LoRA and its moments, are
-    collectives); rank 0 writes.
+    Every rank calls this (gathering the RNG states is a collective; under sharding=fsdp2 so are gathering the
+    LoRA and the critic, and every rank writes its shard of the optimisers' moments); rank 0 writes the rest.
     """
     cfg, rank, save_dir = state.cfg, state.rank, state.save_dir
     rng_states = distributed.all_gather(ckpt.rng_state())
     sharded = cfg.sharding == "fsdp2"
     adapter = sharding.full_trainable_state(state.actor) if sharded else None
     critic = sharding.full_critic_state(state.critic) if sharded and cfg.train_critic else None
-    optimizers = {"actor": state.optimizer, **({"critic": state.critic_optimizer} if state.critic_optimizer else {})}
-    optimizers = {k: sharding.full_optimizer_state(o) if sharded else o.state_dict() for k, o in optimizers.items()}
+    shards = save_shards(state, step_done) if sharded else None
+    optimizers = {} if sharded else {name: o.state_dict() for name, (_, o) in state.optimized.items()}
     if not rank.is_main:
         return
     extra: dict[str, Any] = {"skipped_steps": state.skipped_steps}
@@ -167,6 +169,8 @@ def save(state: RunState, step_done: int) -> None:
             if state.critic_ema is not None:
                 save_file(state.critic_ema.state_dict(), str(tmp / CRITIC_EMA_FILE))
             write_sidecar(sidecar_for(state, "ar"), tmp / "critic" / MODEL_SIDECAR)
+        if shards is not None:
+            os.replace(shards, tmp / ckpt.OPTIMIZER_SHARDS_NAME)
         ckpt.save_training_state(
             tmp, step=step_done, data_cursor=state.order.state(), optimizer_states=optimizers,
             rng=rng_states[0], extra=extra,
@@ -180,6 +184,21 @@ def save(state: RunState, step_done: int) -> None:
     if cfg.keep_last is not None:
         for pruned in ckpt.prune_checkpoints(save_dir, keep_last=cfg.keep_last, best_by="eval/fve"):
             say(f"[save] pruned {pruned.name} (keep_last={cfg.keep_last})")
+
+
+def save_shards(state: RunState, step_done: int) -> Path:
+    """Every rank's shard of the optimisers' moments (sharding=fsdp2), in the directory that rank 0's save then
+    takes into the checkpoint."""
+    directory = ckpt.shards_dir(state.save_dir, step_done)
+
+    def fresh() -> None:
+        shutil.rmtree(directory, ignore_errors=True)  # left by a run killed mid-save
+        directory.mkdir()
+
+    distributed.on_main(fresh)
+    sharding.save_optimizer_shards(state.optimized, directory)
+    distributed.barrier()
+    return directory
 
 
 def sidecar_for(state: RunState, role: str) -> dict[str, Any]:

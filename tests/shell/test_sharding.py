@@ -47,13 +47,29 @@ def _assert_checkpoints_close(a: Path, b: Path, steps: list[str]) -> None:
             for name in right:
                 torch.testing.assert_close(left[name], right[name], rtol=1e-4, atol=1e-2 * dp.CRITIC_LR,
                                            msg=f"{step} {part} {name}")
-        moments = [torch.load(d / step / "training_state.pt", weights_only=True)["optimizer_states"]["actor"]
-                   for d in (a, b)]
-        assert moments[0]["state"].keys() == moments[1]["state"].keys() and moments[0]["state"]
-        for index, state in moments[1]["state"].items():
-            for key, value in state.items():
-                torch.testing.assert_close(moments[0]["state"][index][key], value, rtol=1e-4, atol=1e-7,
-                                           msg=f"{step} actor optimizer {index} {key}")
+        for name in ("actor", "critic"):
+            left, right = _moments(a / step, name), _moments(b / step, name)
+            assert len(left) == len(right) > 0
+            for index, (mine, theirs) in enumerate(zip(left, right)):
+                for key in ("exp_avg", "exp_avg_sq"):
+                    torch.testing.assert_close(mine[key], theirs[key], rtol=1e-4, atol=1e-7,
+                                               msg=f"{step} {name} optimizer {index} {key}")
+
+
+def _moments(checkpoint: Path, name: str) -> list[dict[str, torch.Tensor]]:
+    """The `name` optimiser's moments per parameter, in its order: from training_state.pt, or from a sharding=fsdp2
+    checkpoint's DCP shards (converted to one file: its parameters are named, the unsharded state's numbered)."""
+    shards = checkpoint / "optimizer_shards"
+    if not shards.is_dir():
+        state = torch.load(checkpoint / "training_state.pt", weights_only=True)["optimizer_states"][name]["state"]
+        return [state[index] for index in sorted(state)]
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    whole = checkpoint.parent / f"{checkpoint.name}_{name}_moments.pt"
+    if not whole.exists():
+        dcp_to_torch_save(shards, whole)
+    saved = torch.load(whole, weights_only=False)[name]
+    return [saved["state"][fqn] for group in saved["param_groups"] for fqn in group["params"]]
 
 
 @pytest.fixture
@@ -108,6 +124,27 @@ def test_a_killed_two_rank_fsdp2_run_resumes_exactly(nla_run_inputs, tmp_path):
     assert [line["step"] for line in dp._metrics(split)] == [0, 1, 2]
     for name, value in dp._tensors(whole / "step_000003" / "adapter").items():
         assert torch.equal(value, dp._tensors(split / "step_000003" / "adapter")[name]), name
+
+
+def test_a_ddp_run_resumes_under_fsdp2_and_an_fsdp2_checkpoint_refuses_ddp(nla_run_inputs, tmp_path, common, monkeypatch,
+                                                                            capsys):
+    """sharding may change on resume one way: a ddp checkpoint's whole moments are cut into shards and the run goes
+    on as the uninterrupted ddp run; an fsdp2 checkpoint's sharded moments refuse ddp in one line."""
+    whole, switched = tmp_path / "whole", tmp_path / "switched"
+    monkeypatch.setattr(trainer_setup, "make_engine", dp.seeded_make_engine)
+    settings = {**common, "num_steps": 3}
+    assert cli.main(["train", *dp._settings(nla_run_inputs, whole, **settings)]) == 0
+    shutil.copytree(whole, switched)
+    shutil.rmtree(switched / "step_000003")
+    assert cli.main(["train", *dp._settings(nla_run_inputs, switched, sharding="fsdp2", **settings)]) == 0
+    dp._assert_metrics_close(dp._metrics(switched), dp._metrics(whole))
+    assert (switched / "step_000003" / "optimizer_shards").is_dir()
+    shutil.rmtree(switched / "step_000003")
+    capsys.readouterr()
+    assert cli.main(["train", *dp._settings(nla_run_inputs, switched, **settings)]) != 0
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "saved under sharding=fsdp2" in err and "resume with sharding=fsdp2" in err, err
+    assert not (switched / "step_000003").exists()
 
 
 def test_sharded_units_on_two_ranks_give_the_whole_models_results(nla_run_inputs, tmp_path):

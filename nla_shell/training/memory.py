@@ -49,8 +49,9 @@ The step's peak is the resident parts plus its largest phase.
 them (nla_shell.training.sharding): the actor's blocks and LoRA (with their float32 torch AdamW
 moments and gradients) 1/N each, the embedding and head whole, the critic's weights, torch AdamW
 moments and gradients 1/N, two gathered blocks in flight (the one running and the one prefetched),
-rollouts by HF generate (its KV cache and the float32 logits it keeps) of the rank's 1/N of the batch. vLLM with vllm_tp=N is given
-beside it (weights and KV cache 1/N each), not served with fsdp2 yet. Not yet measured on a GPU.
+rollouts by HF generate (its KV cache and the float32 logits it keeps) of the rank's 1/N of the batch.
+vLLM with vllm_tp=N is given beside it (weights and KV cache 1/N each), not served with fsdp2 yet.
+Not yet measured on a GPU.
 """
 
 from __future__ import annotations
@@ -361,7 +362,8 @@ def estimate(shape_name: str, settings: Settings = Settings()) -> Estimate:
     share = max(s.vllm_gpu_mem * s.gpu_gib * GIB, vllm_need)
     # While vLLM is awake: its share, and (fitted to run AA: the module docstring) about one more bf16 copy of
     # the AV's weights in torch's cache. A quantised base rolls out with engine=hf: no vLLM.
-    vllm_awake = {"vLLM share": share, "torch's cache of the push (fitted to run AA, an upper bound)": vllm_weights + GIB}
+    vllm_awake = {"vLLM share": share,
+                  "torch's cache of the push (fitted to run AA, an upper bound)": vllm_weights + GIB}
     with_vllm = s.quant == "none"
     # The step's rollouts (ids, behaviour and reference log-probs, masks) kept until the update ends.
     resident["rollouts"] = s.prompts * s.group * (s.prompt_len + s.new_tokens) * 24

@@ -153,6 +153,18 @@ def test_a_ddp_run_resumes_under_fsdp2_and_an_fsdp2_checkpoint_refuses_ddp(nla_r
     assert not (switched / "step_000004").exists()
 
 
+def test_shards_left_by_a_run_killed_mid_save_are_removed_at_the_next_start(tmp_path):
+    from nla_shell.training import checkpoint as ckpt
+
+    staged = ckpt.shards_dir(tmp_path, 2)
+    (staged / "optimizer").mkdir(parents=True)
+    (staged / "optimizer" / "__0_0.distcp").write_bytes(b"half")
+    kept = ckpt.checkpoint_dir(tmp_path, 1)
+    kept.mkdir()
+    ckpt.remove_stale_entries(tmp_path)
+    assert not staged.exists() and kept.is_dir() and staged.name == ".shards_step_000002"
+
+
 def test_sharded_units_on_two_ranks_give_the_whole_models_results(nla_run_inputs, tmp_path):
     """On 2 gloo ranks (one torchrun job, `_check_units`): the engine push of an FSDP2-sharded actor gives on every
     rank the same buckets, names and bit-identical LoRA-merged tensors as the push of the actor unsharded, each

@@ -6,21 +6,23 @@
 # ~1-2 min, each run ~1 min); the critic is not co-trained (it is whole in both layouts, and saving an 8B-shape
 # critic would double the time).
 #
-#   bash bench/fsdp2_one_rank.sh              # one H200: OUT=/tmp/fsdp2 by default
-#   TINY=1 bash bench/fsdp2_one_rank.sh       # CPU smoke: the tiny geometry (tests/shell/test_sharding.py)
+#   bash bench/fsdp2_one_rank.sh                    # one H200: OUT=/tmp/fsdp2 by default
+#   INPUTS=/tmp/nla8b bash bench/fsdp2_one_rank.sh  # reuse make_8b_run.py's inputs (gpu_session.sh's train8b)
+#   TINY=1 bash bench/fsdp2_one_rank.sh             # CPU smoke: the tiny geometry
 set -euo pipefail
 OUT=${OUT:-/tmp/fsdp2}
+INPUTS=${INPUTS:-$OUT/inputs}
 mkdir -p "$OUT"
 if [ -n "${TINY:-}" ]; then
-  python3 bench/make_8b_run.py "$OUT/inputs" --tiny > "$OUT/make.log" 2>&1
+  python3 bench/make_8b_run.py "$INPUTS" --tiny > "$OUT/make.log" 2>&1
   extra=(device=cpu dtype=float32)
 else
-  [ -f "$OUT/inputs/data/rl.parquet" ] || python3 bench/make_8b_run.py "$OUT/inputs" > "$OUT/make.log" 2>&1
+  [ -f "$INPUTS/data/rl.parquet" ] || python3 bench/make_8b_run.py "$INPUTS" > "$OUT/make.log" 2>&1
   extra=(dtype=bfloat16)
 fi
 for sharding in ddp fsdp2; do
   timeout -k 10 "${T:-150}" python3 -m torch.distributed.run --standalone --nproc_per_node 1 -m nla_shell.cli train \
-    av_ckpt="$OUT/inputs/av" ar_ckpt="$OUT/inputs/ar" rl_parquet="$OUT/inputs/data/rl.parquet" \
+    av_ckpt="$INPUTS/av" ar_ckpt="$INPUTS/ar" rl_parquet="$INPUTS/data/rl.parquet" \
     save_dir="$OUT/run_$sharding" overwrite=true sharding=$sharding engine=hf num_steps=3 batch_prompts=8 group_size=4 \
     max_new_tokens=32 train_critic=false logp_micro_batch=16 ref_micro_batch=16 eval_every=0 save_every=100 \
     logger=jsonl "${extra[@]}" ${TRAIN_ARGS:-} > "$OUT/train_$sharding.log" 2>&1 \

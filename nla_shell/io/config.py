@@ -112,9 +112,9 @@ class TrainConfig:
     base and LoRA) and of the critic over the ranks and gathers one block at a time, forward and backward
     (nla_shell.training.sharding). Same arithmetic: one rank of fsdp2 gives the unsharded run's numbers; a ddp run
     may resume under fsdp2 (an fsdp2 checkpoint's optimiser moments are sharded: it resumes under fsdp2 only).
-    fsdp2 serves engine=hf without quant, fp8, compile_blocks or critic_ema, and with several ranks no held-out
-    eval or dynamic sampling; other settings are refused at start (docs/training.md). An nla addition (kitft's
-    trainer shards with FSDP2)."""
+    fsdp2 serves engine=hf without quant, fp8, compile_blocks or critic_ema, and with several ranks no dynamic
+    sampling; other settings are refused at start (docs/training.md). An nla addition (kitft's trainer shards with
+    FSDP2)."""
     bf16_autocast: bool = False
     """Run the actor's decoder blocks under torch.autocast(bfloat16) in every forward (update,
     reference, native/HF rollouts): the float32 LoRA factors then enter bf16 matrix products

@@ -55,9 +55,6 @@ def unservable(cfg: Any, world_size: int) -> list[str]:
     if cfg.critic_ema is not None:
         found.append(f"critic_ema={cfg.critic_ema} (the EMA swaps the critic's sharded weights; not built)")
     if world_size > 1:
-        if cfg.eval_every > 0 and cfg.eval_n_prompts > 0:
-            found.append(f"eval_every={cfg.eval_every} (the held-out eval runs on rank 0 alone, and a sharded "
-                         "forward needs every rank; set eval_every=0)")
         if cfg.dynamic_sampling:
             found.append("dynamic_sampling=true (ranks would keep different numbers of groups, so different "
                          "numbers of sharded forwards)")

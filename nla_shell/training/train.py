@@ -102,6 +102,9 @@ def loop(state: RunState, stop: StopSignals) -> Path:
     Raises preemption.RunStopped when a signal stops it (after saving, if save_on_signal).
     """
     cfg, rank, device, save_dir = state.cfg, state.rank, state.device, state.save_dir
+    # Rank 0 evaluates alone, the others wait; under sharding=fsdp2 every rank runs the eval with it (each forward
+    # gathers blocks from every rank), and rank 0's is the one logged.
+    evaluates = rank.is_main or cfg.sharding == "fsdp2"
     bar = progress_bar(total=cfg.num_steps, initial=state.start_step, desc="train", unit="step", enabled=rank.is_main)
     for step in range(state.start_step, cfg.num_steps):
         # A signal ends the run here, between steps, on every rank at once.
@@ -115,9 +118,9 @@ def loop(state: RunState, stop: StopSignals) -> Path:
             record = train_step(state, step)
         except OutOfGPUMemory as err:  # the one-line error says where the run resumes from
             raise err.with_checkpoint(ckpt.latest_checkpoint(save_dir)) from err.__cause__
-        # The held-out eval (document-disjoint rows): rank 0 alone, the others wait.
+        # The held-out eval (document-disjoint rows).
         if state.eval_on and step % cfg.eval_every == 0:
-            if rank.is_main:
+            if evaluates:
                 record.update(held_out(state, step, state.logger))
             distributed.barrier()
         state.logger.log(step, record)
@@ -127,10 +130,10 @@ def loop(state: RunState, stop: StopSignals) -> Path:
             save(state, step + 1)
 
     # A held-out point at the final step (summary.json only; its own RNG, so resume stays exact).
-    # Decided from the step alone, so every rank takes the same branch (only rank 0's record holds eval keys).
+    # Decided from the step alone, so every rank takes the same branch (only rank 0's eval is written).
     final_eval, last = None, state.last_record
     if state.eval_on and last and last["step"] % cfg.eval_every != 0:
-        if rank.is_main:
+        if evaluates:
             with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
                 final_eval = {"step": last["step"], **held_out(state, last["step"], NullLogger())}
         distributed.barrier()
@@ -210,7 +213,8 @@ def sidecar_for(state: RunState, role: str) -> dict[str, Any]:
 
 
 def held_out(state: RunState, step: int, step_logger) -> dict[str, float]:
-    """The held-out eval at `step` (rank 0 only), scored with the critic's EMA when there is one."""
+    """The held-out eval at `step` (rank 0; every rank under sharding=fsdp2), scored with the critic's EMA when
+    there is one."""
     cfg = state.cfg
     with sampling.scoring_weights(state.critic_ema):
         return evaluate_rows(

@@ -118,7 +118,7 @@ def test_a_killed_two_rank_fsdp2_run_resumes_exactly(nla_run_inputs, tmp_path):
     whole, split = tmp_path / "whole", tmp_path / "split"
 
     def command(save_dir: Path) -> list[str]:
-        settings = dp._settings(nla_run_inputs, save_dir, num_steps=3, save_every=2, eval_every=0,
+        settings = dp._settings(nla_run_inputs, save_dir, num_steps=3, save_every=2, eval_every=2, eval_n_prompts=3,
                                 sharding="fsdp2")
         return [sys.executable, "-m", "nla_shell.cli", "train", "--nproc", "2", *settings]
 
@@ -128,7 +128,8 @@ def test_a_killed_two_rank_fsdp2_run_resumes_exactly(nla_run_inputs, tmp_path):
     out = dp._run_job(command(split))
     assert "[resume]" in out and "at step 2" in out
     assert dp._metrics(whole) == dp._metrics(split)
-    assert [line["step"] for line in dp._metrics(split)] == [0, 1, 2]
+    assert [line["step"] for line in dp._metrics(split)] == [0, 1, 2] and "eval/fve" in dp._metrics(split)[2]
+    assert (whole / "samples.jsonl").read_text() == (split / "samples.jsonl").read_text()
     for name, value in dp._tensors(whole / "step_000003" / "adapter").items():
         assert torch.equal(value, dp._tensors(split / "step_000003" / "adapter")[name]), name
 
@@ -181,7 +182,7 @@ def test_sharded_units_on_two_ranks_give_the_whole_models_results(nla_run_inputs
 @pytest.mark.parametrize("ranks, keys, named", [
     (1, ["engine=native"], ["engine=native"]),
     (1, ["quant=4bit", "compile_blocks=true"], ["quant=4bit", "compile_blocks=true"]),
-    (2, ["eval_every=2", "dynamic_sampling=true"], ["eval_every=2", "dynamic_sampling=true"]),
+    (2, ["critic_ema=0.9", "dynamic_sampling=true"], ["critic_ema=0.9", "dynamic_sampling=true"]),
 ])
 def test_what_fsdp2_cannot_serve_is_refused_in_one_line_and_nothing_is_written(
         nla_run_inputs, tmp_path, monkeypatch, capsys, ranks, keys, named):

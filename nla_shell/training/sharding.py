@@ -25,6 +25,7 @@ loads (`shard_optimizer_state`).
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,7 @@ import torch
 
 from nla_shell import families
 from nla_shell.io.config import ConfigError
-from nla_shell.models.common import sharded_over_ranks
+from nla_shell.models.common import AR_META_FILE, is_ar_lora_dir, sharded_over_ranks
 from nla_shell.training import distributed
 
 # --------------------------------------------------------------------------- what it can serve
@@ -44,10 +45,14 @@ def unservable(cfg: Any, world_size: int) -> list[str]:
         return []
     found = []
     if cfg.engine != "hf":
-        found.append(f"engine={cfg.engine} (needs the whole actor: the native engine reads it directly, vLLM's push "
-                     "of a sharded actor is not built; use engine=hf)")
+        found.append(f"engine={cfg.engine} (the native engine reads the whole actor directly; no vLLM engine has "
+                     "received a sharded actor's streamed push; use engine=hf)")
     if cfg.quant != "none":
         found.append(f"quant={cfg.quant} (FSDP2 does not shard bitsandbytes' packed weights)")
+    if is_ar_lora_dir(cfg.ar_ckpt) and (ar_quant := json.loads((Path(cfg.ar_ckpt) / AR_META_FILE).read_text())
+                                        .get("quant", "none")) != "none":
+        found.append(f"ar_ckpt={cfg.ar_ckpt} (an AR-LoRA trained on a {ar_quant} backbone, which it reloads "
+                     "quantised; FSDP2 does not shard bitsandbytes' packed weights)")
     if cfg.fp8:
         found.append(f"fp8={','.join(cfg.fp8)} (the FP8 copies are made of whole weights)")
     if cfg.compile_blocks:
@@ -70,7 +75,7 @@ def check_supported(cfg: Any, world_size: int) -> None:
         )
 
 
-# --------------------------------------------------------------------------- sharding the actor
+# --------------------------------------------------------------------------- sharding the models
 
 
 def _fully_shard(modules: list[torch.nn.Module], *, ignored: set[torch.nn.Parameter] | None = None) -> None:

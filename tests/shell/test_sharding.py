@@ -7,6 +7,7 @@ depend only on the request), run through that file's script entry point.
 
 from __future__ import annotations
 
+import json
 import math
 import shutil
 import sys
@@ -181,6 +182,7 @@ def test_sharded_units_on_two_ranks_give_the_whole_models_results(nla_run_inputs
 
 @pytest.mark.parametrize("ranks, keys, named", [
     (1, ["engine=native"], ["engine=native"]),
+    (1, ["ar_ckpt=QUANTISED_AR"], ["ar_ckpt=QUANTISED_AR (an AR-LoRA trained on a 4bit backbone"]),
     (1, ["quant=4bit", "compile_blocks=true"], ["quant=4bit", "compile_blocks=true"]),
     (2, ["critic_ema=0.9", "dynamic_sampling=true"], ["critic_ema=0.9", "dynamic_sampling=true"]),
 ])
@@ -190,6 +192,11 @@ def test_what_fsdp2_cannot_serve_is_refused_in_one_line_and_nothing_is_written(
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("LOCAL_RANK", "0")
     save_dir = tmp_path / "run"
+    quantised_ar = tmp_path / "ar_lora"  # what an AR-LoRA trained on a 4-bit backbone records
+    quantised_ar.mkdir()
+    (quantised_ar / "ar_meta.json").write_text(json.dumps({"quant": "4bit"}))
+    keys = [key.replace("QUANTISED_AR", str(quantised_ar)) for key in keys]
+    named = [key.replace("QUANTISED_AR", str(quantised_ar)) for key in named]
     assert cli.main(["train", *dp._settings(nla_run_inputs, save_dir, batch_prompts=4), "sharding=fsdp2",
                      *keys]) == 2
     err = capsys.readouterr().err.strip()

@@ -18,8 +18,8 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import memory_model  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from nla_shell.training import memory as memory_model  # noqa: E402
 
 PHASES = ("rollout", "score", "update", "critic")
 MEMORY_PHASES = {"rollout": "rollout", "score": "critic", "update": "update"}
@@ -31,13 +31,15 @@ def settings_of(run: dict, prompts: int, group: int, path: str | None = None) ->
     AdamW8bit when it used it, the FP8 copies of an FP8 path)."""
     s = run["settings"]
     path = path or s["paths"][0]
-    fp8 = s.get("fp8", []) if path in ("after_fp8", "after_all_fp8") else []
+    # A path names its switches: after_all[_fp8[_backward]][+best], after_bf16, after_fp8 (bench_step's --paths).
+    fp8 = s.get("fp8", []) if "_fp8" in path else []
     return dataclasses.replace(
         memory_model.Settings(), prompts=prompts, group=group, prompt_len=s["prompt_len"], new_tokens=s["new_tokens"],
         micro_batch=s["micro_batch"], critic_micro_batch=s["critic_micro_batch"], critic=s["critic"],
         adamw8bit=run.get("optimizers", {}).get("actor") == "AdamW8bit",
-        bf16_autocast=path in ("after_bf16", "after_all", "after_all_fp8"),
+        bf16_autocast=path.startswith(("after_bf16", "after_all")),
         fp8_actor=bool({"reference", "update"} & set(fp8)), fp8_score="score" in fp8,
+        fp8_backward="_backward" in path,
         ar_lora=s.get("ar_lora", False), vllm_gpu_mem=s["vllm_gpu_mem"], vllm_sleep=s["vllm_sleep"],
         vllm_max_seqs=s["vllm_max_seqs"] or memory_model.Settings.vllm_max_seqs)
 

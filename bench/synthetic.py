@@ -17,26 +17,10 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-# The Qwen3 dense models' geometries, as their published Hugging Face config.json files give them
-# (Qwen/Qwen3-*/config.json; the 4B, 8B, 14B and 32B files verbatim in citsjtu2020/LLM-Prof,
-# sglang/Model_Config.md; 0.6B's verbatim in a stored copy of its model page; 0.6B and 1.7B's
-# widths and depths also in marin-community/marin, experiments/qwen3.py). All share the vocabulary,
-# head_dim 128 and 8 KV heads; the three smallest tie the LM head to the embeddings.
-_QWEN3 = dict(vocab_size=151936, head_dim=128, num_key_value_heads=8)
-QWEN3_SHAPES: dict[str, dict[str, Any]] = {
-    "0.6b": dict(_QWEN3, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
-                 tie_word_embeddings=True),
-    "1.7b": dict(_QWEN3, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
-                 tie_word_embeddings=True),
-    "4b": dict(_QWEN3, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
-               tie_word_embeddings=True),
-    "8b": dict(_QWEN3, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
-               tie_word_embeddings=False),
-    "14b": dict(_QWEN3, hidden_size=5120, intermediate_size=17408, num_hidden_layers=40, num_attention_heads=40,
-                tie_word_embeddings=False),
-    "32b": dict(_QWEN3, hidden_size=5120, intermediate_size=25600, num_hidden_layers=64, num_attention_heads=64,
-                tie_word_embeddings=False),
-}
+# The Qwen3 geometries live with the memory model that reads them (nla_shell.training.memory).
+from nla_shell.training import memory  # noqa: E402
+
+QWEN3_SHAPES = memory.QWEN3_SHAPES
 QWEN3_8B = QWEN3_SHAPES["8b"]
 """The Qwen3-8B geometry (the benchmarks' default)."""
 TINY = dict(
@@ -61,7 +45,7 @@ def bench_shape(name: str, *, tiny: bool = False) -> dict[str, Any]:
 def ar_extraction_layer(name: str, *, tiny: bool = False) -> int:
     """The AR's extraction layer for --shape `name`: two thirds of the depth (8B: 24 of 36, the layer
     every 8B benchmark so far used); the tiny geometry's 3 blocks keep layer 1."""
-    return 1 if tiny else round(2 * QWEN3_SHAPES[name]["num_hidden_layers"] / 3)
+    return 1 if tiny else memory.ar_extraction_layer(name)
 
 
 def qwen3_config(shape: dict[str, Any], *, vocab_size: int, num_layers: int | None = None):

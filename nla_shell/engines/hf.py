@@ -13,6 +13,7 @@ import torch
 from nla_shell import families
 from nla_shell.engines.base import Rollout, RolloutRequest
 from nla_shell.models import Injector, eos_token_ids, inner_lm
+from nla_shell.models.common import sharded_over_ranks
 
 
 def left_pad(sequences: Sequence[Sequence[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,6 +67,9 @@ class HFRolloutEngine:
             return_dict_in_generate=True,
             output_logits=True,
         )
+        self.lockstep = sharded_over_ranks(actor)
+        """Every rank's generate runs until the last rank's ends (HF's synced_gpus): each forward of an FSDP2-sharded
+        actor (sharding=fsdp2) gathers its blocks from every rank."""
         self.greedy = greedy
         """Argmax decoding for reading explanations (`nla explain --greedy`, settable between calls); never
         for training, whose importance ratios assume samples from the softmax."""
@@ -103,6 +107,7 @@ class HFRolloutEngine:
                     input_ids=ids,
                     attention_mask=mask,
                     generation_config=GenerationConfig(**self._generation(), max_new_tokens=max_new_tokens),
+                    synced_gpus=self.lockstep,
                 )
         finally:
             lm.train(was_training)

@@ -3,6 +3,11 @@
 The actor's base weights are never written: each adapted weight is merged into a new
 tensor with `nla_core.merge_lora_weight` (float32 accumulate, one rounding), so repeated
 syncs cannot drift them the way an in-place bf16 merge/unmerge does.
+
+An actor sharded by FSDP2 (sharding=fsdp2) streams the same way: each bucket (one decoder
+block) is gathered whole as it is handed out, merged, and freed once the engine has it, so
+the push never holds more than one block whole. The gathers are collectives: every rank
+iterates the buckets together.
 """
 
 from __future__ import annotations
@@ -39,10 +44,10 @@ def merged_weight(module: nn.Module) -> torch.Tensor:
             "the actor's adapter is merged into its base weights; unmerge it before a sync "
             "(the sync merges out of place itself)"
         )
-    weight = module.get_base_layer().weight
+    weight = _whole(module.get_base_layer().weight)
     if module.disable_adapters:
-        return weight.detach()
-    merged = weight.detach()
+        return weight
+    merged = weight
     for adapter in module.active_adapters:
         if adapter in getattr(module, "lora_embedding_A", {}):
             raise NotImplementedError(f"embedding LoRA ({adapter!r}) is not supported by the weight sync")
@@ -54,8 +59,8 @@ def merged_weight(module: nn.Module) -> torch.Tensor:
             raise NotImplementedError("fan_in_fan_out LoRA layers are not supported by the weight sync")
         merged = nla_core.merge_lora_weight(
             merged,
-            module.lora_A[adapter].weight.detach(),
-            module.lora_B[adapter].weight.detach(),
+            _whole(module.lora_A[adapter].weight),
+            _whole(module.lora_B[adapter].weight),
             scaling=float(module.scaling[adapter]),
         )
     return merged
@@ -95,11 +100,21 @@ def merged_weight_buckets(peft_model: nn.Module, *, device: torch.device | str |
     return list(iter_merged_weight_buckets(peft_model, device=device))
 
 
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor detached; a DTensor (an FSDP2 shard) gathered whole first (a collective)."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.full_tensor().detach() if isinstance(tensor, DTensor) else tensor.detach()
+
+
 def _materialise(layer: nn.Module | None, tensor: torch.Tensor, device: torch.device | str | None) -> torch.Tensor:
     """The value to push for one state-dict tensor: merged when `layer` adapts it."""
-    value = merged_weight(layer) if layer is not None else tensor.detach()
+    from torch.distributed.tensor import DTensor
+
+    value = merged_weight(layer) if layer is not None else _whole(tensor)
     if device is None:
         return value
     moved = value.to(device)
-    # .to() hands back the model's own storage when it is already on `device`: copy it.
-    return moved.clone() if moved.data_ptr() == tensor.data_ptr() else moved
+    # .to() hands back the model's own storage when it is already on `device` (a one-rank gather too): copy it.
+    own = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return moved.clone() if moved.data_ptr() == own.data_ptr() else moved

@@ -106,6 +106,15 @@ class TrainConfig:
     on purpose: EasyNLA measured ~12 pp FVE lost by a fresh zero-init LoRA. Ignored for a full checkpoint."""
     gradient_checkpointing: bool = False
     """Recompute actor activations in backward (less memory, about 30% more compute)."""
+    sharding: Literal["ddp", "fsdp2"] = "ddp"
+    """How `nla train --nproc N` lays the models out over the ranks. "ddp": every rank holds the whole actor and
+    critic and the ranks sum their gradients. "fsdp2": torch FSDP2 shards each decoder block of the actor (frozen
+    base and LoRA) and of the critic over the ranks and gathers one block at a time, forward and backward
+    (nla_shell.training.sharding). Same arithmetic: one rank of fsdp2 gives the unsharded run's numbers; a ddp run
+    may resume under fsdp2 (an fsdp2 checkpoint's optimiser moments are sharded: it resumes under fsdp2 only).
+    fsdp2 serves engine=hf without quant, fp8, compile_blocks or critic_ema, and with several ranks no dynamic
+    sampling; other settings are refused at start (docs/training.md). An nla addition (kitft's trainer shards with
+    FSDP2)."""
     bf16_autocast: bool = False
     """Run the actor's decoder blocks under torch.autocast(bfloat16) in every forward (update,
     reference, native/HF rollouts): the float32 LoRA factors then enter bf16 matrix products
@@ -381,7 +390,7 @@ RESUME_MUTABLE_KEYS: frozenset[str] = frozenset(
         # Memory/speed knobs: mathematically neutral (not bit-exact: summation order moves).
         "logp_micro_batch", "logp_prompt_block", "critic_micro_batch", "gradient_checkpointing", "compile_blocks",
         "vllm_gpu_mem", "vllm_max_len", "vllm_tp", "vllm_sleep", "vllm_prefix_caching", "vllm_max_seqs",
-        "vllm_kv_cache_gib", "ref_micro_batch",
+        "vllm_kv_cache_gib", "ref_micro_batch", "sharding",
         # A safety policy, not arithmetic.
         "vllm_canary",
     }

@@ -58,6 +58,14 @@ def lora_config(r: int, alpha: int, *, use_rslora: bool, targets: Sequence[str])
 def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
 
+
+def sharded_over_ranks(model: nn.Module) -> bool:
+    """True when FSDP2 shards `model` (sharding=fsdp2) over more than one rank: each of its forwards is then a
+    collective, which every rank must run."""
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) and p.device_mesh.size() > 1 for p in model.parameters())
+
 def pad_right(
     sequences: Sequence[Sequence[int] | torch.Tensor], pad_id: int, device: torch.device, *, min_width: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:

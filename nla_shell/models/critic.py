@@ -3,6 +3,7 @@ bypassed, and a float32 `Linear(D, D)` value head on the normalised last-token h
 
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -209,27 +210,49 @@ class ARModel(nn.Module):
                 yield f"backbone.{name}", p
         yield "value_head.weight", self.value_head.weight
 
-    def save_pretrained(self, path: str | Path) -> None:
+    @contextlib.contextmanager
+    def final_norm_restored(self) -> Iterator[None]:
+        """The backbone's final norm in place, as a plain checkpoint holds it, for the duration."""
+        identity = families.final_norm(self.lm)
+        families.set_final_norm(self.lm, self._final_norm)
+        try:
+            yield
+        finally:
+            families.set_final_norm(self.lm, identity)
+
+    def saved_tensors(self) -> dict[str, torch.Tensor]:
+        """What `save_pretrained` writes, by name: an AR-LoRA's LoRA and value head (`_ar_lora_tensors`' names);
+        else the backbone's state dict with its final norm in place and VALUE_HEAD_FILE's "weight" as
+        "value_head.weight"."""
+        if self.lora is not None:
+            return dict(self._ar_lora_tensors())
+        with self.final_norm_restored():
+            tensors = dict(self.lm.state_dict())
+        return {**tensors, "value_head.weight": self.value_head.weight}
+
+    def save_pretrained(self, path: str | Path, *, tensors: dict[str, torch.Tensor] | None = None) -> None:
         """A plain HF causal-LM checkpoint of the truncated backbone + value_head.safetensors; with a
         LoRA, EasyNLA's AR-LoRA layout instead (the frozen backbone is not saved): AR_LORA_FILE and
-        AR_META_FILE, whose base_model_name_or_path and use_rslora keys are nla's additions."""
+        AR_META_FILE, whose base_model_name_or_path and use_rslora keys are nla's additions.
+
+        tensors: `saved_tensors` gathered whole elsewhere (sharding=fsdp2 shards the AR's own), written instead.
+        """
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         if self.lora is not None:
-            save_file({name: t.detach().float().cpu().contiguous() for name, t in self._ar_lora_tensors()},
+            save_file({name: t.detach().float().cpu().contiguous()
+                       for name, t in (tensors or dict(self._ar_lora_tensors())).items()},
                       str(path / AR_LORA_FILE))
             meta = {"ar_num_layers": self.num_layers, "lora_r": self.lora.r, "lora_alpha": self.lora.alpha,
                     "quant": self.lora.quant, "target_modules": list(self.lora.targets), "final_norm_stripped": True,
                     "base_model_name_or_path": self.lora.base_model, "use_rslora": self.lora.use_rslora}
             (path / AR_META_FILE).write_text(json.dumps(meta, indent=2))
             return
-        identity = families.final_norm(self.lm)
-        families.set_final_norm(self.lm, self._final_norm)
-        try:
-            self.lm.save_pretrained(path)
-        finally:
-            families.set_final_norm(self.lm, identity)
-        save_file({"weight": self.value_head.weight.detach().float().cpu().contiguous()}, str(path / VALUE_HEAD_FILE))
+        lm_tensors = None if tensors is None else {k: v for k, v in tensors.items() if k != "value_head.weight"}
+        with self.final_norm_restored():
+            self.lm.save_pretrained(path, **({} if lm_tensors is None else {"state_dict": lm_tensors}))
+        head = self.value_head.weight if tensors is None else tensors["value_head.weight"]
+        save_file({"weight": head.detach().float().cpu().contiguous()}, str(path / VALUE_HEAD_FILE))
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, right_padded: bool = False) -> torch.Tensor:
         """Args: input_ids, attention_mask: [B, S] (any padding side); right_padded: every row's padding (if any)

@@ -45,8 +45,10 @@ COMPLETE = "COMPLETE"
 MANIFEST_NAME = "MANIFEST.json"
 CONFIG_NAME = "config.yaml"
 TRAINING_STATE_NAME = "training_state.pt"
+OPTIMIZER_SHARDS_NAME = "optimizer_shards"
+"""A sharding=fsdp2 checkpoint's optimiser moments: torch Distributed Checkpoint's files, every rank's shard."""
 _STEP_DIR = re.compile(r"step_(\d+)")
-_STALE = re.compile(r"\.(tmp|old|deleting)_(step_\d+)")
+_STALE = re.compile(r"\.(tmp|old|deleting|shards)_(step_\d+)")
 _HASH_CHUNK = 8 * 2**20
 _UNSET = object()  # a config key absent from one side of a comparison
 
@@ -114,6 +116,14 @@ def save_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return final
+
+
+def shards_dir(save_dir: str | os.PathLike[str], step: int) -> Path:
+    """Where every rank writes its shard of the checkpoint after `step` steps, before rank 0's `save_checkpoint`
+    moves the directory into the checkpoint (as OPTIMIZER_SHARDS_NAME): hashed, made complete and renamed with the
+    rest. A run killed in between leaves it to `remove_stale_entries`."""
+    final = checkpoint_dir(save_dir, step)
+    return final.with_name(f".shards_{final.name}")
 
 
 def describe_error(error: BaseException) -> str:
@@ -275,8 +285,8 @@ def remove_stale_entries(save_dir: str | os.PathLike[str]) -> None:
 
     A `.old_step_N` whose `step_N` is missing was moved aside by a re-save killed between
     its two renames: it is a whole checkpoint and goes back into place. Every other
-    `.tmp_*` / `.old_*` / `.deleting_*` step dir is an unfinished save, replace or prune,
-    and is deleted.
+    `.tmp_*` / `.old_*` / `.deleting_*` / `.shards_*` step dir is an unfinished save, replace
+    or prune, and is deleted.
     """
     save_dir = Path(save_dir)
     if not save_dir.is_dir():

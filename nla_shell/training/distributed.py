@@ -73,21 +73,25 @@ def is_main() -> bool:
 
 
 @contextlib.contextmanager
-def process_group(info: RankInfo, device: torch.device) -> Iterator[None]:
+def process_group(info: RankInfo, device: torch.device, *, single: bool = False) -> Iterator[None]:
     """Join the job's process group for the duration (NCCL on CUDA, gloo on CPU).
 
-    Nothing happens for a world of one, or when the caller already set a group up (then
-    the caller also tears it down).
+    Nothing happens for a world of one (unless `single`: a group of this one process, for
+    FSDP2, which needs a group even when it shards over one rank), or when the caller
+    already set a group up (then the caller also tears it down).
     """
-    owned = info.world_size > 1 and not dist.is_initialized()
+    owned = (info.world_size > 1 or single) and not dist.is_initialized()
     if owned:
         if device.type == "cuda":
             torch.cuda.set_device(device)
+        # One process needs no rendezvous (and may run outside torchrun): an in-memory store.
+        store = {"store": dist.HashStore()} if info.world_size == 1 else {}
         dist.init_process_group(
             backend="nccl" if device.type == "cuda" else "gloo",
             rank=info.rank,
             world_size=info.world_size,
             timeout=TIMEOUT,
+            **store,
             **({"device_id": device} if device.type == "cuda" else {}),
         )
     try:
@@ -213,12 +217,17 @@ def all_reduce_grads(params: Iterable[torch.nn.Parameter]) -> float:
     rank must pass the same parameters in the same order; one without a gradient on this
     rank (no samples reached it) contributes zeros. Gradients travel in flat buckets of
     about BUCKET_BYTES, one all_reduce each. On CUDA the time includes a synchronisation
-    before and after, so it measures the collective itself.
+    before and after, so it measures the collective itself. Parameters FSDP2 shards
+    (DTensors, sharding=fsdp2) are skipped: their backward already summed their gradients.
     """
     if not active():
         return 0.0
+    from torch.distributed.tensor import DTensor
+
     grads = []
     for p in params:
+        if isinstance(p, DTensor):
+            continue
         if p.grad is None:
             p.grad = torch.zeros_like(p)
         grads.append(p.grad)

@@ -41,8 +41,11 @@ def resolve_device(device: str, dtype: str, rank: RankInfo = RankInfo()) -> tupl
 
 
 def make_optimizer(params: list[torch.nn.Parameter], lr: float, *, device: torch.device, label: str) -> torch.optim.Optimizer:
-    """8-bit AdamW (bitsandbytes) on CUDA when installed, else torch AdamW; says which."""
-    if device.type == "cuda":
+    """8-bit AdamW (bitsandbytes) on CUDA when installed, else torch AdamW; says which. Parameters FSDP2 shards
+    (sharding=fsdp2) take torch AdamW: bitsandbytes' kernels take whole tensors, not DTensors."""
+    from torch.distributed.tensor import DTensor
+
+    if device.type == "cuda" and not any(isinstance(p, DTensor) for p in params):
         try:
             import bitsandbytes as bnb
 

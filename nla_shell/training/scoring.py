@@ -10,7 +10,7 @@ from typing import NamedTuple, Sequence
 import torch
 
 import nla_core
-from nla_shell.training import distributed
+from nla_shell.training import distributed, sharding
 from nla_shell.engines.base import Rollout
 from nla_shell.models import ARModel, ar_predict, pad_right, trainable_parameters
 
@@ -41,9 +41,11 @@ def ar_predictions(ar: ARModel, inputs: Sequence[list[int] | None], *, pad_id: i
     """[N, D] float32 AR predictions on the CPU for N AR inputs (`ar_token_ids`); NaN rows where an input is None."""
     keep = [i for i, ids in enumerate(inputs) if ids is not None]
     out = torch.full((len(inputs), ar.value_head.in_features), math.nan)
+    spare = sharding.spare_forwards(ar, math.ceil(len(keep) / micro_batch))  # sharding=fsdp2: ranks in lockstep
     if keep:
         out[keep] = ar_predict(ar, [inputs[i] for i in keep], pad_id=pad_id, micro_batch=micro_batch,
                                device=ar.value_head.weight.device).cpu()
+    sharding.idle_forwards(ar, spare, pad_id=pad_id, grad=False)
     return out
 
 
@@ -196,12 +198,14 @@ def critic_step(
     optimizer.zero_grad(set_to_none=True)
     device = ar.value_head.weight.device
     total = 0.0
+    spare = sharding.spare_forwards(ar, math.ceil(len(ar_inputs) / micro_batch))
     for start in range(0, len(ar_inputs), micro_batch):
         ids, mask = pad_right(ar_inputs[start : start + micro_batch], pad_id, device)
         gold = golds[start : start + micro_batch].to(device)
         loss = nla_core.reconstruction_mse(ar(ids, mask, right_padded=True), gold.float(), scale=ar.mse_scale).sum() / n
         loss.backward()
         total += float(loss.detach())
+    sharding.idle_forwards(ar, spare, pad_id=pad_id, grad=True)
     params = trainable_parameters(ar)
     distributed.all_reduce_grads(params)
     (total,) = distributed.all_reduce_sum([total])
@@ -295,6 +299,7 @@ def score_and_train_critic(
     timer = DeviceTimer(device)
     optimizer.zero_grad(set_to_none=True)
     mse_kept = torch.zeros(len(keep), device=device)
+    spare = sharding.spare_forwards(ar, math.ceil(len(keep) / micro_batch))
     for start in range(0, len(keep), micro_batch):
         rows = keep[start : start + micro_batch]
         ids, mask = pad_right([inputs[i] for i in rows], tokenizer.pad_token_id, device)
@@ -303,6 +308,8 @@ def score_and_train_critic(
         with timer:
             mse.sum().backward()
         mse_kept[start : start + len(rows)] = mse.detach()
+    with timer:
+        sharding.idle_forwards(ar, spare, pad_id=tokenizer.pad_token_id, grad=True)
     mse_all = torch.full((len(inputs),), math.nan)
     mse_all[keep] = mse_kept.cpu()
     scores = _scores(inputs, mse_all, reward_kind)

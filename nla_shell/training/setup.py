@@ -31,7 +31,7 @@ from nla_shell.models import (
     is_adapter_dir, load_actor, require_fp8, trainable_parameters,
 )
 from nla_shell.training import checkpoint as ckpt
-from nla_shell.training import distributed, sampling
+from nla_shell.training import distributed, sampling, sharding
 from nla_shell.training.canary import CanaryWatch
 from nla_shell.training.distributed import RankInfo
 from nla_shell.training.memory import resolve_micro_batches
@@ -238,6 +238,11 @@ class RunState:
     """The latest step's metrics (with "step"): the checkpoint keeps its eval/fve for keep_last."""
 
     @property
+    def optimized(self) -> sharding.Optimized:
+        """The optimisers a checkpoint holds, by name, each with the model it steps."""
+        return optimized(self.actor, self.optimizer, self.critic, self.critic_optimizer)
+
+    @property
     def eval_on(self) -> bool:
         return bool(self.eval_rows)
 
@@ -301,7 +306,8 @@ def setup(cfg: TrainConfig, rank: RankInfo, device: torch.device, dtype: torch.d
 
     # The data order is global: every rank draws the same batch, then takes its share.
     order = DataOrder(len(rows), cfg.seed)
-    start_step, skipped_steps = resume_progress(cfg, rank, order, optimizer, critic_optimizer, resume_from)
+    start_step, skipped_steps = resume_progress(cfg, rank, order, optimized(actor, optimizer, critic, critic_optimizer),
+                                                resume_from)
     cfg, config_dict = choose_micro_batches(cfg, rank, actor, resume_from, device=device, dtype=dtype,
                                             tokens=max(map(len, prompt_ids)) + cfg.max_new_tokens)
     logger = (
@@ -387,6 +393,10 @@ def load_models(cfg: TrainConfig, nla: nla_core.NLAConfig, critic: ARModel, resu
         CompiledBlockParts(actor)
         CompiledBlockParts(critic.lm)
     distributed.broadcast_parameters(trainable_parameters(actor))
+    if cfg.sharding == "fsdp2":
+        blocks, critic_blocks = sharding.shard_actor(actor), sharding.shard_critic(critic)
+        say(f"[sharding] fsdp2: the actor's {blocks} decoder blocks (base and LoRA) and the critic's {critic_blocks} "
+            f"sharded over {torch.distributed.get_world_size()} rank(s)")
     return actor, injector, critic
 
 
@@ -430,8 +440,14 @@ def make_optimizers(cfg: TrainConfig, actor, critic: ARModel, resume_from: Path 
     return optimizer, critic_optimizer, critic_ema
 
 
-def resume_progress(cfg: TrainConfig, rank: RankInfo, order: DataOrder, optimizer: torch.optim.Optimizer,
-                    critic_optimizer: torch.optim.Optimizer | None, resume_from: Path | None) -> tuple[int, int]:
+def optimized(actor, optimizer: torch.optim.Optimizer, critic: ARModel,
+              critic_optimizer: torch.optim.Optimizer | None) -> sharding.Optimized:
+    """The run's optimisers by name ("actor", and "critic" when co-trained), each with the model it steps."""
+    return {"actor": (actor, optimizer), **({"critic": (critic, critic_optimizer)} if critic_optimizer else {})}
+
+
+def resume_progress(cfg: TrainConfig, rank: RankInfo, order: DataOrder, optimizers: sharding.Optimized,
+                    resume_from: Path | None) -> tuple[int, int]:
     """(start step, skipped steps): the checkpoint's, with its data cursor, optimiser moments and this
     rank's RNG stream restored; else the config's start, with one sampling RNG stream per rank."""
     if resume_from is None:
@@ -441,12 +457,27 @@ def resume_progress(cfg: TrainConfig, rank: RankInfo, order: DataOrder, optimize
         return cfg.start_step, 0
     state = ckpt.load_training_state(resume_from)
     order.epoch, order.offset = state.data_cursor["epoch"], state.data_cursor["offset"]
-    ckpt.restore_optimizer(optimizer, state, "actor", resume_from)
-    if critic_optimizer is not None:
-        ckpt.restore_optimizer(critic_optimizer, state, "critic", resume_from)
+    restore_optimizers(cfg, optimizers, state, resume_from)
     restore_rank_rng(state, rank, seed=cfg.seed, step=state.step)
     say(f"[resume] from {resume_from} at step {state.step}")
     return state.step, int(state.extra.get("skipped_steps", 0))
+
+
+def restore_optimizers(cfg: TrainConfig, optimizers: sharding.Optimized, state: ckpt.TrainingState,
+                       resume_from: Path) -> None:
+    """The checkpoint's optimiser moments: every rank's shard of a sharding=fsdp2 checkpoint's (which only fsdp2 can
+    read), or an unsharded checkpoint's whole moments (cut to this rank's shard under fsdp2)."""
+    shards = resume_from / ckpt.OPTIMIZER_SHARDS_NAME
+    if shards.is_dir():
+        if cfg.sharding != "fsdp2":
+            raise ckpt.CheckpointError(
+                f"checkpoint {resume_from} was saved under sharding=fsdp2 (its optimiser moments are sharded in "
+                f"{ckpt.OPTIMIZER_SHARDS_NAME}/); resume with sharding=fsdp2")
+        sharding.load_optimizer_shards(optimizers, shards)
+        return
+    for name, (_, optimizer) in optimizers.items():
+        ckpt.restore_optimizer(optimizer, state, name, resume_from)
+        sharding.shard_optimizer_state(optimizer)  # a no-op for whole parameters
 
 
 def choose_micro_batches(cfg: TrainConfig, rank: RankInfo, actor, resume_from: Path | None, *, device: torch.device,

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +42,7 @@ from nla_shell.metrics import fve_metrics, token_lengths
 from nla_shell.models import ARModel, base_model_dir, is_ar_lora_dir
 from nla_shell.quant import require_quant
 from nla_shell.training import checkpoint as ckpt
-from nla_shell.training import distributed, sampling
+from nla_shell.training import distributed, sampling, sharding
 from nla_shell.training.preemption import StopSignals, boundary_save_due
 from nla_shell.training.runlock import RunDirLock
 from nla_shell.training.scoring import score_explanations
@@ -73,6 +75,7 @@ def train(cfg: TrainConfig) -> Path:
     from transformers import AutoConfig
 
     rank = distributed.rank_info()
+    sharding.check_supported(cfg, rank.world_size)
     device, dtype = resolve_device(cfg.device, cfg.dtype, rank)
     families.require_engine(AutoConfig.from_pretrained(base_model_dir(cfg.av_ckpt)), cfg.engine)
     require_quant(cfg.quant, device, engine=cfg.engine, trains_ar_backbone=cfg.train_critic and not is_ar_lora_dir(cfg.ar_ckpt))
@@ -88,7 +91,7 @@ def train(cfg: TrainConfig) -> Path:
         require_vllm()  # before anything is written: say how to install it
     distributed.check_divisible("batch_prompts", cfg.batch_prompts, rank.world_size)
     # Rank 0 holds the run dir's lock for the whole run; a signal stops every rank at one step.
-    with distributed.process_group(rank, device), RunDirLock(cfg.save_dir), StopSignals(cfg.save_dir) as stop:
+    with distributed.process_group(rank, device, single=cfg.sharding == "fsdp2"), RunDirLock(cfg.save_dir), StopSignals(cfg.save_dir) as stop:
         return loop(setup(cfg, rank, device, dtype), stop)
 
 
@@ -99,6 +102,9 @@ def loop(state: RunState, stop: StopSignals) -> Path:
     Raises preemption.RunStopped when a signal stops it (after saving, if save_on_signal).
     """
     cfg, rank, device, save_dir = state.cfg, state.rank, state.device, state.save_dir
+    # Rank 0 evaluates alone, the others wait; under sharding=fsdp2 every rank runs the eval with it (each forward
+    # gathers blocks from every rank), and rank 0's is the one logged.
+    evaluates = rank.is_main or cfg.sharding == "fsdp2"
     bar = progress_bar(total=cfg.num_steps, initial=state.start_step, desc="train", unit="step", enabled=rank.is_main)
     for step in range(state.start_step, cfg.num_steps):
         # A signal ends the run here, between steps, on every rank at once.
@@ -112,9 +118,9 @@ def loop(state: RunState, stop: StopSignals) -> Path:
             record = train_step(state, step)
         except OutOfGPUMemory as err:  # the one-line error says where the run resumes from
             raise err.with_checkpoint(ckpt.latest_checkpoint(save_dir)) from err.__cause__
-        # The held-out eval (document-disjoint rows): rank 0 alone, the others wait.
+        # The held-out eval (document-disjoint rows).
         if state.eval_on and step % cfg.eval_every == 0:
-            if rank.is_main:
+            if evaluates:
                 record.update(held_out(state, step, state.logger))
             distributed.barrier()
         state.logger.log(step, record)
@@ -124,10 +130,10 @@ def loop(state: RunState, stop: StopSignals) -> Path:
             save(state, step + 1)
 
     # A held-out point at the final step (summary.json only; its own RNG, so resume stays exact).
-    # Decided from the step alone, so every rank takes the same branch (only rank 0's record holds eval keys).
+    # Decided from the step alone, so every rank takes the same branch (only rank 0's eval is written).
     final_eval, last = None, state.last_record
     if state.eval_on and last and last["step"] % cfg.eval_every != 0:
-        if rank.is_main:
+        if evaluates:
             with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
                 final_eval = {"step": last["step"], **held_out(state, last["step"], NullLogger())}
         distributed.barrier()
@@ -142,10 +148,16 @@ def loop(state: RunState, stop: StopSignals) -> Path:
 def save(state: RunState, step_done: int) -> None:
     """The checkpoint after `step_done` steps: adapter, critic (and its EMA), optimisers, data cursor, RNG.
 
-    Every rank calls this (gathering the RNG states is a collective); rank 0 writes.
+    Every rank calls this (gathering the RNG states is a collective; under sharding=fsdp2 so are gathering the
+    LoRA and the critic, and every rank writes its shard of the optimisers' moments); rank 0 writes the rest.
     """
     cfg, rank, save_dir = state.cfg, state.rank, state.save_dir
     rng_states = distributed.all_gather(ckpt.rng_state())
+    sharded = cfg.sharding == "fsdp2"
+    adapter = sharding.full_trainable_state(state.actor) if sharded else None
+    critic = sharding.full_critic_state(state.critic) if sharded and cfg.train_critic else None
+    shards = save_shards(state, step_done) if sharded else None
+    optimizers = {} if sharded else {name: o.state_dict() for name, (_, o) in state.optimized.items()}
     if not rank.is_main:
         return
     extra: dict[str, Any] = {"skipped_steps": state.skipped_steps}
@@ -153,16 +165,15 @@ def save(state: RunState, step_done: int) -> None:
         extra["rank_rng"] = rng_states
 
     def write(tmp: Path) -> None:
-        state.actor.save_pretrained(tmp / "adapter", selected_adapters=["default"])
+        state.actor.save_pretrained(tmp / "adapter", selected_adapters=["default"], state_dict=adapter)
         write_sidecar(sidecar_for(state, "av"), tmp / "adapter" / MODEL_SIDECAR)
         if cfg.train_critic:
-            state.critic.save_pretrained(tmp / "critic")
+            state.critic.save_pretrained(tmp / "critic", tensors=critic)
             if state.critic_ema is not None:
                 save_file(state.critic_ema.state_dict(), str(tmp / CRITIC_EMA_FILE))
             write_sidecar(sidecar_for(state, "ar"), tmp / "critic" / MODEL_SIDECAR)
-        optimizers = {"actor": state.optimizer.state_dict()}
-        if state.critic_optimizer is not None:
-            optimizers["critic"] = state.critic_optimizer.state_dict()
+        if shards is not None:
+            os.replace(shards, tmp / ckpt.OPTIMIZER_SHARDS_NAME)
         ckpt.save_training_state(
             tmp, step=step_done, data_cursor=state.order.state(), optimizer_states=optimizers,
             rng=rng_states[0], extra=extra,
@@ -178,6 +189,21 @@ def save(state: RunState, step_done: int) -> None:
             say(f"[save] pruned {pruned.name} (keep_last={cfg.keep_last})")
 
 
+def save_shards(state: RunState, step_done: int) -> Path:
+    """Every rank's shard of the optimisers' moments (sharding=fsdp2), in the directory that rank 0's save then
+    takes into the checkpoint."""
+    directory = ckpt.shards_dir(state.save_dir, step_done)
+
+    def fresh() -> None:
+        shutil.rmtree(directory, ignore_errors=True)  # left by a run killed mid-save
+        directory.mkdir()
+
+    distributed.on_main(fresh)
+    sharding.save_optimizer_shards(state.optimized, directory)
+    distributed.barrier()
+    return directory
+
+
 def sidecar_for(state: RunState, role: str) -> dict[str, Any]:
     """The nla_meta.yaml a checkpoint's AV ("av") or AR ("ar") carries."""
     cfg = state.cfg
@@ -187,7 +213,8 @@ def sidecar_for(state: RunState, role: str) -> dict[str, Any]:
 
 
 def held_out(state: RunState, step: int, step_logger) -> dict[str, float]:
-    """The held-out eval at `step` (rank 0 only), scored with the critic's EMA when there is one."""
+    """The held-out eval at `step` (rank 0; every rank under sharding=fsdp2), scored with the critic's EMA when
+    there is one."""
     cfg = state.cfg
     with sampling.scoring_weights(state.critic_ema):
         return evaluate_rows(

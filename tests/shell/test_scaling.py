@@ -1,4 +1,5 @@
-"""bench/memory_model.py (the analytical memory estimate), bench/scaling_table.py (its table beside
+"""The memory model (nla_shell.training.memory: one GPU, and per GPU under sharding=fsdp2), its check against
+every measured phase in bench/results (bench/memory_model.py --check), bench/scaling_table.py (its table beside
 bench_step's JSONs) and bench_step's --shape on the tiny, tied geometry."""
 
 from __future__ import annotations
@@ -14,9 +15,11 @@ from hypothesis import given, settings, strategies as st
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT / "bench")]
 
-import memory_model  # noqa: E402
+import memory_model as driver  # noqa: E402
 import scaling_table  # noqa: E402
 import synthetic  # noqa: E402
+
+from nla_shell.training import memory as memory_model  # noqa: E402
 
 SHAPES = list(synthetic.QWEN3_SHAPES)
 batches = st.sampled_from([(32, 8), (64, 8), (128, 8), (256, 8)])
@@ -210,3 +213,73 @@ def test_an_ar_lora_critic_counts_two_forwards_a_trained_backbone_three():
     lora = bench_step.path_flops(config, rollouts, **common, critic_trains_backbone=False)
     assert full["score"] > 0 and full["critic"] == 3 * full["score"] and lora["critic"] == 2 * lora["score"]
     assert {k: v for k, v in full.items() if k != "critic"} == {k: v for k, v in lora.items() if k != "critic"}
+
+
+# --------------------------------------------------------------------------- the check against bench/results
+
+
+def test_every_measured_phase_is_compared_with_the_fitted_runs_apart():
+    """Every bench_step case's rollout / score / update memory in bench/results is beside its estimate; run AA's
+    rollout phases (the term fitted to them) stay within 1.5 GiB, and the held-out phases are reported apart."""
+    found = driver.comparisons()
+    measured = 0
+    for path in (ROOT / "bench" / "results").rglob("*.json"):
+        run = json.loads(path.read_text())
+        if isinstance(run, dict) and isinstance(run.get("settings"), dict) and run["settings"].get("shape"):
+            measured += sum(p in c.get("phases", {}) for c in run.get("cases", []) for p in ("rollout", "score", "update"))
+    assert len(found) == measured > 50
+    fitted = [c for c in found if c.fitted]
+    held_out = [c for c in found if not c.fitted]
+    assert {(c.run, c.phase) for c in fitted} == {("scaling_2026-12-01", "rollout")} and len(fitted) == 8
+    assert all(abs(c.error_gib) < 1.5 for c in fitted), fitted
+    # Held out, the estimate misses by more (docs/training.md states the range); it is never far below a measurement.
+    assert min(c.error_gib for c in held_out) > -6.0
+    text = driver.check_table(found)
+    assert text.index("**fitted") < text.index(f"**held out**: {len(held_out)} phases")
+
+
+def test_auto_reads_the_same_sequence_estimate_as_the_step_model():
+    """One model: the activations `auto` sizes micro-batches by are the update phase's of the step estimate."""
+    s = memory_model.Settings(prompts=64, group=8, micro_batch=16)
+    e = memory_model.estimate("8b", s)
+    config = type("C", (), memory_model.QWEN3_SHAPES["8b"])
+    tokens = s.new_tokens + math.ceil(s.prompt_len / s.group)
+    per_sequence = memory_model.sequence_bytes(config, tokens, grad=True, dtype_bytes=2, lora_bytes=2)
+    assert math.isclose(e.phases["update"]["policy activations"] * memory_model.GIB, 16 * per_sequence)
+
+
+# --------------------------------------------------------------------------- per GPU under sharding=fsdp2
+
+
+FSDP2_SHAPES = ["8b", "14b", "32b", "llama-3.3-70b"]
+
+
+@settings(max_examples=30, deadline=None)
+@given(shape=st.sampled_from(FSDP2_SHAPES), case=batches)
+def test_fsdp2_shards_the_actor_and_its_lora_by_the_gpu_count(shape, case):
+    s = memory_model.Settings(prompts=case[0], group=case[1])
+    one, two, eight = (memory_model.fsdp2_estimate(shape, n, s) for n in (1, 2, 8))
+    for key in ("actor blocks (1/N)", "LoRA + moments (1/N)"):
+        assert math.isclose(one.resident[key], 2 * two.resident[key]) and math.isclose(one.resident[key], 8 * eight.resident[key])
+    assert math.isclose(one.resident["AR weights (1/N)"], 8 * eight.resident["AR weights (1/N)"])
+    assert one.total > two.total > eight.total
+    # One GPU holds the same actor as the one-GPU model's, in blocks + embedding and head.
+    base = memory_model.estimate(shape, s).resident["AV weights"]
+    assert math.isclose(one.resident["actor blocks (1/N)"] + one.resident["actor embedding + head (whole)"], base)
+
+
+def test_fsdp2_fitting_names_only_keys_fsdp2_serves():
+    for shape in FSDP2_SHAPES:
+        for n in (1, 2, 4, 8):
+            fixed, applied = memory_model.fitting(shape, memory_model.Settings(prompts=64, group=8), gpus=n)
+            assert all(a.startswith(("logp_micro_batch=", "critic_micro_batch=", "gradient_checkpointing=", "an AR-LoRA"))
+                       for a in applied)
+            assert fixed.gpus == n
+    # 8B fits one H200 under fsdp2 as it is; Llama-3.3-70B's weights and critic alone do not fit one.
+    assert memory_model.fsdp2_estimate("8b", 1, memory_model.Settings(prompts=64, group=8)).fits
+    assert not memory_model.fitting("llama-3.3-70b", memory_model.Settings(prompts=64, group=8), gpus=1)[0].fits
+
+
+def test_the_fsdp2_table_has_a_row_per_shape_and_gpu_count():
+    rows = driver.fsdp2_table(FSDP2_SHAPES, [1, 2, 4, 8], memory_model.Settings(prompts=64, group=8)).splitlines()
+    assert len(rows) == 2 + 16 and all(row.count("|") == rows[0].count("|") for row in rows)

@@ -217,7 +217,12 @@ def load_actor(
             base, lora_config(lora_r, lora_alpha, use_rslora=use_rslora, targets=families.lora_targets(base))
         )
     if gradient_checkpointing:
-        inner_lm(actor).gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        lm = inner_lm(actor)
+        # transformers 5.2x renamed it (the old name warns of its removal in v6); older releases have the old name only.
+        if hasattr(lm, "activation_checkpointing_enable"):
+            lm.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return actor
 
 

@@ -84,6 +84,17 @@ def test_a_flag_typo_gets_did_you_mean(capsys):
     _fails_in_one_line(capsys, ["sft", "--mdoe", "av"], "did you mean --mode?")
 
 
+def test_a_command_or_choice_typo_gets_did_you_mean(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    err = _fails_in_one_line(capsys, ["trian"], "unknown command 'trian'; did you mean 'train'?", "choose from train,")
+    assert "invalid choice" not in err
+    _fails_in_one_line(capsys, ["corpus", "shakspeare", "x.jsonl"], "did you mean 'shakespeare'?")
+    _fails_in_one_line(capsys, ["convert", "a", "b", "--dtype", "float16"], "unknown --dtype 'float16'")
+    err = _fails_in_one_line(capsys, ["xyzzy"], "unknown command 'xyzzy' (choose from")
+    assert "did you mean" not in err
+    assert not any(tmp_path.iterdir())
+
+
 def test_a_truncated_flag_is_refused_not_taken_for_the_whole_one(capsys):
     """argparse would read --num-step as --num-steps (and --max as ambiguous, listing every option twice)."""
     _fails_in_one_line(capsys, ["train", "--num-step", "3"], "unknown flag --num-step;", "did you mean --num-steps?")

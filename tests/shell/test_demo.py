@@ -3,16 +3,28 @@
 from __future__ import annotations
 
 import json
+import platform
+
+import torch
 
 from nla_shell import cli
 
 
 def test_tiny_demo_runs_every_stage_and_reports(tmp_path, capsys):
     run_dir = tmp_path / "demo"
+    # What a demo that failed or was interrupted midway leaves: the rerun replaces it, no --overwrite needed.
+    (run_dir / "target_lm").mkdir(parents=True)
+    (run_dir / "demo_config.json").write_text("{}")
+    (run_dir / "target_lm" / "stale.txt").write_text("from the failed run")
     assert cli.main(["demo", "--tiny", "--run-dir", str(run_dir)]) == 0
     out = capsys.readouterr().out
-    assert f"run directory: {run_dir}" in out.splitlines()[0]
+    assert out.splitlines()[0] == f"[nla demo] replacing {run_dir}: a demo that stopped before its report"
+    assert f"run directory: {run_dir}" in out.splitlines()[1]
+    assert not (run_dir / "target_lm" / "stale.txt").exists()
     report = json.loads((run_dir / "report.json").read_text())
+    env = report["environment"]
+    assert env["cpu_capability"] == torch.backends.cpu.get_cpu_capability() and env["python"] == platform.python_version()
+    assert env["packages"]["torch"] == torch.__version__ and set(env["packages"]) >= {"transformers", "peft", "numpy"}
     assert set(report["fve"]) == {"AR on gold explanations", "AV+AR before SFT (LM zero-shot)", "AV+AR after SFT",
                                   "AV+AR after RL", "AV+AR after SFT, AV given a shuffled vector (control)",
                                   "AV+AR after RL, AV given a shuffled vector (control)"}
@@ -24,6 +36,7 @@ def test_tiny_demo_runs_every_stage_and_reports(tmp_path, capsys):
     assert set(report["fve_by_length"]) == {"first 2 tokens", "first 4 tokens", "first 8 tokens", "whole explanation"}
     markdown = (run_dir / "report.md").read_text()
     assert "| dataset mean | " in markdown and "| first 8 tokens | " in markdown
+    assert f"torch's kernels {env['cpu_capability']}" in markdown and f"torch {torch.__version__}" in markdown
     assert "shuffled vector (control) |" in markdown
     assert set(report["seconds"]) == {"target LM", "datagen", "AR SFT", "AV SFT", "eval before RL", "RL",
                                       "eval after RL", "plot", "total"}
@@ -44,6 +57,22 @@ def test_an_existing_run_dir_is_refused(tmp_path, capsys):
     assert cli.main(["demo", "--tiny", "--run-dir", str(run_dir), "--overwrite"]) == 2
     assert "no demo made" in capsys.readouterr().err
     assert (run_dir / "notes.txt").read_text() == "mine"
+    finished = tmp_path / "finished"  # a demo that wrote its report is kept unless --overwrite
+    finished.mkdir()
+    for name in ("demo_config.json", "report.json"):
+        (finished / name).write_text("{}")
+    assert cli.main(["demo", "--tiny", "--run-dir", str(finished)]) == 2
+    assert "already exists" in capsys.readouterr().err
+    assert sorted(p.name for p in finished.iterdir()) == ["demo_config.json", "report.json"]
+
+
+def test_a_failed_demo_leaves_nothing_that_blocks_the_corrected_command(tmp_path, capsys, monkeypatch):
+    """`nla demo --model gpt2 --tiny --run-dir dm` fails on the model: one line, and no dm/ to refuse the rerun."""
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["demo", "--model", "gpt2", "--tiny", "--run-dir", "dm"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("nla demo: error: ") and "gpt2" in err, err
+    assert not any(tmp_path.iterdir())
 
 
 def test_the_readme_pipeline_commands_parse():

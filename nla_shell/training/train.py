@@ -99,7 +99,9 @@ def loop(state: RunState, stop: StopSignals) -> Path:
     Raises preemption.RunStopped when a signal stops it (after saving, if save_on_signal).
     """
     cfg, rank, device, save_dir = state.cfg, state.rank, state.device, state.save_dir
-    bar = progress_bar(total=cfg.num_steps, initial=state.start_step, desc="train", unit="step", enabled=rank.is_main)
+    # Off a terminal the console logger's step lines are the progress; a run without it gets progress lines.
+    bar = progress_bar(total=cfg.num_steps, initial=state.start_step, desc="train", unit="step", enabled=rank.is_main,
+                       lines="console" not in cfg.logger)
     for step in range(state.start_step, cfg.num_steps):
         # A signal ends the run here, between steps, on every rank at once.
         if stop.should_stop(step):

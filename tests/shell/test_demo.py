@@ -98,16 +98,58 @@ def test_the_readme_pipeline_commands_parse():
         parser.parse_args(argv)  # exits (SystemExit) on an unknown flag
 
 
-def test_the_readme_quickstart_commands_parse():
+def _quickstart_commands() -> list[list[str]]:
+    """The README quickstart's `nla` commands (both blocks), as argv lists."""
     import re
     import shlex
     from pathlib import Path
 
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    block = re.search(r"## Quickstart\n\n```bash\n(.*?)```", readme, re.DOTALL).group(1)
-    commands = [shlex.split(part)[1:] for line in block.splitlines() for part in line.split("  #")[0].split("&&")
-                if part.strip().startswith("nla ")]
-    assert [c[0] for c in commands] == ["demo", "demo", "convert", "datagen", "sft", "sft", "train", "eval", "explain", "explain", "serve"]
+    section = readme[readme.index("## Quickstart") : readme.index("## Results")]
+    return [shlex.split(part)[1:] for block in re.findall(r"```bash\n(.*?)```", section, re.DOTALL)
+            for line in block.splitlines() for part in line.split("  #")[0].split("&&")
+            if part.strip().startswith("nla ")]
+
+
+def test_the_readme_quickstart_commands_parse():
+    commands = _quickstart_commands()
+    assert [c[0] for c in commands] == ["demo", "demo", "convert", "corpus", "datagen", "sft", "sft", "train", "eval",
+                                        "explain", "explain", "serve"]
     for argv in commands:
         parser, _ = cli.build_parser(argv)
         parser.parse_args(argv)
+
+
+def test_the_quickstart_reads_what_its_earlier_commands_write():
+    """The corpus datagen reads is the one `nla corpus` wrote; each step_NNNNNN is its run's --num-steps."""
+    commands = {c[0] + (c[2] if c[0] == "sft" else ""): c for c in _quickstart_commands()}
+
+    def flag(argv, name):
+        return argv[argv.index(name) + 1]
+
+    assert flag(commands["datagen"], "--corpus") == commands["corpus"][2]
+    steps = {flag(commands[c], "--save-dir"): int(flag(commands[c], "--num-steps")) for c in ("sftar", "sftav", "train")}
+    for argv in commands.values():
+        for value in argv:
+            head = value.split("/")
+            if len(head) > 1 and head[1].startswith("step_"):
+                assert head[1] == f"step_{steps[head[0]]:06d}", (value, steps)
+
+
+def test_the_quickstart_and_demo_outputs_are_ignored_by_git():
+    """Run from the checkout, the quickstart leaves nothing untracked (docs.jsonl, explained.parquet.parts/...)."""
+    import subprocess
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    outputs = []
+    for argv in _quickstart_commands():
+        named = [argv[i + 1] for i, a in enumerate(argv) if a in ("--out-dir", "--save-dir", "--out", "--run-dir")]
+        positional = {"convert": argv[2:3], "corpus": argv[2:3]}.get(argv[0], [])
+        outputs += named + positional
+    outputs += [p + ".parts/part_000000.parquet" for p in outputs if p.endswith(".parquet")]
+    assert {"docs.jsonl", "explained.parquet", "data", "rl", "demo_tiny"} <= set(outputs)
+    probes = [o if o.endswith((".jsonl", ".parquet")) else o + "/x" for o in outputs]
+    ignored = subprocess.run(["git", "check-ignore", "--no-index", *probes], cwd=repo, capture_output=True,
+                             text=True).stdout.split()
+    assert sorted(set(probes) - set(ignored)) == []

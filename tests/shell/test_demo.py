@@ -153,3 +153,29 @@ def test_the_quickstart_and_demo_outputs_are_ignored_by_git():
     ignored = subprocess.run(["git", "check-ignore", "--no-index", *probes], cwd=repo, capture_output=True,
                              text=True).stdout.split()
     assert sorted(set(probes) - set(ignored)) == []
+
+
+def test_setup_installs_the_pinned_dependency_set():
+    """scripts/setup.sh installs through constraints.txt, which pins every dependency of nla and its test extras;
+    the packages the demo's numbers depend on are installed at those versions (else rerun scripts/setup.sh)."""
+    import importlib.metadata
+    import re
+    from pathlib import Path
+
+    from nla_shell.pipeline.demo import REPORTED_PACKAGES
+
+    repo = Path(__file__).resolve().parents[2]
+    installs = [line for line in (repo / "scripts/setup.sh").read_text().splitlines() if "pip install" in line]
+    assert len(installs) >= 3 and all("-c constraints.txt" in line for line in installs if "--upgrade pip" not in line)
+
+    def name(requirement: str) -> str:
+        return re.split(r"[\s<>=!~\[;]", requirement, maxsplit=1)[0].lower().replace("_", "-")
+
+    pins = dict(line.split("==") for line in (repo / "constraints.txt").read_text().splitlines()
+                if line and not line.startswith("#"))
+    pins = {name(k): v for k, v in pins.items()}
+    required = {name(r) for r in importlib.metadata.requires("nla") or []
+                if "extra ==" not in r or 'extra == "test"' in r}
+    assert required and required <= set(pins), sorted(required - set(pins))
+    installed = {p: importlib.metadata.version(p).split("+")[0] for p in REPORTED_PACKAGES}
+    assert installed == {p: pins[p] for p in REPORTED_PACKAGES}, "this .venv is not the pinned set: bash scripts/setup.sh"

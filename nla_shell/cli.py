@@ -205,6 +205,13 @@ class _Parser(argparse.ArgumentParser):
                     hint = f"; did you mean {close[0]}?" if close else ""
                     message = f"unknown flag {token}{hint} ({self.prog} --help lists them)"
                     break
+        # A mistyped command (`nla trian`) or choice (`nla corpus shakspeare`): argparse names it and lists the choices.
+        choice = re.match(r"argument (\S+): invalid choice: '([^']*)' \(choose from (.*)\)$", message)
+        if choice:
+            choices = re.findall(r"'([^']*)'", choice.group(3))
+            close = difflib.get_close_matches(choice.group(2), choices, n=1, cutoff=0.6)
+            hint = f"; did you mean '{close[0]}'?" if close else ""
+            message = f"unknown {choice.group(1)} '{choice.group(2)}'{hint} (choose from {', '.join(choices)})"
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 

@@ -43,6 +43,11 @@ __all__ = [
 ]
 
 REQUIRED_COLUMNS = ("prompt", "activation_vector", "doc_id")
+COLUMN_HINTS = {
+    "response": "nla sft --mode av reads the AV's target text from datagen's av_sft.parquet (--mode ar reads "
+                "ar_sft.parquet, whose text is in `prompt`): point parquet at av_sft.parquet",
+}
+"""The fix for a missing column that only some of datagen's splits hold; the others are in every split."""
 _DRIFT_FIX = "regenerate the sidecar with this tokenizer or point av_ckpt at the tokenizer the data was made with"
 
 
@@ -293,8 +298,8 @@ def _stream(
     missing = [c for c in extra_columns if c not in pf.schema_arrow.names]
     if missing:
         raise DataError(
-            f"{missing[0]}: column missing (columns present: {pf.schema_arrow.names}); nla sft --mode av reads "
-            "datagen's av_sft.parquet (response), --mode ar its ar_sft.parquet (ar_prompt)"
+            f"{missing[0]}: column missing (columns present: {pf.schema_arrow.names}); "
+            + (COLUMN_HINTS.get(missing[0]) or "give a parquet written by nla datagen, which writes it in every split")
         )
     stop = pf.metadata.num_rows if stop is None else min(stop, pf.metadata.num_rows)
     columns = [*REQUIRED_COLUMNS, *extra_columns]

@@ -22,6 +22,8 @@ import shutil
 from pathlib import Path
 from typing import Literal
 
+from nla_shell.io.progress import terminal_only_bars
+
 __all__ = ["SHIPPED_MODELS", "CONVERT_RECORD", "convert_gguf", "converted_model", "require_gguf_libraries",
            "resolve_gguf"]
 
@@ -86,9 +88,12 @@ def convert_gguf(source: str, out_dir: str | Path, *, dtype: Literal["float32", 
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from transformers import modeling_gguf_pytorch_utils
+
     location = dict(pretrained_model_name_or_path=str(gguf_file.parent), gguf_file=gguf_file.name)
-    tokenizer = AutoTokenizer.from_pretrained(**location)
-    loaded = AutoModelForCausalLM.from_pretrained(**location, dtype=getattr(torch, dtype))
+    with terminal_only_bars(modeling_gguf_pytorch_utils):  # its "de-quantizing" bar
+        tokenizer = AutoTokenizer.from_pretrained(**location)
+        loaded = AutoModelForCausalLM.from_pretrained(**location, dtype=getattr(torch, dtype))
     config = loaded.config
     if hasattr(config, "quantization_config"):  # the weights are plain floats now
         del config.quantization_config

@@ -105,7 +105,9 @@ def loop(state: RunState, stop: StopSignals) -> Path:
     # Rank 0 evaluates alone, the others wait; under sharding=fsdp2 every rank runs the eval with it (each forward
     # gathers blocks from every rank), and rank 0's is the one logged.
     evaluates = rank.is_main or cfg.sharding == "fsdp2"
-    bar = progress_bar(total=cfg.num_steps, initial=state.start_step, desc="train", unit="step", enabled=rank.is_main)
+    # Off a terminal the console logger's step lines are the progress; a run without it gets progress lines.
+    bar = progress_bar(total=cfg.num_steps, initial=state.start_step, desc="train", unit="step", enabled=rank.is_main,
+                       lines="console" not in cfg.logger)
     for step in range(state.start_step, cfg.num_steps):
         # A signal ends the run here, between steps, on every rank at once.
         if stop.should_stop(step):

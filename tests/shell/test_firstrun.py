@@ -14,7 +14,8 @@ import pytest
 import fixtures
 from nla_shell import cli
 from nla_shell.io.config import TrainConfig
-from nla_shell.io.progress import progress_bar
+from nla_shell.io import progress
+from nla_shell.io.progress import ProgressLines, progress_bar
 from nla_shell.pipeline.evaluate import markdown_table
 
 REPO = Path(__file__).resolve().parents[2]
@@ -82,6 +83,17 @@ def test_boolean_flags_can_be_turned_off():
 def test_a_flag_typo_gets_did_you_mean(capsys):
     _fails_in_one_line(capsys, ["train", "--num-stpes", "3"], "unknown flag --num-stpes", "did you mean --num-steps?")
     _fails_in_one_line(capsys, ["sft", "--mdoe", "av"], "did you mean --mode?")
+
+
+def test_a_command_or_choice_typo_gets_did_you_mean(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    err = _fails_in_one_line(capsys, ["trian"], "unknown command 'trian'; did you mean 'train'?", "choose from train,")
+    assert "invalid choice" not in err
+    _fails_in_one_line(capsys, ["corpus", "shakspeare", "x.jsonl"], "did you mean 'shakespeare'?")
+    _fails_in_one_line(capsys, ["convert", "a", "b", "--dtype", "float16"], "unknown --dtype 'float16'")
+    err = _fails_in_one_line(capsys, ["xyzzy"], "unknown command 'xyzzy' (choose from")
+    assert "did you mean" not in err
+    assert not any(tmp_path.iterdir())
 
 
 def test_a_truncated_flag_is_refused_not_taken_for_the_whole_one(capsys):
@@ -311,7 +323,8 @@ class _Terminal(io.StringIO):
 
 def test_progress_shows_step_total_rate_and_eta_only_on_a_terminal(monkeypatch):
     monkeypatch.setattr("sys.stderr", io.StringIO())
-    assert progress_bar(total=10, desc="train", unit="step").disable, "CI logs get no bar"
+    assert isinstance(progress_bar(total=10, desc="train", unit="step"), ProgressLines), "CI logs get lines, no bar"
+    assert progress_bar(total=10, desc="train", unit="step", lines=False).disable, "a command's own lines suffice"
     terminal = _Terminal()
     monkeypatch.setattr("sys.stderr", terminal)
     assert progress_bar(total=10, desc="train", unit="step", enabled=False).disable, "file-only loggers get no bar"
@@ -321,6 +334,62 @@ def test_progress_shows_step_total_rate_and_eta_only_on_a_terminal(monkeypatch):
     shown = terminal.getvalue().split("\r")[-1]
     assert "train" in shown and "5/10" in shown and "step/s" in shown and "<" in shown, shown  # "<" precedes the ETA
     bar.close()
+
+
+def test_off_a_terminal_datagen_and_eval_print_progress_lines(tmp_path, tiny_av_dir, toy_datasets, toy_sft,
+                                                              monkeypatch, capsys):
+    """In a log (CI, nohup) a long stage says where it is, in plain lines: no silent stretch, no \\r redraws."""
+    monkeypatch.setattr(progress, "PROGRESS_EVERY_S", 0.0)  # a line at every update
+    corpus = fixtures.write_toy_corpus(tmp_path / "c.jsonl")
+    assert cli.main(["datagen", "--model", str(tiny_av_dir), "--corpus", str(corpus), "--layer", "1", "--out-dir",
+                     str(tmp_path / "data"), "--explainer", "rule", "device=cpu"]) == 0
+    captured = capsys.readouterr()
+    assert "[datagen] 24/24 doc (100%), " in captured.out and " doc/s, ETA 0m00s" in captured.out, captured.out
+    assert "\r" not in captured.err + captured.out
+    av, ar = toy_sft
+    assert cli.main(["eval", "--av", str(av), "--ar", str(ar), "--parquet", str(toy_datasets / "eval.parquet"),
+                     "--out-dir", str(tmp_path / "e"), "--n-rows", "4", "--micro-batch", "2", "device=cpu"]) == 0
+    captured = capsys.readouterr()
+    assert "[eval: AV] 2/4 row (50%), " in captured.out and "[eval: AV] 4/4 row (100%), " in captured.out, captured.out
+    assert "\r" not in captured.err + captured.out
+
+
+def test_the_eta_in_a_log_follows_the_runs_average_not_its_last_burst(monkeypatch, capsys):
+    """datagen counts documents as they are read, then processes them as a batch: bursts of updates, then
+    silence. The ETA of each line stays within 25 % of the time really left (tqdm's smoothed rate swings)."""
+    now = [0.0]
+    monkeypatch.setattr(progress.time, "perf_counter", lambda: now[0])
+    lines = ProgressLines(total=100, desc="datagen", unit="doc", initial=0, every_s=5.0)
+    for batch in range(10):  # 10 documents read at once, then 10 s of work on them
+        now[0] = 10.0 * batch
+        for _ in range(10):
+            lines.update()
+        now[0] += 10.0
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 9 and out[0].startswith("[datagen] 11/100 doc (11%), 1.1 doc/s, ETA "), out
+    for line, left in zip(out, range(90, 0, -10)):
+        minutes, seconds = line.split("ETA ")[1].rstrip("s").split("m")
+        assert 0.75 * left <= 60 * int(minutes) + int(seconds) <= 1.25 * left, (line, left)
+
+
+def test_the_gguf_loaders_own_bar_draws_only_on_a_terminal(monkeypatch):
+    """transformers' GGUF loader draws a tqdm bar past its progress switch; `nla convert` keeps it off a log."""
+    from transformers import modeling_gguf_pytorch_utils as loader
+
+    from nla_shell.io.progress import terminal_only_bars
+
+    log = io.StringIO()
+    monkeypatch.setattr("sys.stderr", log)
+    with terminal_only_bars(loader):
+        list(loader.tqdm(range(50), desc="Converting and de-quantizing GGUF tensors..."))
+    assert log.getvalue() == ""
+    list(loader.tqdm(range(50), desc="outside"))  # the loader's bar as it is, restored after the block
+    assert "\r" in log.getvalue()
+    terminal = _Terminal()
+    monkeypatch.setattr("sys.stderr", terminal)
+    with terminal_only_bars(loader):
+        list(loader.tqdm(range(50), desc="Converting"))
+    assert "50/50" in terminal.getvalue()
 
 
 def test_train_under_a_file_only_logger_still_shows_its_bar_on_a_terminal(nla_run_inputs, tmp_path, monkeypatch):

@@ -16,7 +16,7 @@ from transformers import AutoTokenizer
 import fixtures
 from nla_shell import cli
 from nla_shell.io.config import ConfigError
-from nla_shell.io.data import DataError, build_prompt_ids, stream_rows
+from nla_shell.io.data import build_prompt_ids, stream_rows
 from nla_shell.io.sidecars import load_sidecar
 from nla_shell.models import REFERENCE_ADAPTER, ARModel, Injector, load_actor
 from nla_shell.pipeline.sft import AVExample, av_response_nll, lr_factor, sft
@@ -134,10 +134,14 @@ def test_resume_matches_an_uninterrupted_run(tmp_path, tiny_av_dir, toy_datasets
     assert again.keys() == final.keys() and all(torch.equal(again[k], final[k]) for k in final)
 
 
-def test_av_sft_needs_the_response_column(tmp_path, tiny_av_dir, toy_datasets):
-    cfg = fixtures.sft_config("av", tiny_av_dir, toy_datasets, tmp_path / "av", parquet=str(toy_datasets / "rl.parquet"))
-    with pytest.raises(DataError, match="response: column missing"):
-        sft(cfg)
+def test_av_sft_needs_the_response_column(tmp_path, tiny_av_dir, toy_datasets, capsys):
+    """One line naming the missing column and the parquet that has it (not a column that exists nowhere)."""
+    argv = ["sft", "--mode", "av", "--model", str(tiny_av_dir), "--parquet", str(toy_datasets / "rl.parquet"),
+            "--save-dir", str(tmp_path / "av"), "--num-steps", "2", "--device", "cpu"]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("nla sft: error: response: column missing"), err
+    assert "point parquet at av_sft.parquet" in err and "ar_prompt" not in err, err
     assert not (tmp_path / "av").exists()
 
 

@@ -21,7 +21,7 @@ import shutil
 import time
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -32,10 +32,8 @@ from nla_shell.io.data import DataError
 from nla_shell.io.files import write_text_atomically
 from nla_shell.io.progress import say_line
 from nla_shell.pipeline.documents import count_documents, document_positions, read_documents
+from nla_shell.serving.config import ExplainConfig
 from nla_shell.serving.reader import NLAReader, SiteExplanation
-
-if TYPE_CHECKING:
-    from nla_shell.serving.explain import ExplainConfig
 
 RESULT_SCHEMA = pa.schema([
     ("site", pa.int64()), ("doc_id", pa.string()), ("position", pa.int64()), ("token", pa.string()),

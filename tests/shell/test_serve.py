@@ -10,7 +10,6 @@ import signal
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -27,10 +26,10 @@ from nla_shell import cli  # noqa: E402
 from nla_shell.serving.explain import ExplainConfig, explain  # noqa: E402
 from nla_shell.serving.app import build_app  # noqa: E402
 from nla_shell.serving.reader import load_reader  # noqa: E402
-from nla_shell.serving.server import ServeConfig, bind, uvicorn_server  # noqa: E402
+from nla_shell.serving.server import ServeConfig  # noqa: E402
+from serve_harness import LOOPBACK, running  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
-LOOPBACK = "127.0.0.1"
 TEXT = "the red cat sees a dog ."
 
 
@@ -40,26 +39,6 @@ def serve_config(two_concept_nla, nla_run_inputs, **overrides) -> ServeConfig:
                     max_new_tokens=8, max_new_tokens_limit=16, max_samples=3, batch_wait_ms=20, device="cpu")
     settings.update(overrides)
     return ServeConfig(**settings)
-
-
-@contextlib.contextmanager
-def running(app):
-    """The app served by uvicorn in a thread on a free loopback port; yields its base URL."""
-    sock = bind(LOOPBACK, 0)
-    server = uvicorn_server(app)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://{LOOPBACK}:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=15)
-        app.state.batcher.close()
-        sock.close()
 
 
 @pytest.fixture(scope="module")
@@ -220,6 +199,9 @@ BAD_INPUTS = [
     ("/v1/explain", {"text": TEXT, "positions": [0], "all": True}, 422, "all", "exclude each other"),
     ("/v1/explain", {"text": TEXT, "greedy": "yes"}, 422, "greedy", "valid boolean"),
     ("/v1/explain", {"text": "", "all": True}, 422, "text", "no tokens"),
+    ("/v1/explain", "", 400, "body", "malformed JSON"),  # an empty body is malformed JSON, not a missing field
+    ("/v1/explain", "[" * 100_000 + "]" * 100_000, 400, "body", "malformed JSON"),
+    ("/v1/explain_vectors", '{"vectors": ' + "[" * 100_000 + "]" * 100_000 + "}", 400, "body", "malformed JSON"),
 ]
 
 

@@ -317,6 +317,49 @@ def test_concurrent_clients_are_batched_and_each_answered_once_as_an_unbatched_g
           f"{stats['largest_batch_sites']} sites")
 
 
+FLOOD_CLIENTS, FLOOD_REQUESTS, FLOOD_CAP_S = 32, 3, 120
+
+
+def test_a_flood_is_answered_with_503s_nothing_hangs_and_served_answers_are_unchanged(
+        reader, eval_vectors, two_concept_nla, nla_run_inputs):
+    """32 clients x 3 greedy requests at once against a queue of 4: every request answered within the cap, each a 200
+    with the explanation an unbatched call gives or a 503 with Retry-After; the server healthy and serving after."""
+    alone = [reader.explain(v[None], samples=1, greedy=True, max_new_tokens=8)[0].explanation for v in eval_vectors]
+    app = build_app(reader, serve_config(two_concept_nla, nla_run_inputs, max_batch=4, max_queue=4,
+                                         request_timeout_s=FLOOD_CAP_S))
+    answers: dict[tuple[int, int], tuple[int, str | None]] = {}
+
+    async def client(index: int, http) -> None:
+        for j in range(FLOOD_REQUESTS):
+            which = (index * FLOOD_REQUESTS + j) % len(eval_vectors)
+            answer = await http.post("/v1/explain_vectors", json={"vectors": [eval_vectors[which].tolist()],
+                                                                  "greedy": True})
+            if answer.status_code == 503:
+                assert answer.headers["retry-after"] == "1" and answer.json()["error"]["field"] is None
+                answers[(index, j)] = (503, None)
+            else:
+                assert answer.status_code == 200, answer.text
+                answers[(index, j)] = (200, answer.json()["results"][0]["explanation"])
+
+    async def flood(url: str) -> None:
+        async with httpx.AsyncClient(base_url=url, timeout=FLOOD_CAP_S) as http:
+            await asyncio.wait_for(asyncio.gather(*(client(i, http) for i in range(FLOOD_CLIENTS))), FLOOD_CAP_S)
+
+    with running(app) as url:
+        asyncio.run(flood(url))
+        assert httpx.get(f"{url}/v1/health").json() == {"status": "ok"}
+        after = httpx.post(f"{url}/v1/explain_vectors", json={"vectors": [eval_vectors[0].tolist()], "greedy": True},
+                           timeout=60)
+        assert after.status_code == 200 and after.json()["results"][0]["explanation"] == alone[0]
+        batching = httpx.get(f"{url}/v1/info").json()["batching"]
+    served = {key: text for key, (status, text) in answers.items() if status == 200}
+    assert len(answers) == FLOOD_CLIENTS * FLOOD_REQUESTS  # every request answered, none left hanging
+    assert 0 < len(served) < len(answers) and batching["refused_jobs"] == len(answers) - len(served)
+    for (index, j), text in served.items():
+        assert text == alone[(index * FLOOD_REQUESTS + j) % len(eval_vectors)]
+    assert batching["jobs"] == len(served) + 1 and batching["waiting"] == 0 and batching["dropped_jobs"] == 0
+
+
 def test_nla_serve_runs_on_a_free_loopback_port_and_stops_on_ctrl_c(two_concept_nla, nla_run_inputs):
     av, ar, _ = two_concept_nla
     argv = [sys.executable, "-m", "nla_shell.cli", "serve", "--av", str(av), "--ar", str(ar), "--model",

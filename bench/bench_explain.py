@@ -107,6 +107,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="also time `nla serve` and the corpus mode with this engine (off by default; tiny hf)")
     parser.add_argument("--clients", default=None,
                         help="concurrent HTTP clients, a comma list: one server case each (default 16; tiny 3)")
+    parser.add_argument("--batch-max-wait-ms", type=float, default=50.0,
+                        help="server leg: nla serve's --batch-max-wait-ms (0: a batch gathers for --batch-wait-ms only)")
     parser.add_argument("--close-explanations", action="store_true",
                         help="close the <explanation> tag at max tokens where a rollout has none (see above)")
     parser.add_argument("--vectors-per-request", type=int, default=None, help="vectors per POST (default 16; tiny 2)")
@@ -265,7 +267,8 @@ def time_server(reader, vectors: torch.Tensor, args: argparse.Namespace, engine:
     # model= is required by ServeConfig but only /v1/explain reads it; the reader was loaded without a target LM
     cfg = ServeConfig(av=args.av, ar=args.ar, sidecar=args.sidecar, engine=engine, model=args.av, port=0,
                       max_batch=args.batch, max_sites=k, max_new_tokens=args.new_tokens,
-                      max_new_tokens_limit=max(args.new_tokens, 256), device=args.device)
+                      max_new_tokens_limit=max(args.new_tokens, 256), device=args.device,
+                      batch_max_wait_ms=args.batch_max_wait_ms)
     app = build_app(reader, cfg)
     sock = bind("127.0.0.1", 0)
     server = uvicorn_server(app)
@@ -342,7 +345,8 @@ def time_server(reader, vectors: torch.Tensor, args: argparse.Namespace, engine:
     batcher = {key: after[key] - before[key] for key in ("batches", "sites", "jobs")}
     return {"seconds": seconds, "sites_per_s": sum(answered) / seconds, "requests": len(bodies),
             "encoding": args.server_encoding,
-            "clients": clients, "vectors_per_request": k, "sites_in_flight": clients * k, "peak_gib": peak, "failed_requests": failures,
+            "clients": clients, "vectors_per_request": k, "sites_in_flight": clients * k,
+            "batch_max_wait_ms": args.batch_max_wait_ms, "peak_gib": peak, "failed_requests": failures,
             "sites_answered_once": sum(a == 1 for a in answered),
             "sites_answered_twice_or_more": sum(a > 1 for a in answered),
             "p50_ms": 1000 * statistics.median(latencies), "p99_ms": 1000 * percentile(latencies, 0.99),
@@ -424,6 +428,7 @@ def run_in_subprocess(engine: str, args, vectors_parquet: Path, record: syn.Reco
            "--ar", args.ar, "--parquet", str(vectors_parquet), "--label", args.label, "--sites", str(args.sites),
            "--batch", str(args.batch), "--new-tokens", str(args.new_tokens), "--vllm-gpu-mem", str(args.vllm_gpu_mem),
            "--device", args.device, "--clients", ",".join(map(str, args.clients)),
+           "--batch-max-wait-ms", str(args.batch_max_wait_ms),
            "--vectors-per-request", str(args.vectors_per_request), "--server-encoding", args.server_encoding,
            "--out", str(out)]
     cmd += ["--sidecar", args.sidecar] if args.sidecar else []

@@ -93,5 +93,9 @@ class StandInReader:
         return {"model": "stand-in", "d_model": self.d_model, "engine": "stand-in"}
 
 
+class Crash(BaseException):
+    """Escapes the batcher's `except Exception`, as a fault that kills its worker thread would."""
+
+
 def vector(first: float, d_model: int = 4) -> list[float]:
     return [first] + [0.0] * (d_model - 1)

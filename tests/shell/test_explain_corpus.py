@@ -19,26 +19,6 @@ from nla_shell.serving.explain import ExplainConfig, explain
 
 REPO = Path(__file__).resolve().parents[2]
 
-KILLED_AT_THIRD_BATCH = """
-import os, signal, sys
-from nla_shell import cli
-from nla_shell.serving import reader
-
-calls = 0
-original = reader.NLAReader.explain
-
-def explain(self, *args, **kwargs):
-    global calls
-    calls += 1
-    if calls == 3:  # mid-run: two batches written, the third being explained
-        os.kill(os.getpid(), signal.SIGKILL)
-    return original(self, *args, **kwargs)
-
-reader.NLAReader.explain = explain
-sys.exit(cli.main(sys.argv[1:]))
-"""
-
-
 SIGNALLED_AT_THIRD_BATCH = """
 import os, signal, sys
 from nla_shell import cli
@@ -101,8 +81,8 @@ def test_a_killed_corpus_run_resumes_with_no_site_twice_and_none_missing(tmp_pat
                                                                          toy_datasets, capsys):
     out = tmp_path / "explained.parquet"
     argv = [*corpus_argv(toy_sft, tiny_av_dir, toy_datasets, out), "--jsonl", str(tmp_path / "explained.jsonl")]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    killed = subprocess.run([sys.executable, "-c", KILLED_AT_THIRD_BATCH, *argv], env=env, capture_output=True,
+    env = {**os.environ, "PYTHONPATH": str(REPO), "NLA_TEST_SIGNAL": "SIGKILL"}
+    killed = subprocess.run([sys.executable, "-c", SIGNALLED_AT_THIRD_BATCH, *argv], env=env, capture_output=True,
                             text=True, timeout=300)
     assert killed.returncode == -9, killed.stderr[-2000:]
     parts = out.with_name(out.name + ".parts")

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from nla_shell.serving.batcher import Batcher, Decoding, Job, QueueFull, WorkerDied
-from serve_harness import StandInReader
+from serve_harness import Crash, StandInReader
 
 GREEDY = Decoding(samples=1, greedy=True, max_new_tokens=4)
 
@@ -82,10 +82,6 @@ def test_a_full_queue_refuses_at_once_and_frees_as_the_worker_takes_jobs(blocked
         assert explanations(batcher.submit(job(4.0))) == ["site 4"]
     finally:
         batcher.close()
-
-
-class Crash(BaseException):
-    """Escapes the batcher's `except Exception`, as a fault that kills its worker thread would."""
 
 
 def test_a_worker_that_dies_fails_the_jobs_it_held_and_a_new_worker_serves_the_next():

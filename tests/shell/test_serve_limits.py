@@ -3,6 +3,8 @@ healthy after): the app of `nla serve` on a stand-in reader, a real uvicorn serv
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import json
 import socket
 import time
@@ -15,7 +17,7 @@ pytest.importorskip("uvicorn")
 
 from nla_shell.serving.app import build_app  # noqa: E402
 from nla_shell.serving.config import ServeConfig  # noqa: E402
-from serve_harness import StandInReader, running, vector  # noqa: E402
+from serve_harness import Crash, StandInReader, running, vector  # noqa: E402
 
 
 def config(**overrides) -> ServeConfig:
@@ -42,6 +44,36 @@ def raw_request(url: str, head: str, body: bytes = b"", *, chunks: int = 0, chun
                 break
             answer += data
         return answer, time.monotonic() - start
+
+
+@contextlib.contextmanager
+def gated(**overrides):
+    """(reader, app, client, pool): the app on a stand-in whose engine waits for its gate (opened at the end at the
+    latest), an HTTP client, and threads to send requests that wait."""
+    reader = StandInReader()
+    reader.gate.clear()
+    app = build_app(reader, config(**overrides))
+    try:
+        with running(app) as url, httpx.Client(base_url=url, timeout=30) as http, \
+                concurrent.futures.ThreadPoolExecutor(4) as pool:
+            try:
+                yield reader, app, http, pool
+            finally:
+                reader.gate.set()  # before the pool's threads are joined
+    finally:
+        reader.gate.set()
+
+
+def until_waiting(app, n: int) -> None:
+    """Returns once n requests wait in the batcher's queue (10 s at most)."""
+    deadline = time.monotonic() + 10
+    while app.state.batcher.waiting < n:
+        assert time.monotonic() < deadline, f"{app.state.batcher.waiting} requests waiting, not {n}"
+        time.sleep(0.01)
+
+
+def post(http, first: float):
+    return http.post("/v1/explain_vectors", json={"vectors": [vector(first)]})
 
 
 def status_and_error(answer: bytes) -> tuple[int, dict]:
@@ -104,95 +136,57 @@ def test_a_text_without_positions_or_all_explains_its_last_token_only():
 
 
 def test_a_full_queue_is_503_with_retry_after_at_once_and_the_queued_are_served():
-    reader = StandInReader()
-    reader.gate.clear()
-    app = build_app(reader, config(max_batch=1, max_queue=2))
-    with running(app) as url, httpx.Client(base_url=url, timeout=30) as http:
-        try:
-            import concurrent.futures
-
-            with concurrent.futures.ThreadPoolExecutor(3) as pool:
-                held = [pool.submit(http.post, "/v1/explain_vectors", json={"vectors": [vector(float(i))]})
-                        for i in range(3)]  # one in the engine, two waiting
-                deadline = time.monotonic() + 10
-                while app.state.batcher.waiting < 2:
-                    assert time.monotonic() < deadline
-                    time.sleep(0.01)
-                start = time.monotonic()
-                refused = http.post("/v1/explain_vectors", json={"vectors": [vector(9.0)]})
-                assert time.monotonic() - start < 2
-                assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
-                assert "2 requests are waiting (the limit, max_queue)" in refused.json()["error"]["message"]
-                reader.gate.set()
-                answers = [f.result(timeout=30) for f in held]
-            assert [a.json()["results"][0]["explanation"] for a in answers] == ["site 0", "site 1", "site 2"]
-            assert 9.0 not in reader.seen and http.get("/v1/health").status_code == 200
-        finally:
-            reader.gate.set()
+    with gated(max_batch=1, max_queue=2) as (reader, app, http, pool):
+        held = [pool.submit(post, http, float(i)) for i in range(3)]  # one in the engine, two waiting
+        until_waiting(app, 2)
+        start = time.monotonic()
+        refused = post(http, 9.0)
+        assert time.monotonic() - start < 2
+        assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+        assert "2 requests are waiting (the limit, max_queue)" in refused.json()["error"]["message"]
+        reader.gate.set()
+        answers = [f.result(timeout=30) for f in held]
+        assert [a.json()["results"][0]["explanation"] for a in answers] == ["site 0", "site 1", "site 2"]
+        assert 9.0 not in reader.seen and http.get("/v1/health").status_code == 200
 
 
 def test_a_request_not_answered_in_time_is_504_and_the_server_goes_on():
     """An engine that hangs: the request held gets 504 after request_timeout_s, one waiting behind it too and its
     site is dropped (never explained); health answers meanwhile; once the engine is back, requests are served."""
-    reader = StandInReader()
-    reader.gate.clear()
-    app = build_app(reader, config(max_batch=1, request_timeout_s=1.0))
-    with running(app) as url, httpx.Client(base_url=url, timeout=30) as http:
-        try:
-            import concurrent.futures
-
-            with concurrent.futures.ThreadPoolExecutor(2) as pool:
-                start = time.monotonic()
-                hung = pool.submit(http.post, "/v1/explain_vectors", json={"vectors": [vector(1.0)]})
-                assert reader.entered.wait(timeout=10)
-                behind = pool.submit(http.post, "/v1/explain_vectors", json={"vectors": [vector(2.0)]})
-                assert http.get("/v1/health").status_code == 200  # while the engine hangs
-                for answer in (hung.result(timeout=30), behind.result(timeout=30)):
-                    assert answer.status_code == 504
-                    assert "not answered within 1 s (request_timeout_s)" in answer.json()["error"]["message"]
-                assert time.monotonic() - start < 10
-            reader.gate.set()
-            served = http.post("/v1/explain_vectors", json={"vectors": [vector(3.0)]})
-            assert served.status_code == 200 and served.json()["results"][0]["explanation"] == "site 3"
-            assert reader.seen == [1.0, 3.0]  # the timed-out request that never started was dropped
-            assert http.get("/v1/info").json()["batching"]["dropped_jobs"] == 1
-        finally:
-            reader.gate.set()
+    with gated(max_batch=1, request_timeout_s=1.0) as (reader, app, http, pool):
+        start = time.monotonic()
+        hung = pool.submit(post, http, 1.0)
+        assert reader.entered.wait(timeout=10)
+        behind = pool.submit(post, http, 2.0)
+        assert http.get("/v1/health").status_code == 200  # while the engine hangs
+        for answer in (hung.result(timeout=30), behind.result(timeout=30)):
+            assert answer.status_code == 504
+            assert "not answered within 1 s (request_timeout_s)" in answer.json()["error"]["message"]
+        assert time.monotonic() - start < 10
+        reader.gate.set()
+        served = post(http, 3.0)
+        assert served.status_code == 200 and served.json()["results"][0]["explanation"] == "site 3"
+        assert reader.seen == [1.0, 3.0]  # the timed-out request that never started was dropped
+        assert http.get("/v1/info").json()["batching"]["dropped_jobs"] == 1
 
 
 def test_a_client_that_disconnects_is_dropped_before_the_engine_and_fails_no_one():
-    reader = StandInReader()
-    reader.gate.clear()
-    app = build_app(reader, config(max_batch=1))
-    with running(app) as url, httpx.Client(base_url=url, timeout=30) as http:
-        try:
-            import concurrent.futures
-
-            with concurrent.futures.ThreadPoolExecutor(2) as pool:
-                first = pool.submit(http.post, "/v1/explain_vectors", json={"vectors": [vector(1.0)]})
-                assert reader.entered.wait(timeout=10)
-                body = json.dumps({"vectors": [vector(2.0)]}).encode()
-                host, port = url.removeprefix("http://").split(":")
-                with socket.create_connection((host, int(port)), timeout=10) as sock:  # sends, then leaves
-                    sock.sendall(f"POST /v1/explain_vectors HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                                 f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
-                    deadline = time.monotonic() + 10
-                    while app.state.batcher.waiting < 1:
-                        assert time.monotonic() < deadline
-                        time.sleep(0.01)
-                time.sleep(0.5)  # the server notices the closed connection and cancels the waiting job
-                third = pool.submit(http.post, "/v1/explain_vectors", json={"vectors": [vector(3.0)]})
-                reader.gate.set()
-                assert first.result(timeout=30).json()["results"][0]["explanation"] == "site 1"
-                assert third.result(timeout=30).json()["results"][0]["explanation"] == "site 3"
-            assert reader.seen == [1.0, 3.0]
-            assert http.get("/v1/info").json()["batching"]["dropped_jobs"] == 1
-        finally:
-            reader.gate.set()
-
-
-class Crash(BaseException):
-    """Escapes the batcher's `except Exception`, as a fault that kills its worker thread would."""
+    with gated(max_batch=1) as (reader, app, http, pool):
+        first = pool.submit(post, http, 1.0)
+        assert reader.entered.wait(timeout=10)
+        body = json.dumps({"vectors": [vector(2.0)]}).encode()
+        host, port = str(http.base_url).removeprefix("http://").rstrip("/").split(":")
+        with socket.create_connection((host, int(port)), timeout=10) as sock:  # sends, then leaves
+            sock.sendall(f"POST /v1/explain_vectors HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+            until_waiting(app, 1)
+        time.sleep(0.5)  # the server notices the closed connection and cancels the waiting job
+        third = pool.submit(post, http, 3.0)
+        reader.gate.set()
+        assert first.result(timeout=30).json()["results"][0]["explanation"] == "site 1"
+        assert third.result(timeout=30).json()["results"][0]["explanation"] == "site 3"
+        assert reader.seen == [1.0, 3.0]
+        assert http.get("/v1/info").json()["batching"]["dropped_jobs"] == 1
 
 
 def test_a_worker_that_dies_is_a_500_and_the_next_request_is_served():

@@ -10,8 +10,10 @@ What is timed, for every engine of --engines on the same N vectors (--sites):
             `explained` counts the sites with an explanation the AR scored: random weights never
             close the <explanation> tag, so without --close-explanations their AR scores none.
   --close-explanations  (bench-side) every rollout without a closed tag gets its text closed at
-            max tokens (`<explanation>` + the generated text + `</explanation>`), so the AR scores
-            every site as it would a trained AV's: the rate with the AR at work.
+            max tokens (`<explanation>` + the generated text, filled with " the" to as many tokens
+            as were generated, + `</explanation>`), so the AR scores every site, reading an
+            explanation as long as a trained AV's that stopped there: the rate with the AR at work.
+            `closed_by_bench` counts the rollouts closed, `mean_explanation_tokens` what the AR read.
   server    (--server-engine E) the `nla serve` app (`build_app` + uvicorn, as `nla serve` runs
             them) on a free 127.0.0.1 port in this process, on E's reader; for each of --clients
             (a comma list: one server case each) that many threads POST
@@ -196,23 +198,31 @@ def reader_settings(args: argparse.Namespace, engine: str):
                           vllm_gpu_mem=args.vllm_gpu_mem, device=args.device)
 
 
-def closed_explanation(text: str) -> str:
-    """The text as it is when it holds a closed <explanation> tag; else what follows any opening tag, closed: the
-    explanation a trained AV would have written had it stopped at max tokens."""
+FILLER = " the"
+"""One token of the toy tokenizer (make_8b_run's), appended where a closed explanation would be shorter than the
+tokens generated: at the 8B shape most sampled ids lie beyond the toy tokenizer and decode to nothing."""
+
+
+def closed_explanation(text: str, n_tokens: int, tokenizer) -> str:
+    """The text as it is when it holds a closed <explanation> tag; else what follows any opening tag, filled to the
+    n_tokens generated and closed: what the AR reads from an AV that stopped at max tokens."""
     import nla_core
 
     if nla_core.extract_explanation(text) is not None:
         return text
-    return f"<explanation>{text.split('<explanation>', 1)[-1]}</explanation>"
+    body = text.split("<explanation>", 1)[-1]
+    missing = n_tokens - len(tokenizer.encode(body, add_special_tokens=False))
+    return f"<explanation>{body}{FILLER * max(missing, 0)}</explanation>"
 
 
 class TimedEngine:
-    """The reader's engine, its generate calls timed (`seconds`, device drained) and, with `close`, each rollout's
-    text passed through closed_explanation (bench-side only: what the AR then scores)."""
+    """The reader's engine, its generate calls timed (`seconds`, device drained) and, with a `close_with` tokenizer,
+    each rollout's text passed through closed_explanation (bench-side only: what the AR then scores); `closed`
+    counts the rollouts so closed."""
 
-    def __init__(self, engine, device: torch.device, *, close: bool) -> None:
-        self.engine, self.device, self.close_tags = engine, device, close
-        self.seconds = 0.0
+    def __init__(self, engine, device: torch.device, *, close_with=None) -> None:
+        self.engine, self.device, self.close_with = engine, device, close_with
+        self.seconds, self.closed = 0.0, 0
 
     @property
     def greedy(self) -> bool:
@@ -227,9 +237,11 @@ class TimedEngine:
 
         seconds, rollouts = syn.timed(lambda: self.engine.generate(requests, **kwargs), self.device)
         self.seconds += seconds
-        if self.close_tags:
-            rollouts = [dataclasses.replace(r, text=closed_explanation(r.text)) for r in rollouts]
-        return rollouts
+        if self.close_with is None:
+            return rollouts
+        closed = [closed_explanation(r.text, r.response_len, self.close_with) for r in rollouts]
+        self.closed += sum(text != r.text for text, r in zip(closed, rollouts))
+        return [dataclasses.replace(r, text=text) for r, text in zip(rollouts, closed)]
 
     def __getattr__(self, name: str):  # shares_actor_weights, last_stats, close, ...
         return getattr(self.engine, name)
@@ -242,7 +254,7 @@ def time_offline(reader, vectors: torch.Tensor, args: argparse.Namespace, device
         return reader.explain(batch, samples=1, greedy=False, max_new_tokens=args.new_tokens)
 
     warm_s, _ = syn.timed(lambda: explain(-1, vectors[: args.batch]), device)
-    reader.engine.seconds = 0.0
+    reader.engine.seconds = reader.engine.closed = 0
     seconds, results, memory = syn.measured(
         lambda: [site for i, start in enumerate(range(0, len(vectors), args.batch))
                  for site in explain(i, vectors[start : start + args.batch])], device)
@@ -250,7 +262,10 @@ def time_offline(reader, vectors: torch.Tensor, args: argparse.Namespace, device
     generate_s = reader.engine.seconds
     return {"seconds": seconds, "warmup_s": warm_s, "sites_per_s": len(results) / seconds,
             "tokens_per_s": tokens / seconds, "mean_generated_tokens": tokens / len(results),
-            "generate_s": generate_s, "score_s": seconds - generate_s,
+            "generate_s": generate_s, "score_s": seconds - generate_s, "closed_by_bench": reader.engine.closed,
+            "mean_explanation_tokens": statistics.mean(
+                len(reader.tokenizer.encode(r.explanation, add_special_tokens=False)) if r.explanation else 0
+                for r in results),
             "explained": sum(r.explanation is not None for r in results),
             "scored": sum(r.mse is not None for r in results), **memory}
 
@@ -394,7 +409,7 @@ def run_engine(engine: str, vectors: torch.Tensor, vectors_parquet: Path, args, 
     except Exception as err:  # noqa: BLE001 - report and go on with the next engine
         record.error(f"{engine} load", err)
         return
-    reader.engine = TimedEngine(reader.engine, device, close=args.close_explanations)
+    reader.engine = TimedEngine(reader.engine, device, close_with=reader.tokenizer if args.close_explanations else None)
     legs = [("offline", lambda: time_offline(reader, vectors, args, device))]
     if engine == args.server_engine:  # the corpus rate first: each server case is compared with it
         legs += [("corpus", lambda: time_corpus(reader, vectors_parquet, args, engine, workdir, device))]

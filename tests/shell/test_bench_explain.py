@@ -32,6 +32,7 @@ def test_explain_bench_times_every_engine_and_the_server_answers_each_site_once(
         assert case["sites"] == 10 and case["sites_per_s"] > 0 and case["tokens_per_s"] > 0
         assert 0 < case["mean_generated_tokens"] <= 8
         assert case["closed_explanations"] and case["scored"] == case["explained"] == 10  # the AR read every site
+        assert case["closed_by_bench"] > 0 and case["mean_explanation_tokens"] >= 0.5 * case["mean_generated_tokens"]
         assert 0 < case["generate_s"] < case["seconds"] and case["score_s"] > 0
     (corpus,) = [c for c in record["cases"] if c["mode"] == "corpus"]
     assert corpus["sites"] == 10 and corpus["sites_per_s"] > 0

@@ -107,10 +107,9 @@ class RequestError(Exception):
 
 
 def field_path(loc: Sequence[Any]) -> str:
-    """('body', 'vectors', 0, 3) -> 'vectors[0][3]'; the body itself -> 'body'."""
-    parts = [p for p in loc if p != "body"]
+    """('vectors', 0, 3) -> 'vectors[0][3]'; the body itself (an empty loc) -> 'body'."""
     path = ""
-    for part in parts:
+    for part in loc:
         path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
     return path or "body"
 
@@ -118,8 +117,6 @@ def field_path(loc: Sequence[Any]) -> str:
 def refusal(errors: Sequence[dict[str, Any]]) -> RequestError:
     """Pydantic's validation errors as one refusal naming the first field at fault."""
     first = errors[0]
-    if first["type"] == "json_invalid":
-        return RequestError(400, "body", f"malformed JSON: {first.get('ctx', {}).get('error', first['msg'])}")
     field = field_path(first["loc"])
     if first["type"] == "extra_forbidden":
         return RequestError(422, field, "unknown field; see GET /openapi.json for the fields each endpoint takes")

@@ -259,7 +259,10 @@ async def run_job(app: FastAPI, job: Job, request: Request, *, timeout_s: float)
     finally:
         gone.cancel()
         if not answer.done():
-            answer.cancel()  # cancels the job too (asyncio.wrap_future chains them): dropped unless started
+            # the job's own future at once (dropped unless started): cancelling `answer` alone would reach it only
+            # on the loop's next turn, after the answer below may have been written and the worker moved on
+            job.future.cancel()
+            answer.cancel()
     if answer in done:
         try:
             return answer.result()

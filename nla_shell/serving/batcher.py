@@ -85,16 +85,18 @@ class Batcher:
     def submit(self, job: Job) -> Future:
         """Queue a job; its future gets the job's SiteExplanations. Raises QueueFull when max_queue jobs wait."""
         with self._submit_lock:
-            if self.max_queue is not None and self._queue.qsize() >= self.max_queue:
+            if self.max_queue is not None and (waiting := self.waiting) >= self.max_queue:
                 self.stats["refused_jobs"] += 1
-                raise QueueFull(f"{self._queue.qsize()} requests are waiting (the limit, max_queue)")
+                raise QueueFull(f"{waiting} requests are waiting (the limit, max_queue)")
             self._queue.put(job)
         return job.future
 
     @property
     def waiting(self) -> int:
-        """Jobs queued and not yet taken by the worker."""
-        return self._queue.qsize()
+        """Jobs queued, not yet taken by the worker and not cancelled (a cancelled one holds no place in the queue:
+        the worker drops it)."""
+        with self._queue.mutex:
+            return sum(job is not None and not job.future.cancelled() for job in self._queue.queue)
 
     def close(self) -> None:
         self._closing = True

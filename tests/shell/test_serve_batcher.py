@@ -56,6 +56,7 @@ def test_a_job_cancelled_before_it_starts_never_reaches_the_engine(blocked):
         assert blocked.entered.wait(timeout=10)
         batcher.submit(waiting)
         assert waiting.future.cancel()  # its client left while it waited
+        assert batcher.waiting == 0  # it holds no place in the queue
         batcher.submit(later)
         blocked.gate.set()
         assert explanations(running.future) == ["site 1"] and explanations(later.future) == ["site 3"]

@@ -65,7 +65,7 @@ def gated(**overrides):
 
 
 def until_waiting(app, n: int) -> None:
-    """Returns once n requests wait in the batcher's queue (10 s at most)."""
+    """Returns once n requests (not cancelled) wait in the batcher's queue (10 s at most)."""
     deadline = time.monotonic() + 10
     while app.state.batcher.waiting < n:
         assert time.monotonic() < deadline, f"{app.state.batcher.waiting} requests waiting, not {n}"
@@ -137,7 +137,9 @@ def test_a_text_without_positions_or_all_explains_its_last_token_only():
 
 def test_a_full_queue_is_503_with_retry_after_at_once_and_the_queued_are_served():
     with gated(max_batch=1, max_queue=2) as (reader, app, http, pool):
-        held = [pool.submit(post, http, float(i)) for i in range(3)]  # one in the engine, two waiting
+        held = [pool.submit(post, http, 0.0)]
+        assert reader.entered.wait(timeout=10)  # in the engine: no longer waiting
+        held += [pool.submit(post, http, float(i)) for i in (1, 2)]
         until_waiting(app, 2)
         start = time.monotonic()
         refused = post(http, 9.0)
@@ -180,7 +182,10 @@ def test_a_client_that_disconnects_is_dropped_before_the_engine_and_fails_no_one
             sock.sendall(f"POST /v1/explain_vectors HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                          f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
             until_waiting(app, 1)
-        time.sleep(0.5)  # the server notices the closed connection and cancels the waiting job
+        deadline = time.monotonic() + 10
+        while app.state.batcher.waiting:  # the server notices the closed connection and cancels the waiting job
+            assert time.monotonic() < deadline, "the left client's job was not cancelled"
+            time.sleep(0.01)
         third = pool.submit(post, http, 3.0)
         reader.gate.set()
         assert first.result(timeout=30).json()["results"][0]["explanation"] == "site 1"

@@ -27,11 +27,8 @@ from starlette.exceptions import HTTPException
 
 from nla_shell.serving.batcher import Batcher, Decoding, Job, QueueFull
 from nla_shell.serving.config import ServeConfig
-from nla_shell.serving.guard import Guard, error_response
+from nla_shell.serving.guard import Guard, busy_response, error_response
 from nla_shell.serving.reader import NLAReader, SiteExplanation
-
-RETRY_AFTER_S = 1
-"""Retry-After of a 503 (queue full): a batch takes about this long on a GPU."""
 
 FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
 
@@ -248,11 +245,8 @@ async def client_gone(request: Request) -> None:
 async def run_job(app: FastAPI, job: Job, request: Request, *, timeout_s: float) -> list[SiteExplanation]:
     """The job's results, waited for until they come, the client leaves or timeout_s passes; in the last two cases
     the job is cancelled, which drops its sites if the worker has not started it (and touches no other job)."""
-    try:
-        answer = asyncio.wrap_future(app.state.batcher.submit(job))
-    except QueueFull as err:
-        raise RequestError(503, None, f"the server is busy: {err}; retry after {RETRY_AFTER_S} s",
-                           headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+    # QueueFull (a 503, answered by build_app's handler): the room the guard saw before the body was read has gone
+    answer = asyncio.wrap_future(app.state.batcher.submit(job))
     gone = asyncio.ensure_future(client_gone(request))
     try:
         done, _ = await asyncio.wait({answer, gone}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
@@ -285,11 +279,16 @@ def build_app(reader: NLAReader, cfg: ServeConfig) -> FastAPI:
     app = FastAPI(title="nla serve", version="1", description="Natural Language Autoencoder: explain activations.")
     app.state.batcher = Batcher(reader, max_sites=cfg.max_batch, wait_s=cfg.batch_wait_ms / 1000,
                                 max_wait_s=cfg.batch_max_wait_ms / 1000, max_queue=cfg.max_queue)
-    app.add_middleware(Guard, api_key=cfg.resolved_api_key(), max_body_bytes=int(cfg.max_body_mb * 1_000_000))
+    app.add_middleware(Guard, api_key=cfg.resolved_api_key(), max_body_bytes=int(cfg.max_body_mb * 1_000_000),
+                       busy=app.state.batcher.refusal)
 
     @app.exception_handler(RequestError)
     async def refused(request: Request, err: RequestError) -> JSONResponse:
         return error_response(err.status, err.field, err.message, err.headers)
+
+    @app.exception_handler(QueueFull)
+    async def busy(request: Request, err: QueueFull) -> JSONResponse:
+        return busy_response(str(err))
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, err: HTTPException) -> JSONResponse:

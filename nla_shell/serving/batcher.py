@@ -85,11 +85,18 @@ class Batcher:
     def submit(self, job: Job) -> Future:
         """Queue a job; its future gets the job's SiteExplanations. Raises QueueFull when max_queue jobs wait."""
         with self._submit_lock:
-            if self.max_queue is not None and (waiting := self.waiting) >= self.max_queue:
-                self.stats["refused_jobs"] += 1
-                raise QueueFull(f"{waiting} requests are waiting (the limit, max_queue)")
+            if (reason := self.refusal()) is not None:
+                raise QueueFull(reason)
             self._queue.put(job)
         return job.future
+
+    def refusal(self) -> str | None:
+        """Why a job arriving now is refused (max_queue jobs wait), counted in stats["refused_jobs"]; None when
+        there is room. The server asks before reading a request's body, and submit asks again."""
+        if self.max_queue is None or (waiting := self.waiting) < self.max_queue:
+            return None
+        self.stats["refused_jobs"] += 1
+        return f"{waiting} requests are waiting (the limit, max_queue)"
 
     @property
     def waiting(self) -> int:

@@ -1,11 +1,12 @@
-"""What `nla serve` checks before an endpoint reads a byte of the body: the bearer token and the body's size.
+"""What `nla serve` checks before an endpoint reads a byte of the body: the token, the body's size, room to queue.
 
 `Guard` is plain ASGI middleware around the FastAPI app (OWASP's API rules: authenticate
 before parsing, cap body sizes). On every path but the open ones (`/v1/health`) it checks
-`Authorization: Bearer KEY` from the headers alone (401, the body unread); then it reads the
-body into memory up to `max_body_bytes`, answering 413 at once for a larger `Content-Length`
-or as soon as a streamed (chunked) body grows past the cap, the rest unread. The endpoint
-gets the body as read. Every refusal has the server's one JSON shape (`error_response`).
+`Authorization: Bearer KEY` from the headers alone (401, the body unread); a POST is refused
+503 with Retry-After when the server has no room to queue it (`busy`); then it reads the body
+into memory up to `max_body_bytes`, answering 413 at once for a larger `Content-Length` or as
+soon as a streamed (chunked) body grows past the cap, the rest unread. The endpoint gets the
+body as read. Every refusal has the server's one JSON shape (`error_response`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 OPEN_PATHS = frozenset({"/v1/health"})
 """Paths answered without the bearer token."""
+RETRY_AFTER_S = 1
+"""Retry-After of a 503 (no room to queue): a batch takes about this long on a GPU."""
 
 
 def error_response(status: int, field: str | None, message: str,
@@ -32,22 +35,31 @@ def error_response(status: int, field: str | None, message: str,
     return JSONResponse({"error": {"field": field, "message": message}}, status_code=status, headers=headers or None)
 
 
+def busy_response(reason: str) -> JSONResponse:
+    """503 with Retry-After: the server has no room for the request now."""
+    return error_response(503, None, f"the server is busy: {reason}; retry after {RETRY_AFTER_S} s",
+                          {"Retry-After": str(RETRY_AFTER_S)})
+
+
 class BodyTooLarge(Exception):
     """The body is past the cap: answered 413."""
 
 
 class Guard:
-    """ASGI middleware: the bearer token, then the body read up to `max_body_bytes`, before the app runs."""
+    """ASGI middleware: the bearer token, room to queue a POST (`busy`: why there is none, or None), then the body
+    read up to `max_body_bytes`, before the app runs."""
 
-    def __init__(self, app: ASGIApp, *, api_key: str | None, max_body_bytes: int) -> None:
-        self.app, self.api_key, self.max_body_bytes = app, api_key, max_body_bytes
+    def __init__(self, app: ASGIApp, *, api_key: str | None, max_body_bytes: int,
+                 busy: Callable[[], str | None] = lambda: None) -> None:
+        self.app, self.api_key, self.max_body_bytes, self.busy = app, api_key, max_body_bytes, busy
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        refusal = self._unauthorized(scope["path"], headers) or self._declared_too_large(headers)
+        refusal = (self._unauthorized(scope["path"], headers) or self._declared_too_large(headers)
+                   or self._no_room(scope["method"]))
         if refusal is not None:
             await refusal(scope, receive, send)
             return
@@ -66,6 +78,10 @@ class Guard:
         if hmac.compare_digest(sent.encode(), f"Bearer {self.api_key}".encode()):
             return None
         return error_response(401, "Authorization", "send the header 'Authorization: Bearer <api key>'")
+
+    def _no_room(self, method: str) -> JSONResponse | None:
+        reason = self.busy() if method == "POST" else None
+        return None if reason is None else busy_response(reason)
 
     def _declared_too_large(self, headers: Mapping[str, str]) -> JSONResponse | None:
         declared = headers.get("content-length", "")

@@ -146,6 +146,11 @@ def test_a_full_queue_is_503_with_retry_after_at_once_and_the_queued_are_served(
         assert time.monotonic() - start < 2
         assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
         assert "2 requests are waiting (the limit, max_queue)" in refused.json()["error"]["message"]
+        head = ("POST /v1/explain_vectors HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                "Content-Length: 20000000\r\n\r\n")
+        answer, seconds = raw_request(str(http.base_url).rstrip("/"), head, b"{")  # refused before its 20 MB
+        assert status_and_error(answer)[0] == 503 and b"retry-after: 1" in answer.lower() and seconds < 5
+        assert app.state.batcher.stats["refused_jobs"] == 2
         reader.gate.set()
         answers = [f.result(timeout=30) for f in held]
         assert [a.json()["results"][0]["explanation"] for a in answers] == ["site 0", "site 1", "site 2"]

@@ -17,7 +17,8 @@ that dies (anything escaping the loop) fails the jobs it held and those waiting,
 worker takes its place.
 
 Batching is per engine call, not per decode step: a batch runs to its end before the next
-starts (no admission of new sequences between decode steps).
+starts (no admission of new sequences between decode steps). On an engine with CUDA graphs
+(native on a GPU) every call is padded to `max_sites` prompts, one batch shape for all.
 """
 
 from __future__ import annotations
@@ -75,6 +76,9 @@ class Batcher:
         self.reader, self.max_sites, self.wait_s = reader, max_sites, wait_s
         self.max_wait_s = wait_s if max_wait_s is None else max(max_wait_s, wait_s)
         self.max_queue = max_queue
+        # An engine with CUDA graphs (native on a GPU) captures them per batch shape: every batch is padded to
+        # max_sites so that one shape serves, rather than a capture for each new batch size the traffic makes.
+        self.pad_to = max_sites if getattr(reader.engine, "cuda_graphs", False) else None
         self.stats = {"batches": 0, "sites": 0, "jobs": 0, "largest_batch_sites": 0, "dropped_jobs": 0,
                       "refused_jobs": 0, "worker_restarts": 0}
         self._queue: queue.Queue[Job | None] = queue.Queue()
@@ -193,7 +197,7 @@ class Batcher:
             vectors = self._vectors(jobs)
             decoding = jobs[0].decoding
             results = self.reader.explain(vectors, samples=decoding.samples, greedy=decoding.greedy,
-                                          max_new_tokens=decoding.max_new_tokens)
+                                          max_new_tokens=decoding.max_new_tokens, pad_to=self.pad_to)
         except Exception as err:  # noqa: BLE001 - the requests of this batch fail; the server keeps serving
             for job in jobs:
                 job.future.set_exception(err)

@@ -62,22 +62,27 @@ class StandInReader:
     """NLAReader's surface as the server uses it; site i's explanation names its vector's first number.
 
     `gate`: explain waits for it (bounded); `entered` is set once explain is running; `fault`: explain raises it
-    once. `seen` records the first number of every vector that reached the engine.
+    once. `seen` records the first number of every vector that reached the engine, `pad_to` each call's padding.
     """
 
     d_model: int = 4
     min_context: int = 0
     fault: BaseException | None = None
+    engine: object = None
+    """What the batcher asks about the engine (cuda_graphs); None: an engine without CUDA graphs."""
 
     def __post_init__(self) -> None:
         self.gate = threading.Event()
         self.gate.set()
         self.entered = threading.Event()
         self.seen: list[float] = []
+        self.pad_to: list[int | None] = []
         self.target_tokenizer = WordTokenizer()
 
-    def explain(self, vectors: torch.Tensor, *, samples: int, greedy: bool, max_new_tokens: int):
+    def explain(self, vectors: torch.Tensor, *, samples: int, greedy: bool, max_new_tokens: int,
+                pad_to: int | None = None):
         self.entered.set()
+        self.pad_to.append(pad_to)
         assert self.gate.wait(timeout=30), "the test never opened the gate"
         if self.fault is not None:
             fault, self.fault = self.fault, None

@@ -143,6 +143,17 @@ def test_the_reconstruction_is_the_scoring_pass_s_one_ar_forward_per_batch(serve
         assert torch.allclose(site.reconstruction, again.reconstruction, atol=1e-5)
 
 
+def test_a_padded_engine_call_explains_the_sites_as_an_unpadded_one(reader, eval_vectors):
+    """reader.explain(pad_to=...) (the server's batches on a CUDA-graph engine): the extra prompts are generated and
+    dropped; the sites' explanations and scores are those of the unpadded call."""
+    vectors = eval_vectors[:3]
+    alone = reader.explain(vectors, samples=1, greedy=True, max_new_tokens=8)
+    padded = reader.explain(vectors, samples=1, greedy=True, max_new_tokens=8, pad_to=8)
+    assert len(padded) == 3
+    assert [s.explanations for s in padded] == [s.explanations for s in alone]
+    assert [s.mse for s in padded] == pytest.approx([s.mse for s in alone], rel=1e-5)
+
+
 def test_base64_vectors_and_reconstructions_match_the_float_lists(server, eval_vectors):
     url, _ = server
     vectors = torch.cat([eval_vectors[:3], torch.randn(2, 64, generator=torch.Generator().manual_seed(1))])

@@ -4,6 +4,7 @@ cancelled job never reaches the engine, a full queue refuses at once, a dead wor
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -115,3 +116,17 @@ def test_a_batch_gathers_while_requests_keep_arriving_up_to_its_longest_wait():
         assert time.monotonic() - alone < 2.0
     finally:
         batcher.close()
+
+
+def test_batches_are_padded_to_one_shape_only_for_an_engine_with_cuda_graphs():
+    """The native engine on a GPU captures CUDA graphs per batch shape: the batcher asks for max_sites prompts every
+    call there (reader.explain pads and drops the extra), and for no padding elsewhere."""
+    for engine, padded in ((SimpleNamespace(cuda_graphs=True), 8), (SimpleNamespace(cuda_graphs=False), None),
+                           (None, None)):
+        reader = StandInReader(engine=engine)
+        batcher = Batcher(reader, max_sites=8, wait_s=0.0)
+        try:
+            assert explanations(batcher.submit(job(1.0))) == ["site 1"]
+        finally:
+            batcher.close()
+        assert reader.pad_to == [padded]

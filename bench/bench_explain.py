@@ -5,15 +5,27 @@ What is timed, for every engine of --engines on the same N vectors (--sites):
             temperature 1, --new-tokens), the AR's scoring of every explanation (its
             reconstruction and MSE) inside the timed region; one warm-up batch before, untimed.
             sites/s, generated tokens/s, mean generated tokens (random weights rarely draw EOS,
-            so a sample usually runs the full length), peak GPU memory.
+            so a sample usually runs the full length), peak GPU memory, and the split of the
+            time: `generate_s` (the engine's calls) and `score_s` (the rest: the AR's scoring).
+            `explained` counts the sites with an explanation the AR scored: random weights never
+            close the <explanation> tag, so without --close-explanations their AR scores none.
+  --close-explanations  (bench-side) every rollout without a closed tag gets its text closed at
+            max tokens (`<explanation>` + the generated text, filled with " the" to as many tokens
+            as were generated, + `</explanation>`), so the AR scores every site, reading an
+            explanation as long as a trained AV's that stopped there: the rate with the AR at work.
+            `closed_by_bench` counts the rollouts closed, `mean_explanation_tokens` what the AR read.
   server    (--server-engine E) the `nla serve` app (`build_app` + uvicorn, as `nla serve` runs
-            them) on a free 127.0.0.1 port in this process, on E's reader; --clients threads POST
+            them) on a free 127.0.0.1 port in this process, on E's reader; for each of --clients
+            (a comma list: one server case each) that many threads POST
             /v1/explain_vectors with --vectors-per-request vectors each (as JSON number lists, or
             base64 float32 with --server-encoding base64) until the N sites are
             done: sites/s, p50/p99 request latency, and a check that every site was answered
-            exactly once (per request and by the batcher's counters).
-  corpus    (with server) `nla explain --parquet` mode (`explain_corpus`) on the same reader over
-            a parquet of the same N vectors: sites/s and generated tokens/s, beside the server.
+            exactly once (per request and by the batcher's counters), and `server_over_corpus`:
+            its rate over the corpus leg's (same engine, batch size and vectors). The server
+            batches per engine call, so a closed loop of clients fills the engine's batches only
+            with about twice --batch sites in flight (clients x vectors per request).
+  corpus    (with server, timed before it) `nla explain --parquet` mode (`explain_corpus`) on the
+            same reader over a parquet of the same N vectors: sites/s and generated tokens/s.
 
 Inputs: --make-8b DIR (builds bench/make_8b_run.py's random Qwen3-8B-shape AV, AR and data there,
 unless DIR/av exists), --run DIR (one already built), or --av/--ar [--sidecar] of a trained NLA.
@@ -26,7 +38,14 @@ subprocess after them, since a vLLM engine is created cleanly once per process, 
 tokens at 8B is ~4 GB). The JSON is rewritten after every case; a failed case goes
 under `errors` and the run goes on. The table is printed last.
 
-On the H200 (install vLLM first as bench/README.md says; without it the vllm rows are skipped):
+On one H200 without vLLM (native engine; the 8B shape with the AR at work, and the server under
+load beside the corpus rate; about 3-4 minutes with the random 8B run built in /tmp/nla8b):
+
+    PYTHONUNBUFFERED=1 python3 bench/bench_explain.py --make-8b /tmp/nla8b --label qwen3-8b-random-closed \
+        --engines native --server-engine native --close-explanations --sites 1024 --batch 256 \
+        --clients 16,32 --out $OUT/explain_8b_native_closed.json
+
+With vLLM installed (bench/README.md; without it the vllm rows are skipped):
 
     source /tmp/vllm_env.sh && PYTHONUNBUFFERED=1 python3 bench/bench_explain.py --make-8b /tmp/nla8b \\
         --label qwen3-8b-random --server-engine vllm --out $OUT/explain_8b.json
@@ -88,7 +107,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--new-tokens", type=int, default=None, help="explanation length (default 64; tiny 8)")
     parser.add_argument("--server-engine", choices=("hf", "native", "vllm"), default=None,
                         help="also time `nla serve` and the corpus mode with this engine (off by default; tiny hf)")
-    parser.add_argument("--clients", type=int, default=None, help="concurrent HTTP clients (default 16; tiny 3)")
+    parser.add_argument("--clients", default=None,
+                        help="concurrent HTTP clients, a comma list: one server case each (default 16; tiny 3)")
+    parser.add_argument("--batch-max-wait-ms", type=float, default=50.0,
+                        help="server leg: nla serve's --batch-max-wait-ms (0: a batch gathers for --batch-wait-ms only)")
+    parser.add_argument("--close-explanations", action="store_true",
+                        help="close the <explanation> tag at max tokens where a rollout has none (see above)")
     parser.add_argument("--vectors-per-request", type=int, default=None, help="vectors per POST (default 16; tiny 2)")
     parser.add_argument("--server-encoding", choices=("json", "base64"), default="json",
                         help="server leg: vectors and reconstructions as JSON number lists or base64 float32")
@@ -103,7 +127,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.batch = args.batch or (4 if tiny else 256)
     args.new_tokens = args.new_tokens or (8 if tiny else 64)
     args.server_engine = args.server_engine or ("hf" if tiny else None)
-    args.clients = args.clients or (3 if tiny else 16)
+    args.clients = [int(c) for c in str(args.clients or (3 if tiny else 16)).split(",") if c]
     args.vectors_per_request = args.vectors_per_request or (2 if tiny else 16)
     if args.server_engine and args.server_engine not in args.engines:
         args.engines.append(args.server_engine)  # the server leg runs on that engine's offline reader
@@ -174,6 +198,55 @@ def reader_settings(args: argparse.Namespace, engine: str):
                           vllm_gpu_mem=args.vllm_gpu_mem, device=args.device)
 
 
+FILLER = " the"
+"""One token of the toy tokenizer (make_8b_run's), appended where a closed explanation would be shorter than the
+tokens generated: at the 8B shape most sampled ids lie beyond the toy tokenizer and decode to nothing."""
+
+
+def closed_explanation(text: str, n_tokens: int, tokenizer) -> str:
+    """The text as it is when it holds a closed <explanation> tag; else what follows any opening tag, filled to the
+    n_tokens generated and closed: what the AR reads from an AV that stopped at max tokens."""
+    import nla_core
+
+    if nla_core.extract_explanation(text) is not None:
+        return text
+    body = text.split("<explanation>", 1)[-1]
+    missing = n_tokens - len(tokenizer.encode(body, add_special_tokens=False))
+    return f"<explanation>{body}{FILLER * max(missing, 0)}</explanation>"
+
+
+class TimedEngine:
+    """The reader's engine, its generate calls timed (`seconds`, device drained) and, with a `close_with` tokenizer,
+    each rollout's text passed through closed_explanation (bench-side only: what the AR then scores); `closed`
+    counts the rollouts so closed."""
+
+    def __init__(self, engine, device: torch.device, *, close_with=None) -> None:
+        self.engine, self.device, self.close_with = engine, device, close_with
+        self.seconds, self.closed = 0.0, 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.engine.greedy
+
+    @greedy.setter
+    def greedy(self, value: bool) -> None:  # the reader sets it on its engine before every call
+        self.engine.greedy = value
+
+    def generate(self, requests, **kwargs):
+        import dataclasses
+
+        seconds, rollouts = syn.timed(lambda: self.engine.generate(requests, **kwargs), self.device)
+        self.seconds += seconds
+        if self.close_with is None:
+            return rollouts
+        closed = [closed_explanation(r.text, r.response_len, self.close_with) for r in rollouts]
+        self.closed += sum(text != r.text for text, r in zip(closed, rollouts))
+        return [dataclasses.replace(r, text=text) for r, text in zip(rollouts, closed)]
+
+    def __getattr__(self, name: str):  # shares_actor_weights, last_stats, close, ...
+        return getattr(self.engine, name)
+
+
 def time_offline(reader, vectors: torch.Tensor, args: argparse.Namespace, device: torch.device) -> dict:
     """NLAReader.explain over the vectors batch by batch, after one untimed warm-up batch."""
     def explain(index: int, batch: torch.Tensor):
@@ -181,17 +254,25 @@ def time_offline(reader, vectors: torch.Tensor, args: argparse.Namespace, device
         return reader.explain(batch, samples=1, greedy=False, max_new_tokens=args.new_tokens)
 
     warm_s, _ = syn.timed(lambda: explain(-1, vectors[: args.batch]), device)
+    reader.engine.seconds = reader.engine.closed = 0
     seconds, results, memory = syn.measured(
         lambda: [site for i, start in enumerate(range(0, len(vectors), args.batch))
                  for site in explain(i, vectors[start : start + args.batch])], device)
     tokens = sum(r.generated_tokens for r in results)
+    generate_s = reader.engine.seconds
     return {"seconds": seconds, "warmup_s": warm_s, "sites_per_s": len(results) / seconds,
             "tokens_per_s": tokens / seconds, "mean_generated_tokens": tokens / len(results),
-            "explained": sum(r.explanation is not None for r in results), **memory}
+            "generate_s": generate_s, "score_s": seconds - generate_s, "closed_by_bench": reader.engine.closed,
+            "mean_explanation_tokens": statistics.mean(
+                len(reader.tokenizer.encode(r.explanation, add_special_tokens=False)) if r.explanation else 0
+                for r in results),
+            "explained": sum(r.explanation is not None for r in results),
+            "scored": sum(r.mse is not None for r in results), **memory}
 
 
-def time_server(reader, vectors: torch.Tensor, args: argparse.Namespace, engine: str, device: torch.device) -> dict:
-    """The `nla serve` app on a free loopback port, driven by --clients threads until every site is answered."""
+def time_server(reader, vectors: torch.Tensor, args: argparse.Namespace, engine: str, device: torch.device,
+                clients: int) -> dict:
+    """The `nla serve` app on a free loopback port, driven by `clients` threads until every site is answered."""
     import httpx
 
     from nla_shell.serving.app import build_app
@@ -201,7 +282,8 @@ def time_server(reader, vectors: torch.Tensor, args: argparse.Namespace, engine:
     # model= is required by ServeConfig but only /v1/explain reads it; the reader was loaded without a target LM
     cfg = ServeConfig(av=args.av, ar=args.ar, sidecar=args.sidecar, engine=engine, model=args.av, port=0,
                       max_batch=args.batch, max_sites=k, max_new_tokens=args.new_tokens,
-                      max_new_tokens_limit=max(args.new_tokens, 256), device=args.device)
+                      max_new_tokens_limit=max(args.new_tokens, 256), device=args.device,
+                      batch_max_wait_ms=args.batch_max_wait_ms)
     app = build_app(reader, cfg)
     sock = bind("127.0.0.1", 0)
     server = uvicorn_server(app)
@@ -261,7 +343,7 @@ def time_server(reader, vectors: torch.Tensor, args: argparse.Namespace, engine:
         before = httpx.get(f"{url}/v1/info").json()["batching"]
         syn.reset_peak(device)
         t0 = time.perf_counter()
-        threads = [threading.Thread(target=client) for _ in range(args.clients)]
+        threads = [threading.Thread(target=client) for _ in range(clients)]
         for t in threads:
             t.start()
         for t in threads:
@@ -278,7 +360,8 @@ def time_server(reader, vectors: torch.Tensor, args: argparse.Namespace, engine:
     batcher = {key: after[key] - before[key] for key in ("batches", "sites", "jobs")}
     return {"seconds": seconds, "sites_per_s": sum(answered) / seconds, "requests": len(bodies),
             "encoding": args.server_encoding,
-            "clients": args.clients, "vectors_per_request": k, "peak_gib": peak, "failed_requests": failures,
+            "clients": clients, "vectors_per_request": k, "sites_in_flight": clients * k,
+            "batch_max_wait_ms": args.batch_max_wait_ms, "peak_gib": peak, "failed_requests": failures,
             "sites_answered_once": sum(a == 1 for a in answered),
             "sites_answered_twice_or_more": sum(a > 1 for a in answered),
             "p50_ms": 1000 * statistics.median(latencies), "p99_ms": 1000 * percentile(latencies, 0.99),
@@ -326,19 +409,25 @@ def run_engine(engine: str, vectors: torch.Tensor, vectors_parquet: Path, args, 
     except Exception as err:  # noqa: BLE001 - report and go on with the next engine
         record.error(f"{engine} load", err)
         return
+    reader.engine = TimedEngine(reader.engine, device, close_with=reader.tokenizer if args.close_explanations else None)
     legs = [("offline", lambda: time_offline(reader, vectors, args, device))]
-    if engine == args.server_engine:
-        legs += [("server", lambda: time_server(reader, vectors, args, engine, device)),
-                 ("corpus", lambda: time_corpus(reader, vectors_parquet, args, engine, workdir, device))]
+    if engine == args.server_engine:  # the corpus rate first: each server case is compared with it
+        legs += [("corpus", lambda: time_corpus(reader, vectors_parquet, args, engine, workdir, device))]
+        legs += [("server", lambda c=c: time_server(reader, vectors, args, engine, device, c)) for c in args.clients]
+    corpus_rate = math.nan
     for mode, leg in legs:
         print(f"[{engine}] {mode}", flush=True)
         try:
-            case = {"mode": mode, **base, "load_s": load_s, **leg()}
+            case = {"mode": mode, **base, "closed_explanations": args.close_explanations, "load_s": load_s, **leg()}
         except Exception as err:  # noqa: BLE001
             record.error(f"{engine} {mode}", err)
             continue
         if mode == "offline" and engine != "hf":
             case["engine_stats"] = getattr(reader.engine, "last_stats", None)
+        if mode == "corpus":
+            corpus_rate = case["sites_per_s"]
+        if mode == "server":
+            case["server_over_corpus"] = case["sites_per_s"] / corpus_rate
         record.add(case)
         print(f"  {case['sites_per_s']:.2f} sites/s, {case.get('tokens_per_s', math.nan):.0f} tokens/s", flush=True)
     reader.engine.close()
@@ -353,11 +442,13 @@ def run_in_subprocess(engine: str, args, vectors_parquet: Path, record: syn.Reco
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--engines", engine, "--av", args.av,
            "--ar", args.ar, "--parquet", str(vectors_parquet), "--label", args.label, "--sites", str(args.sites),
            "--batch", str(args.batch), "--new-tokens", str(args.new_tokens), "--vllm-gpu-mem", str(args.vllm_gpu_mem),
-           "--device", args.device, "--clients", str(args.clients),
+           "--device", args.device, "--clients", ",".join(map(str, args.clients)),
+           "--batch-max-wait-ms", str(args.batch_max_wait_ms),
            "--vectors-per-request", str(args.vectors_per_request), "--server-encoding", args.server_encoding,
            "--out", str(out)]
     cmd += ["--sidecar", args.sidecar] if args.sidecar else []
     cmd += ["--tiny"] if args.tiny else []
+    cmd += ["--close-explanations"] if args.close_explanations else []
     cmd += ["--server-engine", engine] if args.server_engine == engine else []
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0")}
     print(f"[{engine}] {' '.join(cmd)}", flush=True)
@@ -378,13 +469,18 @@ def run_in_subprocess(engine: str, args, vectors_parquet: Path, record: syn.Reco
 
 
 def summary(cases: list[dict]) -> str:
+    """The table: per case its rate, the offline split into generation and the AR's scoring (with the sites the AR
+    scored), the server's rate over the corpus rate, and latency."""
     hf = {(c["mode"], c["label"]): c["sites_per_s"] for c in cases if c["engine"] == "hf"}
-    lines = [f"{'mode':8} {'engine':7} {'label':18} {'sites/s':>9} {'tokens/s':>9} {'x hf':>6} {'p50 ms':>8} "
-             f"{'p99 ms':>8} {'peak GiB':>8}"]
+    lines = [f"{'mode':10} {'engine':7} {'label':18} {'sites/s':>9} {'tokens/s':>9} {'x hf':>6} {'gen s':>7} "
+             f"{'AR s':>7} {'scored':>7} {'/corpus':>7} {'p50 ms':>8} {'p99 ms':>8} {'peak GiB':>8}"]
     for c in cases:
         ratio = c["sites_per_s"] / hf[(c["mode"], c["label"])] if (c["mode"], c["label"]) in hf else math.nan
-        lines.append(f"{c['mode']:8} {c['engine']:7} {c['label'][:18]:18} {c['sites_per_s']:9.2f} "
-                     f"{c.get('tokens_per_s', math.nan):9.0f} {ratio:6.2f} {c.get('p50_ms', math.nan):8.0f} "
+        mode = f"server/{c['clients']}" if c["mode"] == "server" else c["mode"]
+        lines.append(f"{mode:10} {c['engine']:7} {c['label'][:18]:18} {c['sites_per_s']:9.2f} "
+                     f"{c.get('tokens_per_s', math.nan):9.0f} {ratio:6.2f} {c.get('generate_s', math.nan):7.2f} "
+                     f"{c.get('score_s', math.nan):7.2f} {c.get('scored', '-'):>7} "
+                     f"{c.get('server_over_corpus', math.nan):7.2f} {c.get('p50_ms', math.nan):8.0f} "
                      f"{c.get('p99_ms', math.nan):8.0f} {c.get('peak_gib', math.nan):8.1f}")
     return "\n".join(lines)
 

@@ -1,9 +1,13 @@
-"""The FastAPI app of `nla serve`: request and response schemas, limits, errors, the bearer token.
+"""The FastAPI app of `nla serve`: request and response schemas, limits, errors, timeouts.
 
 Every refusal is JSON, `{"error": {"field": "vectors[2]", "message": "..."}}`, naming the field
-(in the request body's terms, `positions[0]`, or `body` when it is not a JSON object):
-400 malformed JSON, 401 a missing or wrong bearer token, 422 a bad or out-of-limit field,
-500 a failure while explaining (the server keeps serving).
+(in the request body's terms, `positions[0]`, or `body` when it is not a JSON object; null
+when no field is at fault): 400 malformed JSON (an empty body, or nesting past the parser's
+depth, included), 401 a missing or wrong bearer token, 404 no such path, 405 a method the path
+does not take, 413 a body past max_body_mb, 422 a bad or out-of-limit field, 500 a failure
+while explaining, 503 (with Retry-After) more than max_queue requests waiting, 504 no answer
+within request_timeout_s. The server keeps serving after each. The token and the body's size
+are checked before the body is parsed (nla_shell.serving.guard).
 """
 
 from __future__ import annotations
@@ -11,20 +15,20 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
-import hmac
 from typing import Annotated, Any, Literal, Sequence
 
 import numpy as np
 import pydantic_core
 import torch
-from fastapi import Depends, FastAPI, Request
-from fastapi.exceptions import RequestValidationError
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.exceptions import HTTPException
 
-from nla_shell.serving.batcher import Batcher, Decoding, Job
+from nla_shell.serving.batcher import Batcher, Decoding, Job, QueueFull
+from nla_shell.serving.config import ServeConfig
+from nla_shell.serving.guard import Guard, busy_response, error_response
 from nla_shell.serving.reader import NLAReader, SiteExplanation
-from nla_shell.serving.server import ServeConfig
 
 FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
 
@@ -42,7 +46,7 @@ class Decode(_Strict):
 class ExplainRequest(Decode):
     text: str = Field(description="The text whose activations are read with the target LM.")
     positions: list[int] | None = Field(None, description="Token indices to explain (negative from the end); "
-                                                          "null: the last token.")
+                                                          "null (and all false): the last token only.")
     all: bool = Field(False, description="Explain every position (positions must then be null).")
 
 
@@ -94,40 +98,26 @@ class VectorsResponse(BaseModel):
 class RequestError(Exception):
     """A refused request: its HTTP status, the field at fault and what to do."""
 
-    def __init__(self, status: int, field: str | None, message: str) -> None:
+    def __init__(self, status: int, field: str | None, message: str, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
-        self.status, self.field, self.message = status, field, message
+        self.status, self.field, self.message, self.headers = status, field, message, headers
 
 
 def field_path(loc: Sequence[Any]) -> str:
-    """('body', 'vectors', 0, 3) -> 'vectors[0][3]'; the body itself -> 'body'."""
-    parts = [p for p in loc if p != "body"]
+    """('vectors', 0, 3) -> 'vectors[0][3]'; the body itself (an empty loc) -> 'body'."""
     path = ""
-    for part in parts:
+    for part in loc:
         path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
     return path or "body"
-
-
-def error_response(status: int, field: str | None, message: str) -> JSONResponse:
-    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
-    return JSONResponse({"error": {"field": field, "message": message}}, status_code=status, headers=headers)
 
 
 def refusal(errors: Sequence[dict[str, Any]]) -> RequestError:
     """Pydantic's validation errors as one refusal naming the first field at fault."""
     first = errors[0]
-    if first["type"] == "json_invalid":
-        return RequestError(400, "body", f"malformed JSON: {first.get('ctx', {}).get('error', first['msg'])}")
     field = field_path(first["loc"])
     if first["type"] == "extra_forbidden":
         return RequestError(422, field, "unknown field; see GET /openapi.json for the fields each endpoint takes")
     return RequestError(422, field, first["msg"])
-
-
-def validation_error(errors: Sequence[dict[str, Any]]) -> JSONResponse:
-    """FastAPI's validation errors as one refusal naming the first field at fault."""
-    err = refusal(errors)
-    return error_response(err.status, err.field, err.message)
 
 
 def decoding(request: Decode, cfg: ServeConfig) -> Decoding:
@@ -163,18 +153,28 @@ def text_job(request: ExplainRequest, reader: NLAReader, cfg: ServeConfig) -> Jo
     return Job(decoding(request, cfg), token_ids=ids, positions=[p % len(ids) for p in positions])
 
 
-def parse_vectors_request(body: bytes) -> VectorsRequest | Base64VectorsRequest:
-    """The /v1/explain_vectors body, parsed by pydantic-core (JSON parsing in Rust, not json.loads) and validated
-    as the float or the base64 form by its encoding_format; a RequestError naming the field when it is bad."""
+def parse_json(body: bytes) -> Any:
+    """A request body parsed by pydantic-core (in Rust, not json.loads, with a nesting limit); 400 when it is not
+    JSON (an empty body included)."""
     try:
-        data = pydantic_core.from_json(body)
+        return pydantic_core.from_json(body)
     except ValueError as err:
         raise RequestError(400, "body", f"malformed JSON: {err}") from None
-    model = Base64VectorsRequest if isinstance(data, dict) and data.get("encoding_format") == "base64" else VectorsRequest
+
+
+def validated(model: type[BaseModel], data: Any) -> Any:
+    """`data` as a `model`; a RequestError naming the first field at fault when it is not one."""
     try:
         return model.model_validate(data)
     except ValidationError as err:
         raise refusal(err.errors(include_url=False)) from None
+
+
+def parse_vectors_request(body: bytes) -> VectorsRequest | Base64VectorsRequest:
+    """The /v1/explain_vectors body, validated as the float or the base64 form by its encoding_format."""
+    data = parse_json(body)
+    model = Base64VectorsRequest if isinstance(data, dict) and data.get("encoding_format") == "base64" else VectorsRequest
+    return validated(model, data)
 
 
 def decode_base64_vector(text: str, index: int, d_model: int) -> np.ndarray:
@@ -236,62 +236,99 @@ def site_fields(site: SiteExplanation) -> dict[str, Any]:
             "fve": site.fve}
 
 
-async def run_job(app: FastAPI, job: Job) -> list[SiteExplanation]:
+async def client_gone(request: Request) -> None:
+    """Returns when the client disconnects (the body is already read: the server's next message is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def run_job(app: FastAPI, job: Job, request: Request, *, timeout_s: float) -> list[SiteExplanation]:
+    """The job's results, waited for until they come, the client leaves or timeout_s passes; in the last two cases
+    the job is cancelled, which drops its sites if the worker has not started it (and touches no other job)."""
+    # QueueFull (a 503, answered by build_app's handler): the room the guard saw before the body was read has gone
+    answer = asyncio.wrap_future(app.state.batcher.submit(job))
+    gone = asyncio.ensure_future(client_gone(request))
     try:
-        return await asyncio.wrap_future(app.state.batcher.submit(job))
-    except Exception as err:  # noqa: BLE001 - reported as a 500, the server goes on
-        raise RequestError(500, None, f"explaining failed: {type(err).__name__}: {err}") from None
+        done, _ = await asyncio.wait({answer, gone}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not answer.done():
+            # the job's own future at once (dropped unless started): cancelling `answer` alone would reach it only
+            # on the loop's next turn, after the answer below may have been written and the worker moved on
+            job.future.cancel()
+            answer.cancel()
+    if answer in done:
+        try:
+            return answer.result()
+        except Exception as err:  # noqa: BLE001 - reported as a 500, the server goes on
+            raise RequestError(500, None, f"explaining failed: {type(err).__name__}: {err}") from None
+    if gone in done:
+        raise RequestError(499, None, "the client disconnected")  # nobody reads it; the access log may
+    raise RequestError(504, None, f"not answered within {timeout_s:g} s (request_timeout_s); the server is busy or "
+                                  "the request too large: retry later or ask for fewer sites")
+
+
+def body_schema(schema: dict[str, Any]) -> dict[str, Any]:
+    """The OpenAPI requestBody of an endpoint that parses its own body (FastAPI does not see the model)."""
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
 
 
 def build_app(reader: NLAReader, cfg: ServeConfig) -> FastAPI:
-    """The app, with its batcher (app.state.batcher: close it when done)."""
+    """The app, with its batcher (app.state.batcher: close it when done) and its guard (the token and the body's
+    size, checked before any endpoint runs)."""
     app = FastAPI(title="nla serve", version="1", description="Natural Language Autoencoder: explain activations.")
-    app.state.batcher = Batcher(reader, max_sites=cfg.max_batch, wait_s=cfg.batch_wait_ms / 1000)
-    api_key = cfg.resolved_api_key()
-
-    def authorized(request: Request) -> None:
-        if api_key is None:
-            return
-        sent = request.headers.get("authorization", "")
-        if not hmac.compare_digest(sent.encode(), f"Bearer {api_key}".encode()):
-            raise RequestError(401, "Authorization", "send the header 'Authorization: Bearer <api key>'")
+    app.state.batcher = Batcher(reader, max_sites=cfg.max_batch, wait_s=cfg.batch_wait_ms / 1000,
+                                max_wait_s=cfg.batch_max_wait_ms / 1000, max_queue=cfg.max_queue)
+    app.add_middleware(Guard, api_key=cfg.resolved_api_key(), max_body_bytes=int(cfg.max_body_mb * 1_000_000),
+                       busy=app.state.batcher.refusal)
 
     @app.exception_handler(RequestError)
     async def refused(request: Request, err: RequestError) -> JSONResponse:
-        return error_response(err.status, err.field, err.message)
+        return error_response(err.status, err.field, err.message, err.headers)
 
-    @app.exception_handler(RequestValidationError)
-    async def invalid(request: Request, err: RequestValidationError) -> JSONResponse:
-        return validation_error(err.errors())
+    @app.exception_handler(QueueFull)
+    async def busy(request: Request, err: QueueFull) -> JSONResponse:
+        return busy_response(str(err))
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, err: HTTPException) -> JSONResponse:
+        path = request.url.path
+        message = {404: f"no endpoint {path}; see GET /openapi.json for the endpoints",
+                   405: f"{request.method} is not allowed on {path}"}.get(err.status_code, str(err.detail))
+        return error_response(err.status_code, None, message, err.headers)
+
+    @app.exception_handler(Exception)
+    async def crashed(request: Request, err: Exception) -> JSONResponse:
+        return error_response(500, None, f"internal error: {type(err).__name__}: {err}")
 
     @app.get("/v1/health")
     async def health() -> dict[str, str]:
         return {"status": "ok"}
 
-    @app.get("/v1/info", dependencies=[Depends(authorized)])
+    @app.get("/v1/info")
     async def info() -> dict[str, Any]:
-        limits = {key: getattr(cfg, key) for key in ("max_batch", "max_sites", "max_text_chars", "max_text_tokens",
-                                                      "max_new_tokens", "max_new_tokens_limit", "max_samples")}
-        return {**reader.info(), "limits": limits, "batching": dict(app.state.batcher.stats)}
+        limits = {key: getattr(cfg, key) for key in (
+            "max_batch", "max_sites", "max_text_chars", "max_text_tokens", "max_new_tokens", "max_new_tokens_limit",
+            "max_samples", "max_body_mb", "max_queue", "request_timeout_s")}
+        batching = {**app.state.batcher.stats, "waiting": app.state.batcher.waiting}
+        return {**reader.info(), "limits": limits, "batching": batching}
 
-    @app.post("/v1/explain", dependencies=[Depends(authorized)])
-    async def explain(request: ExplainRequest) -> ExplainResponse:
-        job = text_job(request, reader, cfg)
-        sites = await run_job(app, job)
+    @app.post("/v1/explain", response_model=ExplainResponse, openapi_extra=body_schema(ExplainRequest.model_json_schema()))
+    async def explain(request: Request) -> ExplainResponse:
+        job = text_job(validated(ExplainRequest, parse_json(await request.body())), reader, cfg)
+        sites = await run_job(app, job, request, timeout_s=cfg.request_timeout_s)
         tokenizer = reader.target_tokenizer
         return ExplainResponse(text_tokens=len(job.token_ids), results=[
             PositionResult(position=p, token=tokenizer.decode([job.token_ids[p]]),
                            short_context=p < reader.min_context, **site_fields(site))
             for p, site in zip(job.positions, sites)])
 
-    @app.post("/v1/explain_vectors", dependencies=[Depends(authorized)], response_model=VectorsResponse,
-              openapi_extra={"requestBody": {"required": True,
-                                             "content": {"application/json": {"schema": VECTORS_BODY_SCHEMA}}}})
+    @app.post("/v1/explain_vectors", response_model=VectorsResponse, openapi_extra=body_schema(VECTORS_BODY_SCHEMA))
     async def explain_vectors(request: Request) -> Response:
         # parsed here rather than by FastAPI: json.loads + re-encoding by json.dumps cost ~1 s of event-loop
         # (and GIL) time per 256 x 4096 floats; pydantic-core's parser and serialiser take a fraction of it
         body = parse_vectors_request(await request.body())
-        sites = await run_job(app, vectors_job(body, reader, cfg))
+        sites = await run_job(app, vectors_job(body, reader, cfg), request, timeout_s=cfg.request_timeout_s)
         return vectors_response(sites, body.encoding_format)
 
     return app

@@ -1,11 +1,24 @@
 """Concurrent requests batched into the engine: one worker thread owns the models.
 
 Each request becomes a `Job` (vectors, or a text's token ids and positions, and its decoding
-settings) handed to `Batcher.submit`, which returns a Future. The worker takes the first
-waiting job, gathers whatever else arrives within `wait_s` up to `max_sites` sites, and runs
-jobs that share their decoding settings (samples, greedy, max_new_tokens) as one engine call:
-the texts' activations are captured together, then every site is explained in one batch. A
-failure fails that batch's futures and the worker goes on serving.
+settings) handed to `Batcher.submit`, which returns a Future, or raises `QueueFull` when
+`max_queue` jobs already wait. The worker takes the first waiting job and gathers what else
+arrives, up to `max_sites` sites, until no job has arrived for `wait_s` or `max_wait_s` has
+passed since the first: under load the engine gets full batches, and a lone request waits
+`wait_s`. Jobs that share their decoding settings (samples, greedy, max_new_tokens) run as one
+engine call: the texts' activations are captured together, then every site is explained in
+one batch.
+
+A job starts when the worker takes it into a batch (`Future.set_running_or_notify_cancel`):
+one cancelled before that (its client gone or timed out) is dropped, its sites never reach
+the engine, and once started it can no longer be cancelled, so a client that leaves fails no
+one else. An engine that raises fails that batch's futures and the worker goes on; a worker
+that dies (anything escaping the loop) fails the jobs it held and those waiting, and a new
+worker takes its place.
+
+Batching is per engine call, not per decode step: a batch runs to its end before the next
+starts (no admission of new sequences between decode steps). On an engine with CUDA graphs
+(native on a GPU) every call is padded to `max_sites` prompts, one batch shape for all.
 """
 
 from __future__ import annotations
@@ -46,48 +59,136 @@ class Job:
         return len(self.vectors) if self.vectors is not None else len(self.positions)
 
 
-class Batcher:
-    """The worker thread and its queue; `stats` counts batches and sites (GET /v1/info shows them)."""
+class QueueFull(Exception):
+    """`max_queue` jobs already wait: the request is refused at once (503)."""
 
-    def __init__(self, reader: NLAReader, *, max_sites: int, wait_s: float) -> None:
+
+class WorkerDied(RuntimeError):
+    """The worker thread stopped on an error while it held this job (500)."""
+
+
+class Batcher:
+    """The worker thread and its queue; `stats` counts batches, sites, dropped jobs and worker restarts (GET /v1/info
+    shows them)."""
+
+    def __init__(self, reader: NLAReader, *, max_sites: int, wait_s: float, max_wait_s: float | None = None,
+                 max_queue: int | None = None) -> None:
         self.reader, self.max_sites, self.wait_s = reader, max_sites, wait_s
-        self.stats = {"batches": 0, "sites": 0, "jobs": 0, "largest_batch_sites": 0}
+        self.max_wait_s = wait_s if max_wait_s is None else max(max_wait_s, wait_s)
+        self.max_queue = max_queue
+        # An engine with CUDA graphs (native on a GPU) captures them per batch shape: every batch is padded to
+        # max_sites so that one shape serves, rather than a capture for each new batch size the traffic makes.
+        self.pad_to = max_sites if getattr(reader.engine, "cuda_graphs", False) else None
+        self.stats = {"batches": 0, "sites": 0, "jobs": 0, "largest_batch_sites": 0, "dropped_jobs": 0,
+                      "refused_jobs": 0, "worker_restarts": 0}
         self._queue: queue.Queue[Job | None] = queue.Queue()
-        self._thread = threading.Thread(target=self._run, name="nla-batcher", daemon=True)
-        self._thread.start()
+        self._submit_lock = threading.Lock()
+        self._closing = False
+        self._thread = self._start_worker()
 
     def submit(self, job: Job) -> Future:
-        self._queue.put(job)
+        """Queue a job; its future gets the job's SiteExplanations. Raises QueueFull when max_queue jobs wait."""
+        with self._submit_lock:
+            if (reason := self.refusal()) is not None:
+                raise QueueFull(reason)
+            self._queue.put(job)
         return job.future
 
+    def refusal(self) -> str | None:
+        """Why a job arriving now is refused (max_queue jobs wait), counted in stats["refused_jobs"]; None when
+        there is room. The server asks before reading a request's body, and submit asks again."""
+        if self.max_queue is None or (waiting := self.waiting) < self.max_queue:
+            return None
+        self.stats["refused_jobs"] += 1
+        return f"{waiting} requests are waiting (the limit, max_queue)"
+
+    @property
+    def waiting(self) -> int:
+        """Jobs queued, not yet taken by the worker and not cancelled (a cancelled one holds no place in the queue:
+        the worker drops it)."""
+        with self._queue.mutex:
+            return sum(job is not None and not job.future.cancelled() for job in self._queue.queue)
+
     def close(self) -> None:
+        self._closing = True
         self._queue.put(None)
         self._thread.join(timeout=30)
 
     # ------------------------------------------------------------------ the worker
 
-    def _run(self) -> None:
-        while True:
-            first = self._queue.get()
-            if first is None:
-                return
-            for group in self._gather(first).values():
-                self._explain(group)
+    def _start_worker(self) -> threading.Thread:
+        thread = threading.Thread(target=self._run, name="nla-batcher", daemon=True)
+        thread.start()
+        return thread
 
-    def _gather(self, first: Job) -> dict[Decoding, list[Job]]:
-        """The first job and those arriving within wait_s (up to max_sites sites), grouped by decoding."""
-        groups: dict[Decoding, list[Job]] = {first.decoding: [first]}
-        sites, deadline = first.n_sites, time.monotonic() + self.wait_s
-        while sites < self.max_sites:
+    def _run(self) -> None:
+        held: list[Job] = []
+        try:
+            while True:
+                first = self._queue.get()
+                if first is None:
+                    return
+                held = [first]
+                groups = self._gather(first, held)
+                for group in groups.values():
+                    self._explain(group)
+                held = []
+        except BaseException as err:  # noqa: BLE001 - whatever killed the worker, its clients hear of it
+            self._worker_died(held, err)
+
+    def _worker_died(self, held: list[Job], err: BaseException) -> None:
+        """Fail the jobs the dead worker held and those waiting (500), then start a new worker."""
+        failure = WorkerDied(f"the worker stopped on {type(err).__name__}: {err}")
+        while True:  # the waiting jobs too: the new worker may meet the same fault, and no client should wait on it
             try:
-                job = self._queue.get(timeout=max(deadline - time.monotonic(), 0))
+                job = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if job is None:
+                self._closing = True
+            else:
+                held.append(job)
+        for job in held:
+            if job.future.done() or not (job.future.running() or job.future.set_running_or_notify_cancel()):
+                continue  # answered before the fault, or cancelled by its client
+            job.future.set_exception(failure)
+        self.stats["worker_restarts"] += 1
+        if not self._closing:
+            self._thread = self._start_worker()
+
+    def _take(self, job: Job) -> bool:
+        """Start the job (it can no longer be cancelled); False, and it is dropped, when it was cancelled first."""
+        if job.future.set_running_or_notify_cancel():
+            return True
+        self.stats["dropped_jobs"] += 1
+        return False
+
+    def _gather(self, first: Job, held: list[Job]) -> dict[Decoding, list[Job]]:
+        """The first job and those arriving while the batch gathers (see the module docstring), grouped by decoding;
+        cancelled jobs dropped. Every job taken from the queue is appended to `held`."""
+        groups: dict[Decoding, list[Job]] = {}
+        sites = 0
+        start = last = time.monotonic()
+        job: Job | None = first
+        while True:
+            if self._take(job):
+                groups.setdefault(job.decoding, []).append(job)
+                sites += job.n_sites
+            if sites >= self.max_sites:
+                break
+            now = time.monotonic()
+            timeout = min(last + self.wait_s, start + self.max_wait_s) - now
+            try:
+                job = self._queue.get(timeout=max(timeout, 0)) if sites else self._queue.get()
             except queue.Empty:
                 break
             if job is None:
                 self._queue.put(None)  # closing: finish this batch, then stop
                 break
-            groups.setdefault(job.decoding, []).append(job)
-            sites += job.n_sites
+            held.append(job)
+            if not sites:  # everything so far was dropped: this job starts the batch's clock
+                start = time.monotonic()
+            last = time.monotonic()
         return groups
 
     def _explain(self, jobs: list[Job]) -> None:
@@ -96,17 +197,15 @@ class Batcher:
             vectors = self._vectors(jobs)
             decoding = jobs[0].decoding
             results = self.reader.explain(vectors, samples=decoding.samples, greedy=decoding.greedy,
-                                          max_new_tokens=decoding.max_new_tokens)
-            start = 0
-            for job in jobs:
-                part = results[start : start + job.n_sites]
-                start += job.n_sites
-                job.future.set_result(part)  # each kept explanation's reconstruction comes from the scoring pass
+                                          max_new_tokens=decoding.max_new_tokens, pad_to=self.pad_to)
         except Exception as err:  # noqa: BLE001 - the requests of this batch fail; the server keeps serving
             for job in jobs:
-                if not job.future.done():
-                    job.future.set_exception(err)
+                job.future.set_exception(err)
             return
+        start = 0
+        for job in jobs:  # every job is running (see _take): set_result cannot meet a cancelled future
+            job.future.set_result(results[start : start + job.n_sites])
+            start += job.n_sites
         n_sites = len(vectors)
         self.stats.update(batches=self.stats["batches"] + 1, sites=self.stats["sites"] + n_sites,
                           jobs=self.stats["jobs"] + len(jobs),
@@ -117,4 +216,3 @@ class Batcher:
         texts = [job for job in jobs if job.vectors is None]
         captured = iter(self.reader.capture([j.token_ids for j in texts], [j.positions for j in texts]) if texts else [])
         return torch.cat([job.vectors if job.vectors is not None else next(captured) for job in jobs])
-

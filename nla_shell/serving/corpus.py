@@ -9,19 +9,25 @@ rows written at once as one part file, `OUT.parts/part-NNNNNNNN.parquet`, moved 
 whole (and appended to the JSONL, if asked). A killed run leaves its finished parts; run the
 same command again and it skips them: each batch is seeded by its index, so the resumed run
 writes what an uninterrupted one would, with no site twice and none missing. The last batch
-merges the parts into OUT and removes `OUT.parts/`.
+merges the parts into OUT and removes `OUT.parts/`. Ctrl-C (SIGINT) or SIGTERM stops the run at
+once (the batch in progress is dropped) with one line, "interrupted (or stopped) with N batches
+written; rerun the same command to resume from OUT.parts", and exit status 130 (or 143), as
+`nla train` does.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import shutil
+import signal
+import threading
 import time
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -32,10 +38,9 @@ from nla_shell.io.data import DataError
 from nla_shell.io.files import write_text_atomically
 from nla_shell.io.progress import say_line
 from nla_shell.pipeline.documents import count_documents, document_positions, read_documents
+from nla_shell.serving.config import ExplainConfig
 from nla_shell.serving.reader import NLAReader, SiteExplanation
-
-if TYPE_CHECKING:
-    from nla_shell.serving.explain import ExplainConfig
+from nla_shell.training.stopped import RunStopped
 
 RESULT_SCHEMA = pa.schema([
     ("site", pa.int64()), ("doc_id", pa.string()), ("position", pa.int64()), ("token", pa.string()),
@@ -270,7 +275,66 @@ def _duration(seconds: float) -> str:
     return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"
 
 
+# --------------------------------------------------------------------------- stopping
+
+
+class ExplainStopped(RunStopped):
+    """A corpus run stopped by SIGINT or SIGTERM: the CLI prints its line and exits with 128 + the signal."""
+
+    def __init__(self, signum: int, *, batches_written: int, parts: Path) -> None:
+        super().__init__(signum, steps_done=batches_written, checkpoint=parts)
+        verb = "interrupted" if signum == signal.SIGINT else "stopped"
+        self.args = (f"{verb} with {batches_written} batches written; rerun the same command to resume from {parts}",)
+
+
+class _Signalled(BaseException):
+    """Raised by the signal handler (a BaseException, so no `except Exception` on the way swallows it)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def stop_on_signals(store: PartStore) -> Iterator[None]:
+    """SIGINT and SIGTERM end the run with ExplainStopped (in the main thread; elsewhere signals are left alone).
+    The parts written so far are kept: each was moved into place whole, so the rerun resumes after them."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handle(signum: int, frame: Any) -> None:
+        raise _Signalled(signum)
+
+    previous = {sig: signal.signal(sig, handle) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    except _Signalled as stop:
+        raise ExplainStopped(stop.signum, batches_written=len(store.done()), parts=store.dir) from None
+    finally:
+        for sig, handler in previous.items():
+            if handler is not None:  # None: a handler installed outside Python, which cannot be put back
+                signal.signal(sig, handler)
+
+
 # --------------------------------------------------------------------------- the run
+
+
+def run_batches(cfg: ExplainConfig, reader: NLAReader, sites: Iterator[Site], done: set[int], store: PartStore,
+                progress: Progress, min_context: int) -> None:
+    """Explain and write every batch not already done (a resumed run skips the finished ones)."""
+    units_before = 0
+    for index, batch in batches(sites, cfg.batch_size):
+        if index in done:
+            units_before = batch[-1].units
+            continue
+        torch.manual_seed(cfg.seed * 1_000_003 + index)  # the batch's samples do not depend on where a run resumed
+        results = reader.explain(batch_vectors(reader, batch), samples=cfg.samples, greedy=cfg.greedy,
+                                 max_new_tokens=cfg.max_new_tokens)
+        store.write(index, result_rows(batch, results, min_context))
+        progress.update(sites=len(batch), tokens=sum(r.generated_tokens for r in results), units_before=units_before,
+                        units_done=batch[-1].units)
+        units_before = batch[-1].units
 
 
 def explain_corpus(cfg: ExplainConfig, reader: NLAReader) -> Path:
@@ -288,19 +352,9 @@ def explain_corpus(cfg: ExplainConfig, reader: NLAReader) -> Path:
     if done:
         say_line(f"[explain] resuming {store.dir}: {len(done)} batches of {cfg.batch_size} already written")
     progress = Progress(total=total, unit=unit, every_s=cfg.progress_every_s)
-    units_before = 0
-    for index, batch in batches(sites, cfg.batch_size):
-        if index in done:
-            units_before = batch[-1].units
-            continue
-        torch.manual_seed(cfg.seed * 1_000_003 + index)  # the batch's samples do not depend on where a run resumed
-        results = reader.explain(batch_vectors(reader, batch), samples=cfg.samples, greedy=cfg.greedy,
-                                 max_new_tokens=cfg.max_new_tokens)
-        store.write(index, result_rows(batch, results, min_context))
-        progress.update(sites=len(batch), tokens=sum(r.generated_tokens for r in results), units_before=units_before,
-                        units_done=batch[-1].units)
-        units_before = batch[-1].units
-    rows = store.finish()
+    with stop_on_signals(store):
+        run_batches(cfg, reader, sites, done, store, progress, min_context)
+        rows = store.finish()
     say_line(progress.summary())
     say_line(f"[explain] wrote {rows} sites to {cfg.out}" + (f" and {cfg.jsonl}" if cfg.jsonl else ""))
     return Path(cfg.out)

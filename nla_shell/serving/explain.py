@@ -15,87 +15,17 @@ AV was trained on) is flagged: the AV was never trained on one.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
-from nla_shell.io.config import ConfigError, normalize_fields, require
 from nla_shell.io.paths import require_file
-from nla_shell.serving.reader import NLAReader, ReaderSettings, load_reader
+from nla_shell.serving.config import ExplainConfig
+from nla_shell.serving.corpus import explain_corpus
+from nla_shell.serving.reader import NLAReader, load_reader
 
-
-@dataclass(frozen=True, kw_only=True)
-class ExplainConfig(ReaderSettings):
-    """Settings of `nla explain`."""
-
-    model: str | None = None
-    """Target LM whose activations are explained (HF checkpoint dir with tokenizer); not needed with parquet."""
-    text: str | None = None
-    """One text to read (give one of text, corpus, parquet)."""
-    corpus: str | None = None
-    """Documents to read, in datagen's formats (.jsonl, .txt, .parquet with a text column); needs out."""
-    parquet: str | None = None
-    """Rows with an `activation_vector` column (an eval split, or activations captured elsewhere); needs out."""
-    out: str | None = None
-    """corpus/parquet: the output parquet; OUT.parts/ holds a running (or killed) run's batches."""
-    jsonl: str | None = None
-    """corpus/parquet: also write the rows as JSON lines to this file, as they are explained."""
-    sites: Literal["all", "sample"] = "all"
-    """corpus: every position of each document, or datagen's seeded sample (with datagen's seed, positions_per_doc
-    and min_context: exactly the sites datagen wrote)."""
-    positions_per_doc: int = 4
-    """sites=sample: positions sampled per document."""
-    min_context: int | None = None
-    """sites=sample: tokens before a sampled position (and the short_context flag's bound); None: the AV's training
-    data's value (its sidecar provenance), else datagen's default."""
-    max_seq_len: int = 512
-    """corpus: documents are cut to their first max_seq_len tokens (as datagen cuts them)."""
-    max_docs: int | None = None
-    """corpus: read at most this many documents; None reads them all."""
-    text_column: str = "text"
-    """corpus: JSONL key / parquet column holding a document's text."""
-    id_column: str = "id"
-    """corpus: JSONL key / parquet column holding a document's id; absent -> "doc{index:06d}"."""
-    position: int | None = None
-    """text: token index to explain (negative counts from the end); None with all=false explains the last token."""
-    all: bool = False
-    """text: explain every position."""
-    samples: int = 1
-    """Explanations sampled per site; the one the AR reconstructs best is kept (best-of-k), all k are written."""
-    batch_size: int = 64
-    """corpus/parquet: sites per engine call (and per part file)."""
-    max_new_tokens: int = 64
-    """Longest explanation, in tokens."""
-    greedy: bool = False
-    """Argmax decoding instead of sampling at temperature 1 (then seed does not matter)."""
-    seed: int = 0
-    """Seed of the AV's sampling (and of sites=sample)."""
-    overwrite: bool = False
-    """corpus/parquet: start over, deleting a finished out or a killed run's OUT.parts/."""
-    progress_every_s: float = 10.0
-    """corpus/parquet: seconds between progress lines (sites, rate, ETA)."""
-
-    def __post_init__(self) -> None:
-        normalize_fields(self)
-        sources = [key for key in ("text", "corpus", "parquet") if getattr(self, key) is not None]
-        if len(sources) != 1:
-            raise ConfigError(f"config keys text, corpus and parquet: give exactly one (got {sources or 'none'})")
-        if self.all and self.position is not None:
-            raise ConfigError("config keys 'position' and 'all' exclude each other; give one")
-        if self.text is None:
-            require(self.out is not None, "out", None, f"give the output parquet path ({sources[0]} mode)")
-            require(self.position is None and not self.all, "position", self.position,
-                    "position and all apply to text= only; corpus/parquet explain every site")
-        if self.parquet is None:
-            require(self.model is not None, "model", None, "give the target LM whose activations are read")
-        for key in ("samples", "batch_size", "max_new_tokens", "positions_per_doc", "max_seq_len"):
-            require(getattr(self, key) >= 1, key, getattr(self, key), "use an integer >= 1")
-        require(not (self.greedy and self.samples > 1), "samples", self.samples,
-                "greedy decoding gives the same explanation every time; use samples=1 or drop greedy")
-        require(self.min_context is None or self.min_context >= 0, "min_context", self.min_context, "use >= 0 or null")
-        require(self.max_docs is None or self.max_docs >= 1, "max_docs", self.max_docs, "use an integer >= 1 or null")
+__all__ = ["ExplainConfig", "explain", "explain_text", "text_positions"]
 
 
 def explain(cfg: ExplainConfig) -> list[dict[str, Any]] | Path:
@@ -106,8 +36,6 @@ def explain(cfg: ExplainConfig) -> list[dict[str, Any]] | Path:
     # Stored vectors need no target LM: it is loaded only to capture a text's or corpus's residuals.
     reader = load_reader(cfg, model=None if cfg.parquet else cfg.model, max_batch=cfg.batch_size * cfg.samples)
     if cfg.text is None:
-        from nla_shell.serving.corpus import explain_corpus
-
         return explain_corpus(cfg, reader)
     return explain_text(cfg, reader)
 

@@ -167,15 +167,21 @@ class NLAReader:
         acts = capture_activations(self.target, ids, mask, self.nla.extraction_layer_index).cpu()
         return [acts[row, list(p)] for row, p in enumerate(positions)]
 
-    def explain(self, vectors: torch.Tensor, *, samples: int, greedy: bool, max_new_tokens: int) -> list[SiteExplanation]:
+    def explain(self, vectors: torch.Tensor, *, samples: int, greedy: bool, max_new_tokens: int,
+                pad_to: int | None = None) -> list[SiteExplanation]:
         """Explain each of vectors [N, D]: `samples` explanations each, from one engine call, scored by the AR.
 
         The AR runs once over all N x samples explanations (micro-batched): its predictions give
         each MSE, and the kept explanation's prediction is returned as the site's reconstruction.
+        pad_to: the engine generates for at least this many prompts (the extra ones repeat the
+        first and are dropped unscored), so that an engine with CUDA graphs per batch shape (the
+        native one) decodes one shape however many sites come (`nla serve`'s batches vary).
         """
         self.engine.greedy = greedy  # every engine make_engine builds decodes by argmax while this is set
         requests = [RolloutRequest(self.prompt, v) for v in vectors.float()]
-        rollouts = self.engine.generate(requests, group_size=samples, max_new_tokens=max_new_tokens)
+        padding = requests[:1] * max((pad_to or 0) - len(requests), 0)
+        rollouts = self.engine.generate(requests + padding, group_size=samples,
+                                        max_new_tokens=max_new_tokens)[: len(requests) * samples]
         texts = [nla_core.extract_explanation(r.text) for r in rollouts]
         golds = vectors.float().repeat_interleave(samples, dim=0)
         preds, mses = self._score(texts, golds)

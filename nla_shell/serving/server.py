@@ -9,63 +9,13 @@ default: reachable from this machine only.
 
 from __future__ import annotations
 
-import os
 import socket
-from dataclasses import dataclass
 
-from nla_shell.io.config import normalize_fields, require
-from nla_shell.serving.reader import ReaderSettings
+from nla_shell.serving.config import ServeConfig
+
+__all__ = ["ServeConfig", "bind", "require_serve_extra", "serve", "uvicorn_server"]
 
 INSTALL_HINT = "nla serve needs FastAPI and uvicorn, which are not installed: pip install 'nla[serve]'"
-API_KEY_ENV = "NLA_API_KEY"
-"""Environment variable read for the bearer token when api_key is not given."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class ServeConfig(ReaderSettings):
-    """Settings of `nla serve`."""
-
-    model: str
-    """Target LM whose activations /v1/explain reads (HF checkpoint dir with tokenizer)."""
-    host: str = "127.0.0.1"
-    """Address to bind: 127.0.0.1 serves this machine only; anything wider exposes the models (set api_key)."""
-    port: int = 8000
-    """TCP port; 0 picks a free one (printed at start-up)."""
-    api_key: str | None = None
-    """Bearer token every request but GET /v1/health must send (Authorization: Bearer KEY); None reads
-    $NLA_API_KEY; unset there too: no token asked."""
-    max_batch: int = 64
-    """Most sites (positions or vectors, before samples) explained in one engine call."""
-    batch_wait_ms: float = 5.0
-    """How long the worker waits for more requests to join a batch once one is waiting."""
-    max_sites: int = 256
-    """Most sites one request may ask for (positions of a text, or vectors)."""
-    max_text_chars: int = 20000
-    """Longest text /v1/explain accepts, in characters."""
-    max_text_tokens: int = 2048
-    """Longest text /v1/explain accepts, in target-LM tokens."""
-    max_new_tokens: int = 64
-    """Explanation length when a request gives none, in tokens."""
-    max_new_tokens_limit: int = 256
-    """Largest max_new_tokens a request may ask for."""
-    max_samples: int = 8
-    """Largest samples (explanations per site, best-of-k) a request may ask for."""
-
-    def __post_init__(self) -> None:
-        normalize_fields(self)
-        for key in ("max_batch", "max_sites", "max_text_chars", "max_text_tokens", "max_new_tokens",
-                    "max_new_tokens_limit", "max_samples"):
-            require(getattr(self, key) >= 1, key, getattr(self, key), "use an integer >= 1")
-        require(0 <= self.port <= 65535, "port", self.port, "use a TCP port 0..65535 (0: a free one)")
-        require(self.batch_wait_ms >= 0, "batch_wait_ms", self.batch_wait_ms, "use milliseconds >= 0")
-        require(self.max_new_tokens <= self.max_new_tokens_limit, "max_new_tokens", self.max_new_tokens,
-                f"use at most max_new_tokens_limit = {self.max_new_tokens_limit}")
-        require(self.api_key is None or self.api_key.strip() != "", "api_key", self.api_key,
-                "give a non-empty token, or leave it unset")
-
-    def resolved_api_key(self) -> str | None:
-        """The bearer token: api_key, else $NLA_API_KEY, else None (no token asked)."""
-        return self.api_key if self.api_key is not None else (os.environ.get(API_KEY_ENV) or None)
 
 
 def require_serve_extra() -> None:

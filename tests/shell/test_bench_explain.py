@@ -1,5 +1,7 @@
 """bench/bench_explain.py's CPU smoke mode (tiny random run, hf and native, server leg with hf): every engine
-explains every site at a positive rate, and the server answers every site exactly once."""
+explains every site at a positive rate, with --close-explanations the AR scores every site (its time reported
+apart from generation), and the server answers every site exactly once at each client count, beside the corpus
+rate."""
 
 from __future__ import annotations
 
@@ -20,8 +22,8 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_explain_bench_times_every_engine_and_the_server_answers_each_site_once(tmp_path):
     out = tmp_path / "explain.json"
     subprocess.run([sys.executable, str(ROOT / "bench" / "bench_explain.py"), "--tiny", "--make-8b",
-                    str(tmp_path / "run"), "--sites", "10", "--out", str(out)],
-                   check=True, capture_output=True, text=True, timeout=300)
+                    str(tmp_path / "run"), "--sites", "10", "--close-explanations", "--clients", "2,3",
+                    "--out", str(out)], check=True, capture_output=True, text=True, timeout=300)
     record = json.loads(out.read_text())
     assert record["errors"] == []
     offline = {c["engine"]: c for c in record["cases"] if c["mode"] == "offline"}
@@ -29,14 +31,20 @@ def test_explain_bench_times_every_engine_and_the_server_answers_each_site_once(
     for case in offline.values():
         assert case["sites"] == 10 and case["sites_per_s"] > 0 and case["tokens_per_s"] > 0
         assert 0 < case["mean_generated_tokens"] <= 8
-    (server,) = [c for c in record["cases"] if c["mode"] == "server"]
-    assert server["engine"] == "hf" and server["failed_requests"] == []
-    assert server["sites_answered_once"] == 10 and server["sites_answered_twice_or_more"] == 0
-    assert server["batcher"]["sites"] == 10 and server["requests"] == 5  # 10 sites, 2 vectors a request
-    assert server["sites_per_s"] > 0 and server["p99_ms"] >= server["p50_ms"] > 0
+        assert case["closed_explanations"] and case["scored"] == case["explained"] == 10  # the AR read every site
+        assert case["closed_by_bench"] > 0 and case["mean_explanation_tokens"] >= 0.5 * case["mean_generated_tokens"]
+        assert 0 < case["generate_s"] < case["seconds"] and case["score_s"] > 0
     (corpus,) = [c for c in record["cases"] if c["mode"] == "corpus"]
     assert corpus["sites"] == 10 and corpus["sites_per_s"] > 0
-    assert "x hf" in record["table"]
+    servers = [c for c in record["cases"] if c["mode"] == "server"]
+    assert [s["clients"] for s in servers] == [2, 3]
+    for server in servers:
+        assert server["engine"] == "hf" and server["failed_requests"] == []
+        assert server["sites_answered_once"] == 10 and server["sites_answered_twice_or_more"] == 0
+        assert server["batcher"]["sites"] == 10 and server["requests"] == 5  # 10 sites, 2 vectors a request
+        assert server["sites_per_s"] > 0 and server["p99_ms"] >= server["p50_ms"] > 0
+        assert server["server_over_corpus"] == pytest.approx(server["sites_per_s"] / corpus["sites_per_s"])
+    assert "x hf" in record["table"] and "server/3" in record["table"]
 
 
 def test_explain_bench_server_leg_with_base64_vectors(tmp_path):
@@ -46,6 +54,8 @@ def test_explain_bench_server_leg_with_base64_vectors(tmp_path):
                     "--out", str(out)], check=True, capture_output=True, text=True, timeout=300)
     record = json.loads(out.read_text())
     assert record["errors"] == []
+    (offline,) = [c for c in record["cases"] if c["mode"] == "offline"]
+    assert not offline["closed_explanations"] and offline["scored"] == offline["explained"]
     (server,) = [c for c in record["cases"] if c["mode"] == "server"]
     assert server["encoding"] == "base64" and server["failed_requests"] == []
     assert server["sites_answered_once"] == 6 and server["batcher"]["sites"] == 6

@@ -19,7 +19,7 @@ from nla_shell.serving.explain import ExplainConfig, explain
 
 REPO = Path(__file__).resolve().parents[2]
 
-KILLED_AT_THIRD_BATCH = """
+SIGNALLED_AT_THIRD_BATCH = """
 import os, signal, sys
 from nla_shell import cli
 from nla_shell.serving import reader
@@ -31,7 +31,7 @@ def explain(self, *args, **kwargs):
     global calls
     calls += 1
     if calls == 3:  # mid-run: two batches written, the third being explained
-        os.kill(os.getpid(), signal.SIGKILL)
+        os.kill(os.getpid(), getattr(signal, os.environ["NLA_TEST_SIGNAL"]))
     return original(self, *args, **kwargs)
 
 reader.NLAReader.explain = explain
@@ -81,8 +81,8 @@ def test_a_killed_corpus_run_resumes_with_no_site_twice_and_none_missing(tmp_pat
                                                                          toy_datasets, capsys):
     out = tmp_path / "explained.parquet"
     argv = [*corpus_argv(toy_sft, tiny_av_dir, toy_datasets, out), "--jsonl", str(tmp_path / "explained.jsonl")]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    killed = subprocess.run([sys.executable, "-c", KILLED_AT_THIRD_BATCH, *argv], env=env, capture_output=True,
+    env = {**os.environ, "PYTHONPATH": str(REPO), "NLA_TEST_SIGNAL": "SIGKILL"}
+    killed = subprocess.run([sys.executable, "-c", SIGNALLED_AT_THIRD_BATCH, *argv], env=env, capture_output=True,
                             text=True, timeout=300)
     assert killed.returncode == -9, killed.stderr[-2000:]
     parts = out.with_name(out.name + ".parts")
@@ -97,6 +97,25 @@ def test_a_killed_corpus_run_resumes_with_no_site_twice_and_none_missing(tmp_pat
     # Each batch is seeded by its index: the resumed run wrote what the uninterrupted one did.
     assert resumed == full_run[1]
     assert [json.loads(line) for line in (tmp_path / "explained.jsonl").read_text().splitlines()] == resumed
+
+
+@pytest.mark.parametrize(("signal_name", "code", "verb"), [("SIGINT", 130, "interrupted"), ("SIGTERM", 143, "stopped")])
+def test_ctrl_c_or_sigterm_says_how_to_resume_in_one_line_and_the_rerun_resumes(
+        tmp_path, full_run, toy_sft, tiny_av_dir, toy_datasets, signal_name, code, verb, capsys):
+    out = tmp_path / "explained.parquet"
+    argv = corpus_argv(toy_sft, tiny_av_dir, toy_datasets, out)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "NLA_TEST_SIGNAL": signal_name}
+    stopped = subprocess.run([sys.executable, "-c", SIGNALLED_AT_THIRD_BATCH, *argv], env=env, capture_output=True,
+                             text=True, timeout=300)
+    parts = out.with_name(out.name + ".parts")
+    assert stopped.returncode == code, stopped.stderr[-2000:]
+    assert stopped.stderr.splitlines()[-1] == (f"nla explain: {verb} with 2 batches written; rerun the same command "
+                                               f"to resume from {parts}")
+    assert "Traceback" not in stopped.stderr and not out.exists()
+    assert sorted(p.name for p in parts.glob("part-*.parquet")) == ["part-00000000.parquet", "part-00000001.parquet"]
+    assert cli.main(argv) == 0
+    assert "2 batches of 8 already written" in capsys.readouterr().out
+    assert pq.read_table(out).to_pylist() == full_run[1]
 
 
 def test_resuming_with_other_settings_or_over_a_finished_run_is_refused(tmp_path, full_run, toy_sft, tiny_av_dir,

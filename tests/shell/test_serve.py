@@ -10,7 +10,6 @@ import signal
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -27,10 +26,10 @@ from nla_shell import cli  # noqa: E402
 from nla_shell.serving.explain import ExplainConfig, explain  # noqa: E402
 from nla_shell.serving.app import build_app  # noqa: E402
 from nla_shell.serving.reader import load_reader  # noqa: E402
-from nla_shell.serving.server import ServeConfig, bind, uvicorn_server  # noqa: E402
+from nla_shell.serving.server import ServeConfig  # noqa: E402
+from serve_harness import LOOPBACK, running  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
-LOOPBACK = "127.0.0.1"
 TEXT = "the red cat sees a dog ."
 
 
@@ -40,26 +39,6 @@ def serve_config(two_concept_nla, nla_run_inputs, **overrides) -> ServeConfig:
                     max_new_tokens=8, max_new_tokens_limit=16, max_samples=3, batch_wait_ms=20, device="cpu")
     settings.update(overrides)
     return ServeConfig(**settings)
-
-
-@contextlib.contextmanager
-def running(app):
-    """The app served by uvicorn in a thread on a free loopback port; yields its base URL."""
-    sock = bind(LOOPBACK, 0)
-    server = uvicorn_server(app)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://{LOOPBACK}:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=15)
-        app.state.batcher.close()
-        sock.close()
 
 
 @pytest.fixture(scope="module")
@@ -164,6 +143,17 @@ def test_the_reconstruction_is_the_scoring_pass_s_one_ar_forward_per_batch(serve
         assert torch.allclose(site.reconstruction, again.reconstruction, atol=1e-5)
 
 
+def test_a_padded_engine_call_explains_the_sites_as_an_unpadded_one(reader, eval_vectors):
+    """reader.explain(pad_to=...) (the server's batches on a CUDA-graph engine): the extra prompts are generated and
+    dropped; the sites' explanations and scores are those of the unpadded call."""
+    vectors = eval_vectors[:3]
+    alone = reader.explain(vectors, samples=1, greedy=True, max_new_tokens=8)
+    padded = reader.explain(vectors, samples=1, greedy=True, max_new_tokens=8, pad_to=8)
+    assert len(padded) == 3
+    assert [s.explanations for s in padded] == [s.explanations for s in alone]
+    assert [s.mse for s in padded] == pytest.approx([s.mse for s in alone], rel=1e-5)
+
+
 def test_base64_vectors_and_reconstructions_match_the_float_lists(server, eval_vectors):
     url, _ = server
     vectors = torch.cat([eval_vectors[:3], torch.randn(2, 64, generator=torch.Generator().manual_seed(1))])
@@ -220,6 +210,9 @@ BAD_INPUTS = [
     ("/v1/explain", {"text": TEXT, "positions": [0], "all": True}, 422, "all", "exclude each other"),
     ("/v1/explain", {"text": TEXT, "greedy": "yes"}, 422, "greedy", "valid boolean"),
     ("/v1/explain", {"text": "", "all": True}, 422, "text", "no tokens"),
+    ("/v1/explain", "", 400, "body", "malformed JSON"),  # an empty body is malformed JSON, not a missing field
+    ("/v1/explain", "[" * 100_000 + "]" * 100_000, 400, "body", "malformed JSON"),
+    ("/v1/explain_vectors", '{"vectors": ' + "[" * 100_000 + "]" * 100_000 + "}", 400, "body", "malformed JSON"),
 ]
 
 
@@ -333,6 +326,49 @@ def test_concurrent_clients_are_batched_and_each_answered_once_as_an_unbatched_g
     print(f"\n[load] {total} requests from {CLIENTS} clients in {wall:.1f} s ({total / wall:.1f} req/s): "
           f"p50 {p50:.0f} ms, p99 {p99:.0f} ms; {stats['batches']} engine batches, largest "
           f"{stats['largest_batch_sites']} sites")
+
+
+FLOOD_CLIENTS, FLOOD_REQUESTS, FLOOD_CAP_S = 32, 3, 120
+
+
+def test_a_flood_is_answered_with_503s_nothing_hangs_and_served_answers_are_unchanged(
+        reader, eval_vectors, two_concept_nla, nla_run_inputs):
+    """32 clients x 3 greedy requests at once against a queue of 4: every request answered within the cap, each a 200
+    with the explanation an unbatched call gives or a 503 with Retry-After; the server healthy and serving after."""
+    alone = [reader.explain(v[None], samples=1, greedy=True, max_new_tokens=8)[0].explanation for v in eval_vectors]
+    app = build_app(reader, serve_config(two_concept_nla, nla_run_inputs, max_batch=4, max_queue=4,
+                                         request_timeout_s=FLOOD_CAP_S))
+    answers: dict[tuple[int, int], tuple[int, str | None]] = {}
+
+    async def client(index: int, http) -> None:
+        for j in range(FLOOD_REQUESTS):
+            which = (index * FLOOD_REQUESTS + j) % len(eval_vectors)
+            answer = await http.post("/v1/explain_vectors", json={"vectors": [eval_vectors[which].tolist()],
+                                                                  "greedy": True})
+            if answer.status_code == 503:
+                assert answer.headers["retry-after"] == "1" and answer.json()["error"]["field"] is None
+                answers[(index, j)] = (503, None)
+            else:
+                assert answer.status_code == 200, answer.text
+                answers[(index, j)] = (200, answer.json()["results"][0]["explanation"])
+
+    async def flood(url: str) -> None:
+        async with httpx.AsyncClient(base_url=url, timeout=FLOOD_CAP_S) as http:
+            await asyncio.wait_for(asyncio.gather(*(client(i, http) for i in range(FLOOD_CLIENTS))), FLOOD_CAP_S)
+
+    with running(app) as url:
+        asyncio.run(flood(url))
+        assert httpx.get(f"{url}/v1/health").json() == {"status": "ok"}
+        after = httpx.post(f"{url}/v1/explain_vectors", json={"vectors": [eval_vectors[0].tolist()], "greedy": True},
+                           timeout=60)
+        assert after.status_code == 200 and after.json()["results"][0]["explanation"] == alone[0]
+        batching = httpx.get(f"{url}/v1/info").json()["batching"]
+    served = {key: text for key, (status, text) in answers.items() if status == 200}
+    assert len(answers) == FLOOD_CLIENTS * FLOOD_REQUESTS  # every request answered, none left hanging
+    assert 0 < len(served) < len(answers) and batching["refused_jobs"] == len(answers) - len(served)
+    for (index, j), text in served.items():
+        assert text == alone[(index * FLOOD_REQUESTS + j) % len(eval_vectors)]
+    assert batching["jobs"] == len(served) + 1 and batching["waiting"] == 0 and batching["dropped_jobs"] == 0
 
 
 def test_nla_serve_runs_on_a_free_loopback_port_and_stops_on_ctrl_c(two_concept_nla, nla_run_inputs):

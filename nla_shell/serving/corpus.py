@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 import shutil
 import signal
@@ -36,7 +35,7 @@ import torch
 from nla_shell.io.config import ConfigError
 from nla_shell.io.data import DataError
 from nla_shell.io.files import write_text_atomically
-from nla_shell.io.progress import say_line
+from nla_shell.io.progress import format_duration, say_line
 from nla_shell.pipeline.documents import count_documents, document_positions, read_documents
 from nla_shell.serving.config import ExplainConfig
 from nla_shell.serving.reader import NLAReader, SiteExplanation
@@ -258,21 +257,13 @@ class Progress:
         if self.total:
             per_unit = (now - self.start) / max(units_done - self._first_units, 1)
             eta = max(self.total - units_done, 0) * per_unit
-            line += f"; {units_done}/{self.total} {self.unit} ({units_done / self.total:.0%}), ETA {_duration(eta)}"
+            line += f"; {units_done}/{self.total} {self.unit} ({units_done / self.total:.0%}), ETA {format_duration(eta)}"
         say_line(line)
 
     def summary(self) -> str:
         seconds = max(time.perf_counter() - self.start, 1e-9)
         return (f"[explain] explained {self.sites} sites in {seconds:.1f} s: {self.sites / seconds:.2f} sites/s, "
                 f"{self.tokens / seconds:.1f} generated tokens/s")
-
-
-def _duration(seconds: float) -> str:
-    if not math.isfinite(seconds):
-        return "?"
-    minutes, secs = divmod(int(seconds), 60)
-    hours, minutes = divmod(minutes, 60)
-    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"
 
 
 # --------------------------------------------------------------------------- stopping

@@ -29,18 +29,17 @@ from nla_shell.training import checkpoint as ckpt
 from nla_shell.io.config import ConfigError, config_to_dict, normalize_fields
 from nla_shell.io.data import DataError, build_prompt_ids, check_tokenizer, stream_rows
 from nla_shell.io.sidecars import MODEL_SIDECAR, injection_settings, load_sidecar, model_sidecar, write_sidecar
-from nla_shell.engines.base import Rollout
 from nla_shell.io.logging import make_logger
 from nla_shell.io.paths import require_file, require_model
 from nla_shell.io.progress import progress_bar, say_line
-from nla_shell.models import ARModel, Injector, load_actor, response_logprobs, trainable_parameters
+from nla_shell.models import ARModel, Injector, load_actor, trainable_parameters
 from nla_shell.pipeline import sft_eval
+from nla_shell.pipeline.sft_loss import AVExample, av_response_nll
 from nla_shell.quant import require_quant
 from nla_shell.training.scoring import critic_step
 from nla_shell.training.preemption import StopSignals, boundary_save_due
 from nla_shell.training.runlock import RunDirLock
 from nla_shell.training.runtime import DataOrder, make_optimizer, resolve_device, seed_everything
-from nla_shell.training.update import response_batch
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -188,40 +187,6 @@ def lr_factor(step: int, *, num_steps: int, warmup_steps: int, schedule: str) ->
 
 HELDOUT_SCORE = "heldout/score"
 """The checkpoint manifest's held-out figure, signed so that higher is better (keep_best, keep_last)."""
-
-
-# --------------------------------------------------------------------------- AV loss
-
-
-@dataclass(frozen=True)
-class AVExample:
-    prompt_ids: tuple[int, ...]
-    """Chat-templated AV prompt with one well-formed marker."""
-    response_ids: tuple[int, ...]
-    """The gold response's tokens, ending with EOS."""
-    activation: torch.Tensor
-    """[D] injected at the marker."""
-
-
-def av_response_nll(
-    actor: torch.nn.Module, injector: Injector, examples: Sequence[AVExample], *, pad_id: int
-) -> tuple[torch.Tensor, int]:
-    """Summed NLL of the response tokens of `examples` (prompt tokens carry no loss), and their count.
-
-    One forward with the activations injected at the markers, through the same response
-    batching and fused log-prob path as the GRPO update.
-    Returns: (0-d float32 tensor with grad, number of response tokens).
-    """
-    device = next(actor.parameters()).device
-    rollouts = [
-        Rollout(torch.tensor(e.prompt_ids + e.response_ids), len(e.prompt_ids), torch.zeros(len(e.response_ids)), "", i)
-        for i, e in enumerate(examples)
-    ]
-    batch = response_batch(rollouts, pad_id=pad_id, device=device)
-    vectors = torch.stack([e.activation for e in examples]).to(device, torch.float32)
-    with injector.inject(batch.input_ids, vectors):
-        logp = response_logprobs(actor, batch.input_ids, batch.attention_mask, batch.positions, batch.targets)
-    return -(logp * batch.mask).sum(), int(batch.mask.sum())
 
 
 # --------------------------------------------------------------------------- the run

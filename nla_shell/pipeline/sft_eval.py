@@ -30,6 +30,7 @@ from nla_shell.engines.hf import HFRolloutEngine
 from nla_shell.io.data import DataError, build_prompt_ids, stream_rows
 from nla_shell.metrics import finite_mean
 from nla_shell.models import ARModel, Injector
+from nla_shell.pipeline.sft_loss import AVExample, av_response_nll
 from nla_shell.training.scoring import score_explanations
 
 __all__ = ["EarlyStopping", "HeldOut", "evaluate_ar", "evaluate_av", "load_heldout", "selection_key"]
@@ -114,8 +115,6 @@ def evaluate_av(actor: torch.nn.Module, injector: Injector, tokenizer, heldout: 
     Sampling draws from a forked RNG seeded with `seed`, so every evaluation samples alike and the
     training run's own RNG stream (and so an exact resume) is untouched.
     """
-    from nla_shell.pipeline.sft import AVExample, av_response_nll
-
     was_training = actor.training
     actor.eval()
     pad_id = tokenizer.pad_token_id

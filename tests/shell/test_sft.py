@@ -19,7 +19,8 @@ from nla_shell.io.config import ConfigError
 from nla_shell.io.data import build_prompt_ids, stream_rows
 from nla_shell.io.sidecars import load_sidecar
 from nla_shell.models import REFERENCE_ADAPTER, ARModel, Injector, load_actor
-from nla_shell.pipeline.sft import AVExample, av_response_nll, lr_factor, sft
+from nla_shell.pipeline.sft import lr_factor, sft
+from nla_shell.pipeline.sft_loss import AVExample, av_response_nll
 
 
 def _losses(save_dir: Path) -> list[float]:

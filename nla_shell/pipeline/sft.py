@@ -34,6 +34,7 @@ from nla_shell.io.paths import require_file, require_model
 from nla_shell.io.progress import progress_bar, say_line
 from nla_shell.models import ARModel, Injector, load_actor, trainable_parameters
 from nla_shell.pipeline import sft_eval
+from nla_shell.pipeline.evaluate import EvalConfig
 from nla_shell.pipeline.sft_loss import AVExample, av_response_nll
 from nla_shell.quant import require_quant
 from nla_shell.training.scoring import critic_step
@@ -447,7 +448,8 @@ def _evaluate(run: _Run, steps_done: int, record: dict[str, float]) -> float:
     else:
         held = sft_eval.evaluate_av(run.model, run.injector, run.tokenizer, run.heldout, micro_batch=cfg.micro_batch,
                                     ar=run.eval_ar, template=template, mse_scale=run.mse_scale,
-                                    max_new_tokens=cfg.eval_max_new_tokens, max_tokens=1024, seed=cfg.seed)
+                                    max_new_tokens=cfg.eval_max_new_tokens,
+                                    max_tokens=EvalConfig.max_explanation_tokens, seed=cfg.seed)
     key, higher = sft_eval.selection_key(cfg.mode, has_ar=run.eval_ar is not None)
     score = held[key] if higher else -held[key]
     run.stopping = run.stopping.update(score, steps_done)

@@ -33,7 +33,8 @@ from nla_shell.models import ARModel, Injector
 from nla_shell.pipeline.sft_loss import AVExample, av_response_nll
 from nla_shell.training.scoring import score_explanations
 
-__all__ = ["EarlyStopping", "HeldOut", "evaluate_ar", "evaluate_av", "load_heldout", "selection_key"]
+__all__ = ["EarlyStopping", "HeldOut", "describe", "evaluate_ar", "evaluate_av", "load_heldout", "round_trip_ar",
+           "selection_key"]
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,7 @@ class HeldOut:
     prompt_ids: list[list[int]]
     """N chat-templated AV prompts, each with one marker."""
     response_ids: list[tuple[int, ...]]
-    """N gold responses' tokens (EOS included); empty where the parquet has no `response` column."""
+    """N gold responses' tokens (EOS included); empty for the AR, which reads the explanations."""
     explanations: list[str]
     """N gold explanations (the AR's held-out input)."""
     golds: torch.Tensor
@@ -132,7 +133,8 @@ def evaluate_av(actor: torch.nn.Module, injector: Injector, tokenizer, heldout: 
     nll_shuffled = token_mean_nll(heldout.golds[heldout.shuffled])
     metrics = {"heldout/nll": nll, "heldout/nll_shuffled": nll_shuffled, "heldout/nll_gap": nll_shuffled - nll}
     if ar is not None:
-        devices = [actor.device] if getattr(actor, "device", torch.device("cpu")).type == "cuda" else []
+        device = next(actor.parameters()).device
+        devices = [device] if device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(seed)
             engine = HFRolloutEngine(actor, injector, tokenizer)
@@ -196,7 +198,8 @@ def round_trip_ar(path: str | None, *, mse_scale: float | None, dtype: torch.dty
 
 
 def describe(metrics: dict[str, float], stopping: EarlyStopping, key: str, higher_is_better: bool) -> str:
-    """The progress line's held-out part, e.g. `held-out FVE 0.312 (best 0.312 @ 400) | nll 1.23, gap 0.42`."""
+    """The progress line's held-out part, e.g. `held-out FVE 0.312 | held-out nll 1.23, shuffled 1.65, gap 0.42 |
+    best fve 0.312 at step 400`."""
     parts = []
     if "heldout/fve" in metrics:
         parts.append(f"held-out FVE {metrics['heldout/fve']:.3f}")

@@ -61,8 +61,9 @@
 #   update         .bnb       the policy update alone (bench_update) on 32 x 8 rollouts;   The policy update
 #                             VARIANTS=, UPDATE_ARGS= pick the variants of each table
 #   critic         .bnb       the AR's score + critic step alone (bench_critic)            The critic: Critic micro-batch
-#   quant          .bnb, x2   GPU0: the quantised AR (bench_quant --role ar); GPU1: the   Quantisation
-#                             quantised AV base (bench_quant), then the AR-LoRA GPU test
+#   quant          .bnb       tests/gpu/test_quant_ar_gpu.py (4- and 8-bit AR-LoRA:        Quantisation; Model families on the GPU
+#                             SFT and a co-trained RL step); bench_quant.py, which
+#                             made the numbers, is retired (last at f40f446)
 #   families       p4         tests/gpu/test_families_gpu.py, native then vLLM cases      Model families on the GPU
 #   parity         p4, .bnb,  learning parity on the toy NLA: hf 6 seeds on GPU1, vLLM 6  Learning parity across engines
 #                  x2         seeds in 3 lanes on GPU0 (PARITY_ENGINES=hf,native: R2's legs)
@@ -329,11 +330,8 @@ case $stage in
     grep -h "^\[critic\]\|^\[idle\]\|^\[setup\]\|rror" "$OUT/critic.log"; pack critic ;;
   quant)
     need_bnb
-    lane 0 "timeout -k 10 540 python3 bench/bench_quant.py --role ar --modes none,full,8bit,4bit --work /tmp/quant \
-            --out $OUT/quant_ar.json > $OUT/quant_ar.log 2>&1" &
-    lane 1 "timeout -k 10 400 python3 bench/bench_quant.py --out $OUT/quant.json > $OUT/quant.log 2>&1
-            timeout -k 10 120 python3 -m pytest tests/gpu/test_quant_ar_gpu.py -q -p no:cacheprovider > $OUT/quant_ar_gpu.log 2>&1"
-    wait; grep -h "^{\|rror" "$OUT/quant_ar.log" "$OUT/quant.log" | tail -12; tail -n 3 "$OUT/quant_ar_gpu.log" ;;
+    timeout -k 10 120 python3 -m pytest tests/gpu/test_quant_ar_gpu.py -q -p no:cacheprovider > "$OUT/quant_ar_gpu.log" 2>&1
+    tail -n 3 "$OUT/quant_ar_gpu.log" ;;
   families)
     timeout -k 10 90 python3 -m pytest tests/gpu/test_families_gpu.py -q -p no:cacheprovider -k native > "$OUT/families_native.log" 2>&1
     need_vllm || exit 1

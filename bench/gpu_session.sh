@@ -313,10 +313,10 @@ case $stage in
     grep "^\[update\]\|^\[idle\]\|rror" "$OUT/update.log"; pack fp8-kernels ;;
   update)
     # The variant sets of RESULTS.md's tables: 16,32,64,16:bf16,32:bf16,64:bf16,32:bf16+compile (micro-batch, bf16);
-    # (host syncs: the retired `synced` replay, at 74a810e); 64:bf16+mlpcompile,64:bf16+compile (LoRA layers);
-    # 64:bf16+compile+norotary,64:bf16+compile,64:bf16+compile+ref256,64:bf16+compile+noref (rotary, reference pass);
-    # 64:bf16+compile with UPDATE_ARGS="--profile-micro-batches 4" (where the GPU waits);
-    # 64:bf16+compile+nohead,64:bf16+compile and the default (log-prob head; prompt blocks) with --lead;
+    # (host syncs: the retired `synced` replay, at 74a810e); LoRA layers, rotary and log-prob head compiled: the retired
+    # mlpcompile, norotary and nohead replays, at fad6eb1; 64:bf16+compile,64:bf16+compile+ref256,64:bf16+compile+noref
+    # (reference pass); 64:bf16+compile with UPDATE_ARGS="--profile-micro-batches 4" (where the GPU waits);
+    # the default (prompt blocks) with --lead;
     # 64:bf16+compile+fp8bw,64:bf16+compile+fp8bw+noref (and +ref128, +ref256) with
     # UPDATE_ARGS="--profile-micro-batches 4 --sites" (run AJ: kernel time by site, the reference pass's share).
     need_bnb

@@ -61,7 +61,7 @@
 #   update         .bnb       the policy update alone (bench_update) on 32 x 8 rollouts;   The policy update
 #                             VARIANTS=, UPDATE_ARGS= pick the variants of each table
 #   critic         .bnb       the AR's score + critic step alone (bench_critic)            The critic: Critic micro-batch
-#   quant          .bnb       tests/gpu/test_quant_ar_gpu.py (4- and 8-bit AR-LoRA:        Quantisation; Model families on the GPU
+#   quant          .bnb       tests/gpu/test_quant_ar_gpu.py (4- and 8-bit AR-LoRA:        Quantisation: The quantised AR
 #                             SFT and a co-trained RL step); bench_quant.py, which
 #                             made the numbers, is retired (last at f40f446)
 #   families       p4         tests/gpu/test_families_gpu.py, native then vLLM cases      Model families on the GPU

@@ -111,7 +111,10 @@ def parse_args() -> argparse.Namespace:
         parser.error("--sites writes beside the profiler tables: give --tables DIR and --profile-micro-batches > 0")
     prompts, _, group = (args.cases or ("4x2" if args.tiny else "32x8")).partition("x")
     args.prompts, args.group = int(prompts), int(group)
-    args.variants = [parse_variant(v) for v in args.variants.split(",") if v]
+    try:
+        args.variants = [parse_variant(v) for v in args.variants.split(",") if v]
+    except argparse.ArgumentTypeError as err:  # one line, not a trace (RESULTS.md cites retired options)
+        parser.error(str(err))
     args.prompt_len = args.prompt_len or (24 if args.tiny else 96)
     args.new_tokens = args.new_tokens or (8 if args.tiny else 160)
     return args

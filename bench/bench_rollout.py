@@ -13,11 +13,12 @@ log-prob over the rollouts (trainer = `models.response_logprobs` with the inject
 
 Cases (each failure is reported and skipped; the JSON is rewritten after every case):
   hf                 HFRolloutEngine (HF generate, dynamic cache), steered, LoRA unmerged
-  hf_static          the same with cache_implementation="static" (compiles: --hf-static)
   native             NativeRolloutEngine, steered, LoRA unmerged, CUDA graphs
   native_merged      the same with the LoRA merged for the rollout
   native_compiled    torch.compile'd step in the graph (--native-compile; compiles per shape)
   vllm/<config>      bench/bench_vllm.py's configs in a subprocess, when vllm imports
+(`hf_static`, HF generate with transformers' static cache, no engine option and no recorded numbers, is
+retired; last at e649374.)
 
     python bench/bench_rollout.py --out bench/rollout_h200.json          # H200, ~5 min
     .venv/bin/python bench/bench_rollout.py --tiny --out /tmp/rollout.json  # CPU smoke run
@@ -55,7 +56,6 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--lora-r", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=2, help="timed repeats of each native call (median)")
     parser.add_argument("--skip-hf", action="store_true")
-    parser.add_argument("--hf-static", action="store_true", help="also HF generate with a static cache (slow compile)")
     parser.add_argument("--native-compile", action="store_true", help="also the torch.compile'd native step")
     parser.add_argument("--vllm-configs", default="baseline",
                         help="bench_vllm.py configs to run ('' skips vLLM): baseline,nla,eager")
@@ -181,8 +181,6 @@ def main() -> None:
     cases = []
     if not args.skip_hf:
         cases.append(("hf", lambda: HFRolloutEngine(actor, injector, tokenizer), True))
-        if args.hf_static:
-            cases.append(("hf_static", lambda: _static_hf(HFRolloutEngine(actor, injector, tokenizer)), True))
     cases.append(("native", lambda: NativeRolloutEngine(actor, injector, tokenizer), True))
     cases.append(("native_merged", lambda: NativeRolloutEngine(actor, injector, tokenizer, merge_lora=True), False))
     if args.native_compile:
@@ -229,12 +227,6 @@ def main() -> None:
     record.save()
     print(table)
     print(f"saved {args.out}")
-
-
-def _static_hf(engine):
-    """HF generate with a static cache: transformers compiles the decode step on first use."""
-    engine.base_generation["cache_implementation"] = "static"
-    return engine
 
 
 def summary(cases: list[dict]) -> str:

@@ -12,12 +12,11 @@ critic is co-trained) and `update_phase` (the policy update); `train_step` runs 
 TrainConfig's defaults (the reference's), except the shapes and micro-batches set here.
 
 Paths, each on the same rollouts (the hand-replayed pre-issue-12 step, "before", is retired: its
-numbers stay in bench/RESULTS.md, made by this file at commit 74a810e):
+numbers stay in bench/RESULTS.md, made by this file at commit 74a810e; so is `after_tf32`, TF32 float32
+products, no trainer option and no recorded numbers, last at 86fb46f):
   after   the trainer now: each group's prompt computed once (`training.prefix`), the
           reference in its own no-grad pass at --reference-micro-batch, scoring and the
           critic step on one AR forward (`score_and_train_critic`) at --critic-micro-batch.
-  after_tf32  "after" with float32 matrix products on TF32 tensor cores (the LoRA factors
-          are float32 under PEFT): an experiment, not the trainer's default.
   after_bf16  "after" with the actor's blocks under bf16 autocast (`bf16_autocast`: bf16 LoRA
           products, float32 master weights). Its rollout phase is its own rollout under the same
           autocast (the engine samples with the trainer's arithmetic), whose mean |behaviour -
@@ -112,7 +111,7 @@ import torch  # noqa: E402
 
 import synthetic as syn  # noqa: E402
 
-PATHS = ("after", "after_tf32", "after_bf16", "after_compile", "after_all", "after_fp8", "after_all_fp8",
+PATHS = ("after", "after_bf16", "after_compile", "after_all", "after_fp8", "after_all_fp8",
          "after_all_fp8_backward", "after_all_fp8_fast", "after_all_fp8_fastfwd")
 FAST_ACCUM_PATHS = {"after_all_fp8_fast": "all", "after_all_fp8_fastfwd": "forward"}
 """The paths with fp8_fast_accum on, and its value."""
@@ -576,14 +575,13 @@ def behaviour_gap(ctx: Context, rollouts, requests, micro_batch: int) -> float:
 
 @contextlib.contextmanager
 def path_arithmetic(ctx: Context, path: str, args):
-    """The path's trainer options while its phases run: TF32, bf16 autocast, compiled block parts."""
+    """The path's trainer options while its phases run: bf16 autocast, compiled block parts."""
     compiled = (ctx.actor, ctx.critic.lm) if path in COMPILE_PATHS else ()
     try:
         with syn.trainer_options(ctx.actor, bf16_autocast=path in AUTOCAST_PATHS, compiled=compiled):
             if path in AUTOCAST_PATHS:
                 recapture(ctx, args)
-            with tf32_matmuls(path == "after_tf32"):
-                yield
+            yield
     finally:
         if path in AUTOCAST_PATHS:
             recapture(ctx, args)
@@ -599,17 +597,6 @@ def recapture(ctx: Context, args) -> None:
         ctx.engine = None
         syn.free_memory(ctx.device)
         ctx.engine = make_engine(args, ctx)
-
-
-@contextlib.contextmanager
-def tf32_matmuls(enabled: bool):
-    """float32 matrix products on TF32 tensor cores (the LoRA factors are float32) while enabled."""
-    previous = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = enabled or previous
-    try:
-        yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = previous
 
 
 @contextlib.contextmanager

@@ -20,18 +20,16 @@ so one variant costs seconds, not minutes, and no engine or AR is built. Per var
   peak GiB     torch.cuda.max_memory_allocated during the timed update
 
 A variant is MICRO_BATCH[:OPTION+OPTION...], options `bf16` (bf16_autocast), `compile`
-(compile_blocks: norms, MLPs, LoRA layers, the rotary embedding and the log-prob head), `mlpcompile` (compile_blocks as
-it was before the LoRA layers joined: norms and MLPs only), `norotary` (with `compile`: the rotary
-embedding and the log-prob head left eager, compile_blocks before the rotary joined), `nohead` (with
-`compile`: the log-prob head's chunk arithmetic left eager, compile_blocks before it joined), `refN` (the reference pass at N samples a
+(compile_blocks: norms, MLPs, LoRA layers, the rotary embedding and the log-prob head), `refN` (the reference pass at N samples a
 forward instead of --reference-micro-batch), `pbN` (the prompts of N micro-batches in one forward
 instead of TrainConfig.logp_prompt_block; pb1: one prompt forward per micro-batch, as before prompt blocks), `noref`
 (no reference pass: kl_beta 0 and no KL metric;
 its time against the same variant's with the pass is the pass's), `fp8` (the trainer's fp8=reference,update: the base's
 forwards in FP8), `fp8bw` (fp8=reference,update,backward: its input gradients too), `fastacc` (with fp8 or
 fp8bw: fp8_fast_accum=all, every FP8 product's fast accumulation) and `fastfwd` (fp8_fast_accum=forward: the
-forward products'), e.g. `16 32:bf16+compile 64:bf16+compile+ref256`. (The `synced` replay of the
-shared-prefix forward before its sync fix is retired; its numbers are in bench/RESULTS.md, made at fbd025e..74a810e.)
+forward products'), e.g. `16 32:bf16+compile 64:bf16+compile+ref256`. (Retired replays, their numbers in
+bench/RESULTS.md: `synced`, the shared-prefix forward before its sync fix, last at 74a810e; `mlpcompile`, `norotary`
+and `nohead`, compile_blocks before the LoRA layers, the rotary embedding and the log-prob head joined, last at fad6eb1.)
 
     python bench/bench_update.py --cases 32x8 --variants 16,32,32:bf16 --out $OUT/update.json   # H200
     .venv/bin/python bench/bench_update.py --tiny --variants 2,4:compile --out /tmp/update.json  # CPU smoke
@@ -59,8 +57,7 @@ from bench_step import PEAK_TFLOPS, path_flops, write_profile_table  # noqa: E40
 from kernel_sites import format_sites, kernel_sites  # noqa: E402
 from timeline import HostLead, idle_gaps  # noqa: E402
 
-OPTIONS = ("bf16", "compile", "mlpcompile", "norotary", "nohead", "noref", "fp8", "fp8bw", "fastacc",
-           "fastfwd")
+OPTIONS = ("bf16", "compile", "noref", "fp8", "fp8bw", "fastacc", "fastfwd")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,7 +111,10 @@ def parse_args() -> argparse.Namespace:
         parser.error("--sites writes beside the profiler tables: give --tables DIR and --profile-micro-batches > 0")
     prompts, _, group = (args.cases or ("4x2" if args.tiny else "32x8")).partition("x")
     args.prompts, args.group = int(prompts), int(group)
-    args.variants = [parse_variant(v) for v in args.variants.split(",") if v]
+    try:
+        args.variants = [parse_variant(v) for v in args.variants.split(",") if v]
+    except argparse.ArgumentTypeError as err:  # one line, not a trace (RESULTS.md cites retired options)
+        parser.error(str(err))
     args.prompt_len = args.prompt_len or (24 if args.tiny else 96)
     args.new_tokens = args.new_tokens or (8 if args.tiny else 160)
     return args
@@ -141,10 +141,8 @@ def synthetic_rollouts(n_prompts: int, group: int, *, prompt_len: int, new_token
 @contextlib.contextmanager
 def options_installed(actor, options: frozenset[str]):
     """The variant's options on the actor for the block; yields its FP8 copies (None without fp8/fp8bw)."""
-    compiled = (actor,) if options & {"compile", "mlpcompile"} else ()
-    with syn.trainer_options(actor, bf16_autocast="bf16" in options, compiled=compiled, lora_layers="mlpcompile" not in options,
-                             rotary=not options & {"mlpcompile", "norotary"},
-                             logprob_head=not options & {"mlpcompile", "norotary", "nohead"}):
+    compiled = (actor,) if "compile" in options else ()
+    with syn.trainer_options(actor, bf16_autocast="bf16" in options, compiled=compiled):
         with fp8_copies(actor, options) as copies:
             yield copies
 
@@ -162,7 +160,7 @@ def fp8_copies(actor, options: frozenset[str]):
     from nla_shell.models.fp8 import FP8Linears
 
     copies = FP8Linears(families.backbone(inner_lm(actor)), label="reference+update",
-                        compile_backend="inductor" if options & {"compile", "mlpcompile"} else None,
+                        compile_backend="inductor" if "compile" in options else None,
                         backward="fp8bw" in options,
                         fast_accum="all" if "fastacc" in options else "forward" if "fastfwd" in options else "off")
     print(copies.summary(), flush=True)

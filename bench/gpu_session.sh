@@ -61,8 +61,9 @@
 #   update         .bnb       the policy update alone (bench_update) on 32 x 8 rollouts;   The policy update
 #                             VARIANTS=, UPDATE_ARGS= pick the variants of each table
 #   critic         .bnb       the AR's score + critic step alone (bench_critic)            The critic: Critic micro-batch
-#   quant          .bnb, x2   GPU0: the quantised AR (bench_quant --role ar); GPU1: the   Quantisation
-#                             quantised AV base (bench_quant), then the AR-LoRA GPU test
+#   quant          .bnb       tests/gpu/test_quant_ar_gpu.py (4- and 8-bit AR-LoRA:        Quantisation: The quantised AR
+#                             SFT and a co-trained RL step); bench_quant.py, which
+#                             made the numbers, is retired (last at f40f446)
 #   families       p4         tests/gpu/test_families_gpu.py, native then vLLM cases      Model families on the GPU
 #   parity         p4, .bnb,  learning parity on the toy NLA: hf 6 seeds on GPU1, vLLM 6  Learning parity across engines
 #                  x2         seeds in 3 lanes on GPU0 (PARITY_ENGINES=hf,native: R2's legs)
@@ -312,10 +313,10 @@ case $stage in
     grep "^\[update\]\|^\[idle\]\|rror" "$OUT/update.log"; pack fp8-kernels ;;
   update)
     # The variant sets of RESULTS.md's tables: 16,32,64,16:bf16,32:bf16,64:bf16,32:bf16+compile (micro-batch, bf16);
-    # (host syncs: the retired `synced` replay, at 74a810e); 64:bf16+mlpcompile,64:bf16+compile (LoRA layers);
-    # 64:bf16+compile+norotary,64:bf16+compile,64:bf16+compile+ref256,64:bf16+compile+noref (rotary, reference pass);
-    # 64:bf16+compile with UPDATE_ARGS="--profile-micro-batches 4" (where the GPU waits);
-    # 64:bf16+compile+nohead,64:bf16+compile and the default (log-prob head; prompt blocks) with --lead;
+    # (host syncs: the retired `synced` replay, at 74a810e); LoRA layers, rotary and log-prob head compiled: the retired
+    # mlpcompile, norotary and nohead replays, at fad6eb1; 64:bf16+compile,64:bf16+compile+ref256,64:bf16+compile+noref
+    # (reference pass); 64:bf16+compile with UPDATE_ARGS="--profile-micro-batches 4" (where the GPU waits);
+    # the default (prompt blocks) with --lead;
     # 64:bf16+compile+fp8bw,64:bf16+compile+fp8bw+noref (and +ref128, +ref256) with
     # UPDATE_ARGS="--profile-micro-batches 4 --sites" (run AJ: kernel time by site, the reference pass's share).
     need_bnb
@@ -329,11 +330,8 @@ case $stage in
     grep -h "^\[critic\]\|^\[idle\]\|^\[setup\]\|rror" "$OUT/critic.log"; pack critic ;;
   quant)
     need_bnb
-    lane 0 "timeout -k 10 540 python3 bench/bench_quant.py --role ar --modes none,full,8bit,4bit --work /tmp/quant \
-            --out $OUT/quant_ar.json > $OUT/quant_ar.log 2>&1" &
-    lane 1 "timeout -k 10 400 python3 bench/bench_quant.py --out $OUT/quant.json > $OUT/quant.log 2>&1
-            timeout -k 10 120 python3 -m pytest tests/gpu/test_quant_ar_gpu.py -q -p no:cacheprovider > $OUT/quant_ar_gpu.log 2>&1"
-    wait; grep -h "^{\|rror" "$OUT/quant_ar.log" "$OUT/quant.log" | tail -12; tail -n 3 "$OUT/quant_ar_gpu.log" ;;
+    timeout -k 10 120 python3 -m pytest tests/gpu/test_quant_ar_gpu.py -q -p no:cacheprovider > "$OUT/quant_ar_gpu.log" 2>&1
+    tail -n 3 "$OUT/quant_ar_gpu.log" ;;
   families)
     timeout -k 10 90 python3 -m pytest tests/gpu/test_families_gpu.py -q -p no:cacheprovider -k native > "$OUT/families_native.log" 2>&1
     need_vllm || exit 1

@@ -150,18 +150,13 @@ def make_injector(actor, tokens: dict[str, int]):
 
 
 @contextlib.contextmanager
-def trainer_options(actor, *, bf16_autocast: bool, compiled: Sequence[torch.nn.Module] = (),
-                    lora_layers: bool = True, rotary: bool = True, logprob_head: bool = True) -> Iterator[None]:
+def trainer_options(actor, *, bf16_autocast: bool, compiled: Sequence[torch.nn.Module] = ()) -> Iterator[None]:
     """The trainer's `bf16_autocast` (on the actor) and `compile_blocks` (on each of `compiled`)
-    options installed for the block, as `nla train` installs them for a run; removed after.
-    lora_layers=False compiles the norms and MLPs only (compile_blocks before the LoRA layers joined);
-    rotary=False leaves the rotary embedding eager (compile_blocks before it joined); logprob_head=False
-    leaves the log-prob head's chunk arithmetic eager (compile_blocks before it joined)."""
+    options installed for the block, as `nla train` installs them for a run; removed after."""
     from nla_shell.models import BackboneAutocast, CompiledBlockParts
 
     installed = [BackboneAutocast(actor, torch.bfloat16)] if bf16_autocast else []
-    installed += [CompiledBlockParts(model, lora_layers=lora_layers, rotary=rotary, logprob_head=logprob_head)
-                  for model in compiled]
+    installed += [CompiledBlockParts(model) for model in compiled]
     try:
         yield
     finally:

@@ -69,8 +69,8 @@ class CompiledBlockParts:
     torch.compile (dynamic shapes, so micro-batches of other lengths reuse the graphs) of every
     block's largest sub-modules that see no KV cache: the norms and the MLP (Qwen3: input /
     post-attention RMSNorm, q / k RMSNorm, SwiGLU MLP), where the eager forward launches one
-    kernel per element-wise op, and with `lora_layers` PEFT's LoRA layers (base product + LoRA
-    product, scaled and added: the scale and the sum fuse), and with `rotary` the rotary
+    kernel per element-wise op, PEFT's LoRA layers (base product + LoRA product, scaled and added:
+    the scale and the sum fuse), and with `rotary` the rotary
     embedding the attention applies to queries and keys (eager, `rotate_half`'s cat and neg and
     four products and two sums over q and k, in the forward and again in the backward). The
     attention module itself (the cache's Python bookkeeping) stays eager: compiling whole blocks
@@ -83,20 +83,17 @@ class CompiledBlockParts:
     that module, for every model of the family in the process, until the last instance that
     swapped it is removed.
 
-    With `logprob_head` the model's fused lm_head + log-prob (`hidden_logprobs`) runs each chunk's
-    float32 arithmetic compiled (`nla_core.ChunkKernels`), fused into few passes over a chunk's
+    The model's fused lm_head + log-prob (`hidden_logprobs`) runs each chunk's float32 arithmetic
+    compiled (`nla_core.ChunkKernels`), fused into few passes over a chunk's
     [1024, V] logits where the eager ops (cast, log-sum-exp, exp, product, scatter, cast) each make one.
 
     Args: model: the actor (PEFT or not) or the AR's truncated LM; backend: torch.compile's;
-      lora_layers: compile the LoRA layers too (False: the norms and MLPs only, for A/B benchmarks);
-      rotary: compile the rotary embedding too (False: for A/B benchmarks);
-      logprob_head: compile the log-prob head's chunk arithmetic too (False: for A/B benchmarks).
+      rotary: compile the rotary embedding too (False: for A/B tests).
     """
 
-    def __init__(self, model: nn.Module, *, backend: str = "inductor", lora_layers: bool = True,
-                 rotary: bool = True, logprob_head: bool = True) -> None:
+    def __init__(self, model: nn.Module, *, backend: str = "inductor", rotary: bool = True) -> None:
         blocks = families.decoder_blocks(model)
-        self.modules = [m for block in blocks for m in _cache_free_parts(block, lora_layers)]
+        self.modules = [m for block in blocks for m in _cache_free_parts(block)]
         """The compiled sub-modules."""
         if any("forward" in vars(m) for m in self.modules):
             raise ValueError("the model's blocks already run compiled parts: remove() the earlier CompiledBlockParts first")
@@ -113,10 +110,9 @@ class CompiledBlockParts:
             if not installs:
                 setattr(home, ROTARY_FUNCTION, _compiled_unless_capturing(eager, backend=backend))
             _compiled_rotaries[home] = (eager, installs + 1)
-        self.head_lm = inner_lm(model) if logprob_head else None
-        """The LM whose log-prob head (`hidden_logprobs`) runs compiled chunk kernels."""
-        if self.head_lm is not None:
-            _compiled_heads[self.head_lm] = _compiled_chunk_kernels(backend)
+        self.head_lm = inner_lm(model)
+        """The LM whose log-prob head (`hidden_logprobs`) runs compiled chunk kernels (None once removed)."""
+        _compiled_heads[self.head_lm] = _compiled_chunk_kernels(backend)
 
     def remove(self) -> None:
         """The eager forwards back (the instance attribute hid the class's forward), and the eager
@@ -165,20 +161,19 @@ def _rotary_homes(block: nn.Module) -> Iterator[types.ModuleType]:
             yield home
 
 
-def _cache_free_parts(module: nn.Module, lora_layers: bool) -> Iterator[nn.Module]:
+def _cache_free_parts(module: nn.Module) -> Iterator[nn.Module]:
     """The largest sub-modules of `module` with no KV-cache access and no LoRA layer inside, bare
-    linears aside; with `lora_layers` the LoRA layers themselves too.
+    linears aside, and the LoRA layers themselves.
 
     HF attention modules (the ones that update the cache) carry a `layer_idx`; PEFT's LoRA layers
     a `cast_input_dtype_enabled`. Modules holding either are searched, never compiled whole.
     """
     for child in module.children():
         if hasattr(child, "cast_input_dtype_enabled"):
-            if lora_layers:
-                yield child
+            yield child
             continue
         if hasattr(child, "layer_idx") or any(hasattr(m, "cast_input_dtype_enabled") for m in child.modules()):
-            yield from _cache_free_parts(child, lora_layers)
+            yield from _cache_free_parts(child)
         elif not isinstance(child, (nn.Linear, nn.Dropout, nn.Identity)):
             yield child
 

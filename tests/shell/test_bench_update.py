@@ -32,3 +32,13 @@ def test_sites_without_tables_is_refused_before_any_work(tmp_path):
     assert result.returncode == 2
     assert "--sites writes beside the profiler tables: give --tables DIR" in result.stderr.splitlines()[-1]
     assert not out.exists()
+
+
+def test_a_retired_option_is_refused_in_one_line_before_any_work(tmp_path):
+    # RESULTS.md still cites `mlpcompile`'s command (retired after fad6eb1): a run of it says so, with no trace.
+    out = tmp_path / "update.json"
+    result = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_update.py"), "--tiny", "--variants",
+                             "2,64:bf16+mlpcompile", "--out", str(out)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.splitlines()[-1].startswith("bench_update.py: error: variant '64:bf16+mlpcompile': ")
+    assert not out.exists()

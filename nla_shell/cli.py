@@ -37,7 +37,11 @@ def _train(args: argparse.Namespace) -> None:
 
         # Checked here first, so a bad config fails once instead of once per rank.
         exec_torchrun(args.nproc, ["train", *(["--config", args.config] if args.config else []), *items])
-    print(f"[nla train] save_dir {cfg.save_dir}", flush=True)
+    from nla_shell.training.distributed import rank_info
+
+    # Under torchrun, once for the run rather than once per rank (the process group is not up yet: RANK says).
+    if rank_info().is_main:
+        print(f"[nla train] save_dir {cfg.save_dir}", flush=True)
     train(cfg)
 
 

@@ -278,6 +278,7 @@ def test_sigterm_on_one_rank_stops_every_rank_at_the_same_step_and_saves_once(nl
                     __file__, "train", *settings], env={"PREEMPT_RANK": "1"}, expect_ok=False)
     line = f"nla train: stopped at step 2; rerun the same command to resume from {save_dir / 'step_000002'}"
     assert out.count(line) == 1, out[-6000:]
+    assert out.count(f"[nla train] save_dir {save_dir}") == 1, out[-6000:]  # rank 0 names the run dir, once
     # The ranks exit 143 once rank 0 has saved and spoken; torchrun reports the first to exit (and may
     # SIGTERM the other, by then done) with its own error report, as it does for any non-zero exit.
     assert "143" in re.findall(r"exitcode\s*:\s*(-?\d+)", out), out

@@ -83,7 +83,8 @@ class PreemptedEngine(PerRequestSeededEngine):
 
 def seeded_make_engine(cfg, actor, injector, tokenizer, **_) -> PerRequestSeededEngine:
     """Stands in for nla_shell.training.setup.make_engine; the rank named by $PREEMPT_RANK gets SIGTERM."""
-    preempted = os.environ.get("PREEMPT_RANK") == os.environ.get("RANK")
+    # Unset PREEMPT_RANK preempts no one (an in-process run has no RANK either: None == None must not count).
+    preempted = "PREEMPT_RANK" in os.environ and os.environ["PREEMPT_RANK"] == os.environ.get("RANK")
     return (PreemptedEngine if preempted else PerRequestSeededEngine)(actor, injector, tokenizer)
 
 

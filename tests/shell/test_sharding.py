@@ -73,13 +73,6 @@ def _moments(checkpoint: Path, name: str) -> list[dict[str, torch.Tensor]]:
     return [saved["state"][fqn] for group in saved["param_groups"] for fqn in group["params"]]
 
 
-@pytest.fixture(autouse=True)
-def no_preemption(monkeypatch):
-    """test_distributed's seeded engine signals the process whose RANK equals $PREEMPT_RANK: none here (both
-    unset would match in one process)."""
-    monkeypatch.setenv("PREEMPT_RANK", "none")
-
-
 @pytest.fixture
 def common(nla_run_inputs, tmp_path):
     av, _, _ = nla_run_inputs

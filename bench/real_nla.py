@@ -196,12 +196,15 @@ def label_parts(run_dirs: list[str], out: str | None) -> dict[str, Any]:
         return words[-1].strip(".,;:!?'\"").lower() if words else ""
 
     result: dict[str, Any] = {}
+    plays: set[str | None] = set()
     for stage in ("after_sft", "after_rl"):
         counts: dict[str, list[float]] = {"parsed": [], "play": [], "speaker": [], "last_word": [], "ending_words": []}
         for run_dir in map(Path, run_dirs):
             for sample in _samples(run_dir / "eval" / stage):
                 gold, written = parse(sample["gold_explanation"]), parse(sample.get("explanation"))
                 counts["parsed"].append(written is not None)
+                if gold is not None:
+                    plays.add(gold.topic)
                 if gold is None or written is None:
                     continue
                 counts["play"].append(gold.topic == written.topic)
@@ -213,8 +216,6 @@ def label_parts(run_dirs: list[str], out: str | None) -> dict[str, Any]:
                                               / max(1, len(gold_words)))
         result[stage] = {key: statistics.fmean(v) if v else None for key, v in counts.items()}
         result[stage]["rows"] = len(counts["parsed"])
-    plays = {p.topic for run_dir in map(Path, run_dirs) for s in _samples(run_dir / "eval" / "after_sft")
-             if (p := parse(s["gold_explanation"])) is not None}
     result["plays_among_gold"] = len(plays)
     text = json.dumps(result, indent=1)
     print(text)

@@ -19,14 +19,14 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Sequence
+from typing import Any, Callable, Literal, Sequence
 
 import torch
 
 import nla_core
 from nla_shell import families
 from nla_shell.training import checkpoint as ckpt
-from nla_shell.io.config import ConfigError, config_to_dict, normalize_fields
+from nla_shell.io.config import ConfigError, TrainConfig, config_to_dict, normalize_fields
 from nla_shell.io.data import DataError, build_prompt_ids, check_tokenizer, stream_rows
 from nla_shell.io.sidecars import MODEL_SIDECAR, injection_settings, load_sidecar, model_sidecar, write_sidecar
 from nla_shell.io.logging import make_logger
@@ -34,7 +34,6 @@ from nla_shell.io.paths import require_file, require_model
 from nla_shell.io.progress import progress_bar, say_line
 from nla_shell.models import ARModel, Injector, load_actor, trainable_parameters
 from nla_shell.pipeline import sft_eval
-from nla_shell.pipeline.evaluate import EvalConfig
 from nla_shell.pipeline.sft_loss import AVExample, av_response_nll
 from nla_shell.quant import require_quant
 from nla_shell.training.scoring import critic_step
@@ -219,8 +218,8 @@ class _Run:
     optimizer: torch.optim.Optimizer
     order: DataOrder
     start_step: int
-    save: Any
-    """save(steps_done, stopping) -> the checkpoint dir."""
+    save: Callable[[int, sft_eval.EarlyStopping, float | None], Path]
+    """save(steps_done, stopping state to carry, held-out score or None) -> the checkpoint dir."""
     heldout: sft_eval.HeldOut | None
     eval_ar: ARModel | None
     stopping: sft_eval.EarlyStopping
@@ -449,7 +448,7 @@ def _evaluate(run: _Run, steps_done: int, record: dict[str, float]) -> float:
         held = sft_eval.evaluate_av(run.model, run.injector, run.tokenizer, run.heldout, micro_batch=cfg.micro_batch,
                                     ar=run.eval_ar, template=template, mse_scale=run.mse_scale,
                                     max_new_tokens=cfg.eval_max_new_tokens,
-                                    max_tokens=EvalConfig.max_explanation_tokens, seed=cfg.seed)
+                                    max_tokens=TrainConfig.max_explanation_tokens, seed=cfg.seed)
     key, higher = sft_eval.selection_key(cfg.mode, has_ar=run.eval_ar is not None)
     score = held[key] if higher else -held[key]
     run.stopping = run.stopping.update(score, steps_done)

@@ -112,16 +112,20 @@ case "$stage" in
     export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
     root=/tmp/variants; mkdir -p $root
     pids=()
-    for seed in $SEEDS; do
-      python3 -m nla_shell.cli demo --model "/tmp/parts/$GGUF" --run-dir $root/seed$seed --seed $seed --engine native \
-        --threads 1 ${EXTRA:-} > $root/seed$seed.log 2>&1 &
+    demo_lines() {  # DEMOS: one "dir demo-flags..." line per demo; by default seed$s --seed $s for each of SEEDS
+      if [ -n "${DEMOS:-}" ]; then printf '%s\n' "$DEMOS"; else for s in $SEEDS; do echo "seed$s --seed $s"; done; fi
+    }
+    while read -r dir flags; do
+      [ -z "$dir" ] && continue
+      python3 -m nla_shell.cli demo --model "/tmp/parts/$GGUF" --run-dir $root/$dir --engine native \
+        --threads 1 ${EXTRA:-} $flags > $root/$dir.log 2>&1 &
       pids+=($!)
       sleep 25  # the first demo converts the GGUF into the model cache; the others then find it there
-    done
-    variant() {  # seed name overrides...: from the seed's SFT checkpoints, once the demo has handed them on
-      local seed=$1 name=$2; shift 2
-      for _ in $(seq 360); do [ -f $root/seed$seed/sft_checkpoints.json ] && break; sleep 5; done
-      python3 bench/rl_variants.py variant $root/seed$seed $name "$@" > $root/seed$seed.$name.log 2>&1
+    done < <(demo_lines)
+    variant() {  # dir name overrides...: from the demo's SFT checkpoints, once the demo has handed them on
+      local dir=$1 name=$2; shift 2
+      for _ in $(seq 360); do [ -f $root/$dir/sft_checkpoints.json ] && break; sleep 5; done
+      python3 bench/rl_variants.py variant $root/$dir $name "$@" > $root/$dir.$name.log 2>&1
     }
     variant_set() {  # VARIANT_SET: one "name overrides..." line per RL variant of every seed
       case ${VARIANT_SET:-losses} in
@@ -132,6 +136,13 @@ case "$stage" in
         none) ;;
       esac
     }
+    variant_lines() {  # VARIANTS: one "dir name overrides..." line per RL variant; by default VARIANT_SET per seed
+      if [ -n "${VARIANTS:-}" ]; then printf '%s\n' "$VARIANTS"
+      else for s in $SEEDS; do variant_set | sed "s/^/seed$s /"; done; fi
+    }
+    while read -r dir name overrides; do
+      [ -n "$name" ] && { variant $dir $name $overrides & pids+=($!); }
+    done < <(variant_lines)
     toy() {  # the toy NLA on this GPU, one seed: the demo (fp32, HF engine), its three other losses, then all four in bf16
       local d=/tmp/toy/seed$1; mkdir -p /tmp/toy
       python3 -m nla_shell.cli demo --run-dir $d --seed $1 --device cuda > $d.log 2>&1 || return 0
@@ -146,17 +157,13 @@ case "$stage" in
       done
     }
     [ "${TOY:-1}" = 1 ] && for seed in $SEEDS; do toy $seed & pids+=($!); done
-    for seed in $SEEDS; do
-      while read -r name overrides; do
-        [ -n "$name" ] && { variant $seed $name $overrides & pids+=($!); }
-      done < <(variant_set)
-      [ "${VLLM_WAIT:-900}" = 0 ] && continue
+    [ "${VLLM_WAIT:-900}" = 0 ] || for seed in $SEEDS; do
       (for _ in $(seq $(( ${VLLM_WAIT:-900} / 5 ))); do [ -f /tmp/vllm_ready ] && break; sleep 5; done; [ -f /tmp/vllm_ready ] || exit 0; source /tmp/vllm_env.sh; export VLLM_LOGGING_LEVEL=WARNING
-       variant $seed vllm $VLLM_KEYS) & pids+=($!)
+       variant seed$seed vllm $VLLM_KEYS) & pids+=($!)
     done
     for pid in "${pids[@]}"; do wait "$pid" || true; done
-    python3 bench/real_nla.py table $root/seed* --out /tmp/real_out > /tmp/real_table.log 2>&1 || true
-    python3 bench/rl_variants.py table $root/seed*/ --out /tmp/variants_out > /tmp/variants_table.log 2>&1 || true
+    python3 bench/real_nla.py table $(ls -d $root/*/ | grep -v /variants/) --out /tmp/real_out > /tmp/real_table.log 2>&1 || true
+    python3 bench/rl_variants.py table $root/*/ --out /tmp/variants_out > /tmp/variants_table.log 2>&1 || true
     python3 bench/rl_variants.py table /tmp/toy/seed*/ --out /tmp/toy_out > /tmp/toy_table.log 2>&1 || true
     touch /tmp/job_done
     ;;
@@ -174,11 +181,11 @@ case "$stage" in
     ;;
   wait)
     for _ in $(seq $(( ${2:-500} / 10 ))); do [ -f /tmp/job_done ] && break; sleep 10; done
-    for m in /tmp/variants/seed*/rl/metrics.jsonl /tmp/variants/seed*/variants/*/rl/metrics.jsonl /tmp/toy/seed*/rl/metrics.jsonl \
+    for m in /tmp/variants/*/rl/metrics.jsonl /tmp/variants/*/variants/*/rl/metrics.jsonl /tmp/toy/seed*/rl/metrics.jsonl \
         /tmp/toy/seed*/variants/*/rl/metrics.jsonl; do
       [ -f "$m" ] && echo "$m step $(tail -n 1 "$m" | python3 -c 'import json,sys; r=json.loads(sys.stdin.read()); print(r["step"], "s/step", round(r.get("time_step") or 0, 2))')"
     done
-    for log in /tmp/variants/seed*.log; do [ -f "$log" ] && echo "$log: $(grep -v 'it/s\]' "$log" | tail -n 1 | cut -c1-220)"; done
+    for log in /tmp/variants/*.log; do [ -f "$log" ] && echo "$log: $(grep -v 'it/s\]' "$log" | tail -n 1 | cut -c1-220)"; done
     [ -f /tmp/job_done ] && echo "[real_nla] job done" || tail -n 3 /tmp/job.log
     ;;
   collect)
@@ -189,11 +196,11 @@ case "$stage" in
     tar -czf "$OUT/toy.tgz" /tmp/toy/seed*/report.* /tmp/toy/seed*/variants/*/report.json /tmp/toy/seed*/rl/metrics.jsonl \
       /tmp/toy/seed*/variants/*/rl/metrics.jsonl /tmp/toy/seed*/demo_config.json /tmp/toy/seed*/eval/*/eval_summary.json \
       /tmp/toy/seed*/variants/*/eval/*/eval_summary.json /tmp/toy/*.log 2>/dev/null || true
-    tar -czf "$OUT/variants.tgz" /tmp/variants/seed*/report.* /tmp/variants/seed*/variants/*/report.json \
-      /tmp/variants/seed*/rl/metrics.jsonl /tmp/variants/seed*/variants/*/rl/metrics.jsonl \
-      /tmp/variants/seed*/eval/*/eval_summary.json /tmp/variants/seed*/variants/*/eval/*/eval_summary.json \
-      /tmp/variants/seed*/eval/*/eval_samples.jsonl /tmp/variants/seed*/variants/*/eval/*/eval_samples.jsonl \
-      /tmp/variants/seed*/demo_config.json /tmp/variants/seed*/sft_checkpoints.json /tmp/variants/seed*/*_sft/metrics.jsonl \
+    tar -czf "$OUT/variants.tgz" /tmp/variants/*/report.* /tmp/variants/*/variants/*/report.json \
+      /tmp/variants/*/rl/metrics.jsonl /tmp/variants/*/variants/*/rl/metrics.jsonl \
+      /tmp/variants/*/eval/*/eval_summary.json /tmp/variants/*/variants/*/eval/*/eval_summary.json \
+      /tmp/variants/*/eval/*/eval_samples.jsonl /tmp/variants/*/variants/*/eval/*/eval_samples.jsonl \
+      /tmp/variants/*/demo_config.json /tmp/variants/*/sft_checkpoints.json /tmp/variants/*/*_sft/metrics.jsonl \
       /tmp/variants/*.log /tmp/job.log 2>/dev/null || true
     ;;
   *) echo "unknown stage $stage"; exit 2 ;;

@@ -78,7 +78,7 @@ def make_explainer(cfg: Any, tokenizer: Any) -> Explainer | None:
     if cfg.explainer == "context":
         from nla_shell.explainers.context import ContextExplainer
 
-        return ContextExplainer()
+        return ContextExplainer(cfg.context_parts)
     if cfg.explainer == "jsonl":
         from nla_shell.explainers.jsonl import JsonlExplainer
 

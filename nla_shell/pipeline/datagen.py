@@ -41,6 +41,7 @@ import torch
 
 from nla_core import actor_content, marker_content, parse_sidecar, resolve_target_scale
 from nla_shell.explainers import Site, make_explainer
+from nla_shell.explainers import context as context_label
 from nla_shell.explainers.jsonl import write_sites
 from nla_shell.io.config import ConfigError, normalize_fields, require
 from nla_shell import families
@@ -103,6 +104,9 @@ class DatagenConfig:
     language's rule (toy corpora only), the context heuristic for real text (the document's `topic`, the
     speaker, the last words: nla_shell/explainers/context.py), or none (rl split only). Not needed with
     write_sites."""
+    context_parts: tuple[str, ...] = context_label.PARTS
+    """explainer=context: the label's parts in order, from ending (the quoted last words), topic, speaker (an nla
+    addition; nla_shell/explainers/context.py). The default writes the ending first."""
     explanations: str | None = None
     """JSONL of {"doc_id", "position", "explanation"} objects (explainer=jsonl); write_sites lists the keys."""
     write_sites: str | None = None
@@ -197,6 +201,9 @@ class DatagenConfig:
         require(self.explainer is not None or self.write_sites is not None, "explainer", None,
                  "choose api (an LLM API), local (a local HF model), jsonl (your labels), context (a heuristic for "
                  "real text), rule (the toy language only) or none (rl split only); or write_sites=FILE to list the sites to label")
+        require(bool(self.context_parts) and len(set(self.context_parts)) == len(self.context_parts)
+                and set(self.context_parts) <= set(context_label.PART_NAMES), "context_parts", self.context_parts,
+                "name each of ending, topic, speaker at most once, at least one (e.g. ending,topic,speaker)")
         if self.explainer == "jsonl":
             require(self.explanations is not None, "explanations", None, "give the JSONL path (explainer=jsonl)")
         if self.explainer in ("api", "local"):

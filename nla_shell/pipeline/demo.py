@@ -98,6 +98,9 @@ class DemoConfig:
     """Extraction block K; None: 1 for the toy, two thirds of the depth for a real model (20 of SmolLM2's 30)."""
     positions_per_doc: int = 6
     """Positions sampled per document."""
+    context_parts: tuple[str, ...] = ("ending", "topic", "speaker")
+    """With model: the labels' parts in order (datagen's context_parts): the quoted last words first, then the
+    play and the speaker, which a verbaliser can only guess from one residual."""
     eval_fraction: float = 0.1
     """Share of documents held out in eval.parquet."""
     # Warm starts.
@@ -444,6 +447,7 @@ def demo_datagen(cfg: DemoConfig, target: Path, run_dir: Path) -> Any:
         model=str(target), corpus=str(demo_corpus(cfg, run_dir)), layer=extraction_layer(cfg, target),
         out_dir=str(run_dir / "data"), explainer="rule" if cfg.model is None else "context",
         max_docs=None if cfg.model is None else cfg.nla_docs, positions_per_doc=cfg.positions_per_doc,
+        context_parts=cfg.context_parts,
         eval_fraction=cfg.eval_fraction, seed=cfg.seed, device=cfg.device, dtype=cfg.dtype, progress=False,
         batch_size=64,
     ))

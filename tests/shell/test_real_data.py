@@ -57,17 +57,24 @@ def test_a_passage_holds_whole_speeches_of_one_scene():
     ("the note said: go now", None, 'it ends "the note said: go now"'),
 ])
 def test_the_context_label_names_topic_speaker_and_last_words(context, topic, expected):
-    assert describe(Site("d", 0, (1,), context, "x", topic)) == expected
+    site = Site("d", 0, (1,), context, "x", topic)
+    assert describe(site, parts=("topic", "speaker", "ending")) == expected
     # parse splits it back: the topic given, the speaker named before " speaking", the quoted words.
     label = parse(expected)
     assert label.topic == topic and label.ending == expected.rsplit('it ends "', 1)[1][:-1]
     assert (label.speaker is None) == (" speaking; " not in expected)
     assert label.speaker is None or f"{label.speaker} speaking; " in expected
+    # The default writes the same parts with the ending first; parse reads either order alike.
+    ending_first = describe(site)
+    assert ending_first.startswith('it ends "') and parse(ending_first) == label
+    assert describe(site, parts=("ending",)) == f'it ends "{label.ending}"'
 
 
 def test_parse_refuses_text_outside_the_label_layout():
     assert parse("the sea, at night") is None and parse(None) is None
     assert parse('Hamlet; it ends "x"') == ("Hamlet", None, "x")
+    assert parse('it ends "a "b"; c"; Hamlet') == ("Hamlet", None, 'a "b"; c')  # quotes inside the ending
+    assert parse('it ends "x"; A speaking; B speaking') is None  # a part twice is not the layout
 
 
 def test_convert_refuses_bad_sources_in_one_line(tmp_path, capsys):
@@ -110,3 +117,15 @@ def test_the_converted_model_is_a_plain_checkpoint_of_the_same_weights(smollm2_d
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=8, do_sample=False)
     assert "Paris" in tokenizer.decode(out[0, ids.shape[1]:])  # a real model, not random weights
+
+
+@pytest.mark.parametrize("parts", ["ending,ending", "ending,play", ""])
+def test_datagen_refuses_context_parts_it_cannot_write(tmp_path, capsys, parts):
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text('{"id": "a", "text": "Some words here for a document."}\n')
+    argv = ["datagen", "--model", str(tmp_path), "--corpus", str(corpus), "--layer", "1", "--out-dir",
+            str(tmp_path / "d"), "--explainer", "context", f"context_parts={parts}"]
+    assert cli.main(argv) == 2
+    message = _one_line_error(capsys, "datagen")
+    assert "context_parts" in message and "ending, topic, speaker" in message
+    assert not (tmp_path / "d").exists()

@@ -121,18 +121,18 @@ def table(run_dirs: list[str], out: str) -> None:
         runs.append({"run": run_dir.name, "engine": config["engine"], "seed": config["seed"],
                      "report": json.loads(report_path.read_text()), "dir": run_dir})
     runs.sort(key=lambda r: (r["engine"], r["seed"]))
-    header = "| engine | seed | " + " | ".join(c for c, _ in COLUMNS) + " | RL − SFT |"
-    lines = [header, "|" + "---|" * (len(COLUMNS) + 3)]
+    header = "| run | engine | seed | " + " | ".join(c for c, _ in COLUMNS) + " | RL − SFT |"
+    lines = [header, "|" + "---|" * (len(COLUMNS) + 4)]
     summary: dict[str, Any] = {"runs": [], "by_engine": {}}
     for run in runs:
         values = {name: _get(run["report"], path) for name, path in COLUMNS}
         sft, rl = values["AV+AR after SFT"], values["AV+AR after RL"]
         values["RL − SFT"] = None if sft is None or rl is None else rl - sft
-        summary["runs"].append({"engine": run["engine"], "seed": run["seed"], **values})
+        summary["runs"].append({"run": run["run"], "engine": run["engine"], "seed": run["seed"], **values})
         cells = ["—" if v is None else (f"{v:.1f}" if name in ("wall s", "tokens after RL")
                                       else f"{v:.0f}" if name.endswith("steps") else f"{v:.3f}")
                  for name, v in values.items()]
-        lines.append(f"| {run['engine']} | {run['seed']} | " + " | ".join(cells) + " |")
+        lines.append(f"| {run['run']} | {run['engine']} | {run['seed']} | " + " | ".join(cells) + " |")
     for engine in sorted({r["engine"] for r in runs}):
         rows = [r for r in summary["runs"] if r["engine"] == engine]
         stats = {name: [r[name] for r in rows if r[name] is not None] for name in [*dict(COLUMNS), "RL − SFT"]}
@@ -141,7 +141,7 @@ def table(run_dirs: list[str], out: str) -> None:
                                         for name, v in stats.items() for m in [mean_se(v)]}
         summary["by_engine"][engine]["rl_beats_sft_every_seed"] = all(v > 0 for v in stats["RL − SFT"]) and bool(
             stats["RL − SFT"])
-        lines.append(f"| **{engine}** | mean ± se | " + " | ".join(mean_se(v).text() for v in stats.values()) + " |")
+        lines.append(f"| | **{engine}** | mean ± se | " + " | ".join(mean_se(v).text() for v in stats.values()) + " |")
     lines += ["", "Held-out explanations (the first eval rows), verbatim, of each engine's first run:", ""]
     for engine in sorted({r["engine"] for r in runs}):
         first = next(r for r in runs if r["engine"] == engine)
@@ -212,7 +212,8 @@ def label_parts(run_dirs: list[str], out: str | None) -> dict[str, Any]:
                     plays.add(gold.topic)
                 if gold is None or written is None:
                     continue
-                counts["play"].append(gold.topic == written.topic)
+                if gold.topic is not None:
+                    counts["play"].append(gold.topic == written.topic)
                 if gold.speaker is not None:
                     counts["speaker"].append(gold.speaker == written.speaker)
                 counts["last_word"].append(last_word(gold.ending) == last_word(written.ending))
@@ -276,9 +277,11 @@ def linear_parts(run_dir: str, out: str | None) -> dict[str, Any]:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     scale = x_train.std(0) + 1e-6
 
-    def probe(name: str) -> dict[str, Any]:
+    def probe(name: str) -> dict[str, Any] | None:
         counts = collections.Counter(k for k in parts_train[name] if k is not None)
         vocab = {k: i for i, k in enumerate(k for k, c in counts.items() if c >= 5)}
+        if len(vocab) < 2:  # the labels leave this part out (context_parts=ending, say)
+            return None
         rows = {split: [i for i, k in enumerate(keys) if k in vocab]
                 for split, keys in (("train", parts_train[name]), ("eval", parts_eval[name]))}
         xs = {"train": x_train, "eval": x_eval}

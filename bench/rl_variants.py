@@ -92,11 +92,10 @@ def run_variant(run_dir: Path, name: str, overrides: list[str]) -> dict[str, Any
                                 overrides)
     rl_dir = train(rl_cfg)
     t_rl = time.perf_counter() - t0
-    final = rl_dir / f"step_{rl_cfg.num_steps:06d}"
-    # A co-trained AR (train_critic) scores its own AV's explanations; otherwise the SFT'd AR, as in the demo.
-    ar = final / "critic" if rl_cfg.train_critic else inputs["ar"]
+    ar = demo_mod.after_rl_ar(rl_cfg, inputs["ar"])
+    adapter = rl_dir / f"step_{rl_cfg.num_steps:06d}" / "adapter"
     metrics = evaluate(demo_mod.eval_config(cfg, inputs["target"], inputs["paths"], ar,
-                                            out / "eval" / "after_rl", final / "adapter", controls=True)).metrics
+                                            out / "eval" / "after_rl", adapter, controls=True)).metrics
     report = {"name": name, "overrides": overrides, "seed": cfg.seed, "ar": str(ar), **summary(metrics, rl_dir),
               "seconds": {"RL": t_rl, "eval after RL": time.perf_counter() - t0 - t_rl}}
     (out / "report.json").write_text(json.dumps(report, indent=2))

@@ -105,8 +105,8 @@ class DatagenConfig:
     speaker, the last words: nla_shell/explainers/context.py), or none (rl split only). Not needed with
     write_sites."""
     context_parts: tuple[str, ...] = context_label.PARTS
-    """explainer=context: the label's parts in order, from ending (the quoted last words), topic, speaker (an nla
-    addition; nla_shell/explainers/context.py). The default writes the ending first."""
+    """explainer=context: the label's parts in order, from topic, speaker and ending (the quoted last words); an
+    nla addition (nla_shell/explainers/context.py says why the ending comes last)."""
     explanations: str | None = None
     """JSONL of {"doc_id", "position", "explanation"} objects (explainer=jsonl); write_sites lists the keys."""
     write_sites: str | None = None
@@ -203,7 +203,7 @@ class DatagenConfig:
                  "real text), rule (the toy language only) or none (rl split only); or write_sites=FILE to list the sites to label")
         require(bool(self.context_parts) and len(set(self.context_parts)) == len(self.context_parts)
                 and set(self.context_parts) <= set(context_label.PART_NAMES), "context_parts", self.context_parts,
-                "name each of ending, topic, speaker at most once, at least one (e.g. ending,topic,speaker)")
+                "name each of topic, speaker, ending at most once, at least one (e.g. topic,speaker,ending)")
         if self.explainer == "jsonl":
             require(self.explanations is not None, "explanations", None, "give the JSONL path (explainer=jsonl)")
         if self.explainer in ("api", "local"):

@@ -38,3 +38,39 @@ def test_label_parts_counts_each_part_over_every_run(tmp_path):
     assert stage["last_word"] == pytest.approx(3 / 4)  # be/be, crack/crack!, silence./silence; not crack/x
     assert out["plays_among_gold"] == 2
     assert json.loads((tmp_path / "parts.json").read_text()) == out
+
+
+def _split(path: Path, rng, words: list[str], plays: list[str], basis, n: int, parts: str) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows_words, rows_plays = rng.integers(len(words), size=n), rng.integers(len(plays), size=n)
+    vectors = basis[rows_words] + 0.05 * rng.standard_normal((n, basis.shape[1]))
+    label = {"all": lambda w, p: f'{plays[p]}; it ends "so it ends {words[w]}"',
+             "ending": lambda w, p: f'it ends "so it ends {words[w]}"'}[parts]
+    pq.write_table(pa.table({"activation_vector": vectors.astype("float32").tolist(),
+                             "explanation": [label(w, p) for w, p in zip(rows_words, rows_plays)]}), path)
+
+
+@pytest.mark.parametrize("parts", ["all", "ending"])
+def test_linear_parts_finds_the_part_the_vector_holds(tmp_path, parts):
+    """Vectors made from the last word alone (plus noise), the play drawn independently: the last word's class
+    means explain nearly all the held-out variance and a probe reads it; the play explains none."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    words, plays = [f"w{i}" for i in range(12)], ["Hamlet", "King Lear", "Macbeth"]
+    basis = rng.standard_normal((len(words), 16))
+    (tmp_path / "data").mkdir()
+    for split, n in (("ar_sft", 600), ("av_sft", 600), ("eval", 300)):
+        _split(tmp_path / "data" / f"{split}.parquet", rng, words, plays, basis, n, parts)
+    out = real_nla.linear_parts(str(tmp_path), str(tmp_path / "linear.json"))
+    assert out["rows"] == {"train": 1200, "eval": 300}
+    assert out["class_mean_fve"]["last word"] > 0.95
+    assert abs(out["class_mean_fve"]["play"]) < 0.02
+    assert out["probe"]["last word"]["accuracy"] > 0.95 and out["probe"]["speaker"] is None
+    if parts == "all":
+        assert out["probe"]["play"]["accuracy"] < 0.5 and out["probe"]["play"]["classes"] == 3
+    else:
+        assert out["probe"]["play"] is None
+    assert json.loads((tmp_path / "linear.json").read_text()) == out

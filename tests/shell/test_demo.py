@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import platform
+from pathlib import Path
 
 import torch
 
@@ -212,3 +213,16 @@ def test_the_demo_reproduces_the_readme_table(tmp_path, capsys):
     apart = {name: (table[name], round(measured[name], 3)) for name in table if abs(measured[name] - table[name]) > 0.02}
     assert not apart, (f"nla demo (README, measured) differs by more than 0.02: {apart}; environment "
                        f"{report['environment']}")
+
+
+def test_a_demo_with_a_co_trained_ar_scores_after_rl_with_it(tmp_path, capsys):
+    """rl_train_critic=true: RL saves the co-trained AR, and the eval after RL (and the explain command) use it."""
+    run_dir = tmp_path / "demo"
+    assert cli.main(["demo", "--tiny", "--run-dir", str(run_dir), "rl_train_critic=true"]) == 0
+    report = json.loads((run_dir / "report.json").read_text())
+    critic = run_dir / "rl" / "step_000002" / "critic"
+    assert (critic / "value_head.safetensors").is_file()
+    assert report["checkpoints"]["ar_after_rl"] == str(critic) and f"--ar {critic} " in report["explain"]
+    scored_by = {stage: json.loads((run_dir / "eval" / stage / "eval_summary.json").read_text())["provenance"]["ar"]["path"]
+                 for stage in ("after_sft", "after_rl")}
+    assert scored_by == {"after_sft": str(Path(report["checkpoints"]["ar"]).resolve()), "after_rl": str(critic.resolve())}

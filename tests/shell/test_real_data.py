@@ -58,14 +58,14 @@ def test_a_passage_holds_whole_speeches_of_one_scene():
 ])
 def test_the_context_label_names_topic_speaker_and_last_words(context, topic, expected):
     site = Site("d", 0, (1,), context, "x", topic)
-    assert describe(site, parts=("topic", "speaker", "ending")) == expected
+    assert describe(site) == expected
     # parse splits it back: the topic given, the speaker named before " speaking", the quoted words.
     label = parse(expected)
     assert label.topic == topic and label.ending == expected.rsplit('it ends "', 1)[1][:-1]
     assert (label.speaker is None) == (" speaking; " not in expected)
     assert label.speaker is None or f"{label.speaker} speaking; " in expected
-    # The default writes the same parts with the ending first; parse reads either order alike.
-    ending_first = describe(site)
+    # The same parts with the ending first; parse reads either order alike.
+    ending_first = describe(site, parts=("ending", "topic", "speaker"))
     assert ending_first.startswith('it ends "') and parse(ending_first) == label
     assert describe(site, parts=("ending",)) == f'it ends "{label.ending}"'
 
@@ -127,5 +127,5 @@ def test_datagen_refuses_context_parts_it_cannot_write(tmp_path, capsys, parts):
             str(tmp_path / "d"), "--explainer", "context", f"context_parts={parts}"]
     assert cli.main(argv) == 2
     message = _one_line_error(capsys, "datagen")
-    assert "context_parts" in message and "ending, topic, speaker" in message
+    assert "context_parts" in message and "topic, speaker, ending" in message
     assert not (tmp_path / "d").exists()

@@ -13,11 +13,6 @@
 #
 #   stage          needs      measures                                                    RESULTS.md section
 #   install-vllm   p4         nothing: installs vLLM for the next calls (real_nla.sh's vllm-smoke)   –
-#   decode         p4, x2     ms per decode step: vLLM unsteered / steered (bench_vllm,   Rollout engines: Decode speed
-#                             GPU0), HF generate and the native engine (bench_rollout,
-#                             GPU1, with its own vLLM baseline)
-#   prefix-cache   p4         vLLM's rollout of 2048 sequences, prefix caching off and on  Rollout engines: ... prefix caching off and on
-#   max-seqs       p4         the same rollout at max_num_seqs 512 and 1024                Rollout engines: ... max_num_seqs 512 and 1024
 #   vllm-tests     p4, x2     tests/gpu/test_vllm.py (steering, sync, TP=2, prefix-cache   Rollout engines: vLLM engine GPU tests;
 #                             leaks, sleep, per-rank engines); PYTEST_K= selects           Multi-GPU: Per-rank vLLM engines
 #   gpu-tests      -          the native engine's GPU tests and its CUDA-graph sampler     Rollout engines: Native CUDA-graph sampler
@@ -32,20 +27,15 @@
 #                             critic_rollouts=best, run AF); REPEATS=2: the step again, paths
 #                             reversed (bench_step --repeats); and
 #                             tests/gpu/test_fp8_gpu.py + test_vllm.py -k fp8 first
-#   fp8-kernels    -          the device's FP8 accumulation (bench/fp8_accumulation.py),   FP8: the device's accumulator; the update's
-#                             tests/gpu/test_fp8_gpu.py, then the update alone in bf16,   kernels in bf16 and FP8
-#                             fp8 and fp8bw with its profiler tables (bench_update, 32 x 8)
 #   profile        p4, .bnb   where the step's device time goes: torch.profiler tables     FP8: where the update's time goes (run AC
 #                             (top ops by device time) of the score and update phases     profiled the warm-up; see there)
 #                             of a step on the warm-up's prompts after the measured one,
 #                             bf16 and FP8 (after_all, after_all_fp8), at 64 x 8 (PROFILE_CASES=)
 #   fp8-learning   p4         the toy NLA, SEEDS (0 1 2), from each seed's SFT: bf16      FP8: Learning with both FP8 options (Z);
 #                             native with and without fp8=score,reference,update, vLLM    Learning with vLLM's FP8 rollouts (AE2)
-#                             with and without vllm_quantization=fp8 (LANE_PAIRS=trainer  Fast accumulation in the forward only...
-#                             or rollout: one pair only; critic, fast, trainer_fast,      (AI)
-#                             trainer_fastfwd, ROLLOUT_QUANT: see the stage); paired tables
-#   rollout-fp8    p4         vLLM's 2048-sequence rollout with FP8 weights, FP8 KV cache  FP8: ... vLLM's FP8 rollouts (AE2: not
-#                             and max_num_seqs 2048 (ROLLOUT_KNOBS=, two a call)          measured)
+#                             with and without vllm_quantization=fp8 (LANE_PAIRS=trainer  The critic on each group's best rollout (AG)
+#                             or rollout: one pair only; critic, ROLLOUT_QUANT: see the
+#                             stage); paired tables
 #   step-ranks2    p4, .bnb,  the same step as a 2-rank torchrun job, each rank with its   Multi-GPU: 256 x 8, one and two GPUs (W5, W6)
 #                  x2         own vLLM engine (its JSON kept in /tmp/keep for step-ranks1)
 #   step-ranks1    p4, .bnb,  after step-ranks2 on the same machine: GPU0 the 1-rank job   Multi-GPU: 256 x 8, one and two GPUs (W5, W6)
@@ -111,37 +101,6 @@ case $stage in
     mkdir -p /tmp/parts && cp .device-carry/vllm/p${stage#part}/* /tmp/parts/ && ls /tmp/parts ;;
   install-vllm)  # p4: the install alone, for stages of other scripts on the same machine (bench/real_nla.sh)
     need_vllm && python3 -c "import vllm; print('vllm', vllm.__version__)" ;;
-  decode)
-    need_vllm || exit 1
-    nvidia-smi --query-gpu=name,memory.total --format=csv > "$OUT/gpus.txt"
-    lane 0 "timeout -k 10 300 python3 bench/bench_vllm.py --shapes 8b --configs baseline,nla --out $OUT/vllm_8b.json \
-            > $OUT/vllm_8b.log 2>&1" &
-    lane 1 "timeout -k 10 540 python3 bench/bench_rollout.py --out $OUT/rollout.json > $OUT/rollout.log 2>&1" &
-    wait; tail -n 6 "$OUT/vllm_8b.log" "$OUT/rollout.log" ;;
-  prefix-cache)
-    need_vllm || exit 1
-    timeout -k 10 580 python3 bench/bench_vllm.py --shapes 8b --configs nla,nla_cached --seqs 2048 --repeats 1 \
-      --gpu-memory-utilization 0.35 --max-num-seqs 512 --out "$OUT/vllm_cache.json" 2>&1 | grep -v "$QUIET" > "$OUT/vllm_cache.log"
-    tail -n 8 "$OUT/vllm_cache.log" ;;
-  max-seqs)
-    need_vllm || exit 1
-    for seqs in 512 1024; do
-      timeout -k 10 250 python3 bench/bench_vllm.py --shapes 8b --configs nla_cached --seqs 2048 --repeats 1 \
-        --gpu-memory-utilization 0.35 --max-num-seqs $seqs --out "$OUT/vllm$seqs.json" 2>&1 | grep -v "$QUIET" > "$OUT/vllm$seqs.log"
-    done
-    tail -n 4 "$OUT/vllm512.log" "$OUT/vllm1024.log" ;;
-  rollout-fp8)  # vLLM's 2048-sequence rollout: FP8 weights, then FP8 KV cache as well, at max_num_seqs 1024 and 2048
-    need_vllm || exit 1
-    # ROLLOUT_KNOBS: "quantization kv_cache_dtype max_num_seqs" triples, comma-separated. Run AE2's three 8B
-    # processes had printed nothing at 150 s each; run U1's finished within 250 s: two a call.
-    IFS=, read -ra knob_list <<< "${ROLLOUT_KNOBS:-fp8 auto 1024,fp8 fp8 1024,fp8 fp8 2048}"
-    for knobs in "${knob_list[@]}"; do
-      set -- $knobs; name=vllm_q$1_kv$2_$3
-      timeout -k 10 ${EACH:-250} python3 bench/bench_vllm.py --shapes 8b --configs nla_cached --seqs 2048 --repeats 1 \
-        --gpu-memory-utilization 0.35 --quantization $1 --kv-cache-dtype $2 --max-num-seqs $3 \
-        --out "$OUT/$name.json" 2>&1 | grep -v "$QUIET" > "$OUT/$name.log"
-      tail -n 3 "$OUT/$name.log"
-    done ;;
   vllm-tests)
     need_vllm || exit 1
     timeout -k 10 560 python3 -m pytest tests/gpu/test_vllm.py -q -s -p no:cacheprovider ${PYTEST_K:+-k "$PYTEST_K"} 2>&1 \
@@ -187,10 +146,8 @@ case $stage in
     # Learning parity of both FP8 options on the toy NLA: per seed its demo (fp32 SFT and RL), then four RL
     # variants from its SFT, one lane per seed (fp8-lane); held-out FVE paired with the same engine in bf16.
     # LANE_PAIRS=critic: critic_rollouts=best against all, critic co-trained, native engine (no vLLM needed).
-    # LANE_PAIRS=fast: the fast settings' trainer keys (critic on the best rollouts; fp8 with backward) without and
-    # with fp8_fast_accum, against the same critic in bf16 (native engine, no vLLM needed). LANE_PAIRS=trainer_fast:
-    # fp8=score,reference,update,backward without and with fp8_fast_accum=all, the AR frozen (as the trainer pair);
-    # trainer_fastfwd: the same with fp8_fast_accum=forward. ROLLOUT_QUANT= the rollout pair's vLLM quantisation.
+    # ROLLOUT_QUANT= the rollout pair's vLLM quantisation. (The fast-accumulation pairs, fast, trainer_fast and
+    # trainer_fastfwd, are retired: runs AH and AI are in RESULTS.md; the stage is in git history at d13c92a.)
     ! lane_pair rollout || need_vllm || exit 1
     # LIMIT: the seconds this stage may take, vLLM's install included; the lanes stop 45 s before it, so the tables
     # and the log tarball are written (run AI's call reached its limit while writing them: its logs did not come back).
@@ -202,9 +159,7 @@ case $stage in
     python3 bench/rl_variants.py table /tmp/fp8toy/seed*/ --out "$OUT/rollout" --against vllm > "$OUT/rollout.md" 2>&1
     python3 bench/rl_variants.py table /tmp/fp8toy/seed*/ --out "$OUT/critic" --against bf16_critic > "$OUT/critic.md" 2>&1
     python3 bench/rl_variants.py table /tmp/fp8toy/seed*/ --out "$OUT/best" --against bf16_critic_best > "$OUT/best.md" 2>&1
-    python3 bench/rl_variants.py table /tmp/fp8toy/seed*/ --out "$OUT/fast" --against bf16_critic_best_fp8 > "$OUT/fast.md" 2>&1
-    python3 bench/rl_variants.py table /tmp/fp8toy/seed*/ --out "$OUT/trainer_fast" --against bf16_fp8bw > "$OUT/trainer_fast.md" 2>&1
-    tail -n 8 "$OUT"/{trainer,rollout,critic,best,fast,trainer_fast}.md; tail -n 3 /tmp/fp8toy/*.log | grep -i "rror"
+    tail -n 8 "$OUT"/{trainer,rollout,critic,best}.md; tail -n 3 /tmp/fp8toy/*.log | grep -i "rror"
     # Logs and reports only (run AE2's tarball with the checkpoints, 70 MB, was over what comes back).
     tar -czf "$OUT/lane_logs.tgz" --exclude='*.safetensors' --exclude='*.pt' --exclude='*.bin' --exclude='*.parquet' \
       --exclude='*.npy' --exclude='*.png' -C /tmp fp8toy ;;
@@ -219,22 +174,6 @@ case $stage in
     if lane_pair critic; then
       variant bf16_critic dtype=bfloat16 engine=native train_critic=true
       variant bf16_critic_best dtype=bfloat16 engine=native train_critic=true critic_rollouts=best
-    fi
-    if lane_pair fast; then
-      best="dtype=bfloat16 engine=native train_critic=true critic_rollouts=best"
-      variant bf16_critic_best $best
-      variant bf16_critic_best_fp8 $best fp8=score,reference,update,backward
-      variant bf16_critic_best_fp8_fast $best fp8=score,reference,update,backward fp8_fast_accum=all
-    fi
-    if lane_pair trainer_fast || lane_pair trainer_fastfwd; then
-      variant bf16_fp8bw dtype=bfloat16 engine=native fp8=score,reference,update,backward
-    fi
-    if lane_pair trainer_fast; then
-      variant bf16_fp8bw_fast dtype=bfloat16 engine=native fp8=score,reference,update,backward fp8_fast_accum=all
-    fi
-    if lane_pair trainer_fastfwd; then
-      variant bf16_fp8bw_fastfwd dtype=bfloat16 engine=native fp8=score,reference,update,backward \
-        fp8_fast_accum=forward
     fi
     if lane_pair trainer; then
       variant bf16 dtype=bfloat16 engine=native
@@ -303,14 +242,6 @@ case $stage in
       compile_blocks=true bf16_autocast=true dtype=bfloat16 fp8=score,reference,update,backward ${TRAIN_ARGS:-} \
       > "$OUT/train_fast.log" 2>&1
     grep -v "^INFO\|^WARNING\|^(EngineCore" "$OUT/train_fast.log" | tail -n 30; pack train8b-fast ;;
-  fp8-kernels)
-    timeout -k 10 60 python3 bench/fp8_accumulation.py --out "$OUT/fp8_accumulation.json" > "$OUT/fp8_accumulation.log" 2>&1
-    timeout -k 10 90 python3 -m pytest tests/gpu/test_fp8_gpu.py -q -p no:cacheprovider > "$OUT/fp8_gpu_test.log" 2>&1
-    cat "$OUT/fp8_accumulation.log"; tail -n 2 "$OUT/fp8_gpu_test.log"
-    timeout -k 10 $((${LIMIT:-560} - SECONDS)) python3 bench/bench_update.py --cases 32x8 --profile-micro-batches 4 \
-      --variants "${VARIANTS:-64:bf16+compile,64:bf16+compile+fp8,64:bf16+compile+fp8bw}" --tables "$OUT/update_tables" \
-      --out "$OUT/update.json" > "$OUT/update.log" 2>&1
-    grep "^\[update\]\|^\[idle\]\|rror" "$OUT/update.log"; pack fp8-kernels ;;
   update)
     # The variant sets of RESULTS.md's tables: 16,32,64,16:bf16,32:bf16,64:bf16,32:bf16+compile (micro-batch, bf16);
     # (host syncs: the retired `synced` replay, at 74a810e); LoRA layers, rotary and log-prob head compiled: the retired

@@ -178,16 +178,6 @@ def timed(fn: Callable[[], Any], device: torch.device) -> tuple[float, Any]:
     return time.perf_counter() - start, result
 
 
-def copy_bandwidth(device: torch.device, *, gib: float = 1.0, repeats: int = 10) -> float:
-    """Device-to-device copy bandwidth, bytes read + written per second (the HBM ceiling)."""
-    n = int(gib * 2**30) // 2
-    src = torch.empty(n, dtype=torch.bfloat16, device=device).normal_()
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    seconds, _ = timed(lambda: [dst.copy_(src) for _ in range(repeats)], device)
-    return 2 * src.numel() * src.element_size() * repeats / seconds
-
-
 def reset_peak(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)

@@ -48,9 +48,6 @@
 #   train8b        p4, x2     `nla train` at the 8B shape, 3 steps per engine             Step time: nla train at the 8B shape
 #   train8b-fast   p4, .bnb   `nla train` at the 8B shape, 256 x 8, the fast settings     Step time: nla train at 256 x 8
 #                             (TRAIN_ARGS= adds keys), 3 steps, vLLM
-#   update         .bnb       the policy update alone (bench_update) on 32 x 8 rollouts;   The policy update
-#                             VARIANTS=, UPDATE_ARGS= pick the variants of each table
-#   critic         .bnb       the AR's score + critic step alone (bench_critic)            The critic: Critic micro-batch
 #   quant          .bnb       tests/gpu/test_quant_ar_gpu.py (4- and 8-bit AR-LoRA:        Quantisation: The quantised AR
 #                             SFT and a co-trained RL step); bench_quant.py, which
 #                             made the numbers, is retired (last at f40f446)
@@ -242,23 +239,6 @@ case $stage in
       compile_blocks=true bf16_autocast=true dtype=bfloat16 fp8=score,reference,update,backward ${TRAIN_ARGS:-} \
       > "$OUT/train_fast.log" 2>&1
     grep -v "^INFO\|^WARNING\|^(EngineCore" "$OUT/train_fast.log" | tail -n 30; pack train8b-fast ;;
-  update)
-    # The variant sets of RESULTS.md's tables: 16,32,64,16:bf16,32:bf16,64:bf16,32:bf16+compile (micro-batch, bf16);
-    # (host syncs: the retired `synced` replay, at 74a810e); LoRA layers, rotary and log-prob head compiled: the retired
-    # mlpcompile, norotary and nohead replays, at fad6eb1; 64:bf16+compile,64:bf16+compile+ref256,64:bf16+compile+noref
-    # (reference pass); 64:bf16+compile with UPDATE_ARGS="--profile-micro-batches 4" (where the GPU waits);
-    # the default (prompt blocks) with --lead;
-    # 64:bf16+compile+fp8bw,64:bf16+compile+fp8bw+noref (and +ref128, +ref256) with
-    # UPDATE_ARGS="--profile-micro-batches 4 --sites" (run AJ: kernel time by site, the reference pass's share).
-    need_bnb
-    timeout -k 10 580 python3 bench/bench_update.py --cases 32x8 --variants "${VARIANTS:-64:bf16+compile+pb1,64:bf16+compile}" \
-      ${UPDATE_ARGS:---lead --profile-micro-batches 0} --tables "$OUT/update_tables" --out "$OUT/update.json" > "$OUT/update.log" 2>&1
-    grep -h "^\[update\]\|^\[lead\]\|^\[idle\]\|^\[setup\]\|rror" "$OUT/update.log"; pack update ;;
-  critic)
-    need_bnb
-    timeout -k 10 580 python3 bench/bench_critic.py --inputs 512 --variants "${VARIANTS:-24:compile,48:compile,64:compile,96:compile}" \
-      --profile-micro-batches "${PROFILE:-0}" --out "$OUT/critic.json" > "$OUT/critic.log" 2>&1
-    grep -h "^\[critic\]\|^\[idle\]\|^\[setup\]\|rror" "$OUT/critic.log"; pack critic ;;
   quant)
     need_bnb
     timeout -k 10 120 python3 -m pytest tests/gpu/test_quant_ar_gpu.py -q -p no:cacheprovider > "$OUT/quant_ar_gpu.log" 2>&1

@@ -13,14 +13,14 @@ TrainConfig's defaults (the reference's), except the shapes and micro-batches se
 
 Paths, each on the same rollouts (the hand-replayed pre-issue-12 step, "before", is retired: its
 numbers stay in bench/RESULTS.md, made by this file at commit 74a810e; so is `after_tf32`, TF32 float32
-products, no trainer option and no recorded numbers, last at 86fb46f):
+products, no trainer option and no recorded numbers, last at 86fb46f; and, last at d13c92a, the fast-accumulation
+paths after_all_fp8_fast and after_all_fp8_fastfwd (runs AH, AI), --repeats (run AF) and an autocast path's own
+rollout with its own_logp_gap (runs R1, R3)):
   after   the trainer now: each group's prompt computed once (`training.prefix`), the
           reference in its own no-grad pass at --reference-micro-batch, scoring and the
           critic step on one AR forward (`score_and_train_critic`) at --critic-micro-batch.
   after_bf16  "after" with the actor's blocks under bf16 autocast (`bf16_autocast`: bf16 LoRA
-          products, float32 master weights). Its rollout phase is its own rollout under the same
-          autocast (the engine samples with the trainer's arithmetic), whose mean |behaviour -
-          trainer| log-prob is printed as own_logp_gap; its update runs on the shared rollouts.
+          products, float32 master weights).
   after_compile  "after" with the norms, MLPs, LoRA layers and rotary embedding of the actor's and
           the AR's blocks compiled (`compile_blocks`); compilation happens in the path's warm-up step.
   after_all   after_bf16 and after_compile together.
@@ -32,16 +32,11 @@ products, no trainer option and no recorded numbers, last at 86fb46f):
   after_all_fp8  after_all with --fp8's phases in FP8: the fastest settings with fp8= on top.
   after_all_fp8_backward  after_all_fp8 with `backward` added to --fp8: the input gradients of the
           update's (and a co-trained critic's) backward from transposed FP8 copies too.
-  after_all_fp8_fast  after_all_fp8_backward with every FP8 product's fast accumulation (fp8_fast_accum=all).
-  after_all_fp8_fastfwd  after_all_fp8_backward with the forward FP8 products' fast accumulation
-          (fp8_fast_accum=forward; the input gradients' products without it).
   PATH+best  any path above with `critic_rollouts=best`: the AR scores every rollout in a no-grad
           forward, then the critic steps on each group's best-rewarded one (its own forward and backward).
-Paths run in the order given on the same rollouts; every path but the last leaves the
-weights as they were (its optimisers are lr-0 SGDs), so each sees the same weights. --repeats N
-measures the step N times in all, each time on fresh rollouts, the paths in the order given and then
-reversed by turns (A B, B A, A B, ...), so a path's place in the order shows as spread: each
-case keeps its first measurement as before and adds every repeat's phase seconds. The step
+Paths run in the order given on the same rollouts, sampled once in the base arithmetic (with
+engine=vllm, the fast settings', the paths' options do not touch the rollout); every path but the last
+leaves the weights as they were (its optimisers are lr-0 SGDs), so each sees the same weights. The step
 prints each path's loss, grad norm, KL, rewards and critic loss beside "after"'s (the first path's
 without "after"). A non-stepping path's times hold an lr-0 SGD step instead of AdamW's
 (milliseconds for the LoRA; ~0.1 s less for the AR).
@@ -111,14 +106,10 @@ import torch  # noqa: E402
 
 import synthetic as syn  # noqa: E402
 
-PATHS = ("after", "after_bf16", "after_compile", "after_all", "after_fp8", "after_all_fp8",
-         "after_all_fp8_backward", "after_all_fp8_fast", "after_all_fp8_fastfwd")
-FAST_ACCUM_PATHS = {"after_all_fp8_fast": "all", "after_all_fp8_fastfwd": "forward"}
-"""The paths with fp8_fast_accum on, and its value."""
-FP8_BACKWARD_PATHS = ("after_all_fp8_backward", *FAST_ACCUM_PATHS)
-FP8_PATHS = ("after_fp8", "after_all_fp8", *FP8_BACKWARD_PATHS)
-AUTOCAST_PATHS = ("after_bf16", "after_all", "after_all_fp8", *FP8_BACKWARD_PATHS)
-COMPILE_PATHS = ("after_compile", "after_all", "after_all_fp8", *FP8_BACKWARD_PATHS)
+PATHS = ("after", "after_bf16", "after_compile", "after_all", "after_fp8", "after_all_fp8", "after_all_fp8_backward")
+FP8_PATHS = ("after_fp8", "after_all_fp8", "after_all_fp8_backward")
+AUTOCAST_PATHS = ("after_bf16", "after_all", "after_all_fp8", "after_all_fp8_backward")
+COMPILE_PATHS = ("after_compile", "after_all", "after_all_fp8", "after_all_fp8_backward")
 CRITIC_ROLLOUTS_SUFFIX = "+best"
 """A path name ending in this runs with critic_rollouts=best (TrainConfig's key)."""
 PEAK_TFLOPS = 790.0
@@ -178,8 +169,6 @@ def parse_args() -> argparse.Namespace:
                         help="after_fp8, after_all_fp8: the phases whose matmuls run in FP8, of score,reference,update "
                              "and backward (their backwards' input gradients too) "
                              "(nla train's fp8=)")
-    parser.add_argument("--repeats", type=int, default=1,
-                        help="measure the step this many times, the paths' order reversed each time (see above)")
     parser.add_argument("--profile", default=None, help="directory for torch.profiler tables of each path's "
                         "score and update phases: one more step on the first case's warm-up prompts, "
                         "after its measured step")
@@ -201,8 +190,6 @@ def parse_args() -> argparse.Namespace:
     if any(p.endswith(CRITIC_ROLLOUTS_SUFFIX) for p in args.paths) and not args.critic:
         parser.error(f"--paths ...{CRITIC_ROLLOUTS_SUFFIX}: the critic steps on the best rollouts; leave --critic on")
     args.fp8 = fp8_phases(parser, args.fp8, needed=bool(set(FP8_PATHS) & kinds))
-    if args.repeats < 1:
-        parser.error(f"--repeats {args.repeats}: measure the step at least once")
     args.prompt_len = args.prompt_len or (24 if tiny else 96)
     return args
 
@@ -425,8 +412,8 @@ def trainer_state(ctx: Context, args, requests, group: int):
 
 
 class StandInEngine:
-    """The context's engine (whichever it is now: `recapture` replaces it), each rollout's text an
-    <explanation> of its stand-in, so that the trainer's own extraction reads it."""
+    """The context's engine, each rollout's text an <explanation> of its stand-in, so that the trainer's own
+    extraction reads it."""
 
     def __init__(self, ctx: Context) -> None:
         self.ctx = ctx
@@ -465,9 +452,8 @@ def run_path(ctx: Context, path: str, state, rolled, args, *, keep_weights: bool
     if kind in FP8_PATHS:  # the FP8 copies of --fp8's phases, made as the trainer's setup makes them
         from nla_shell.training.setup import make_fp8_copies
 
-        fp8 = args.fp8 + ("backward",) if kind in FP8_BACKWARD_PATHS and "backward" not in args.fp8 else args.fp8
-        cfg = dataclasses.replace(state.cfg, fp8=fp8, compile_blocks=kind in COMPILE_PATHS,
-                                  fp8_fast_accum=FAST_ACCUM_PATHS.get(kind, "off"))
+        backward = kind == "after_all_fp8_backward" and "backward" not in args.fp8
+        cfg = dataclasses.replace(state.cfg, fp8=args.fp8 + ("backward",) * backward, compile_blocks=kind in COMPILE_PATHS)
         fp8_score, fp8_reference, fp8_update = make_fp8_copies(cfg, ctx.actor, ctx.critic, device=ctx.device)
         state = dataclasses.replace(state, cfg=cfg, fp8_score=fp8_score, fp8_reference=fp8_reference,
                                     fp8_update=fp8_update)
@@ -508,15 +494,10 @@ def grpo_step(ctx: Context, requests, group: int, args, *, paths: list[str]):
     rollout, rolled = timed_rollout(ctx, state)
     results = {}
     for position, path in enumerate(paths):
-        path_rollout, kind = rollout, path_kind(path)
-        with path_arithmetic(ctx, kind, args):
-            if kind in AUTOCAST_PATHS:
-                path_rollout, own = timed_rollout(ctx, state)
+        kind = path_kind(path)
+        with path_arithmetic(ctx, kind):
             phases, numbers, ar_tokens = run_path(ctx, path, state, rolled, args,
                                                   keep_weights=position < len(paths) - 1)
-            if kind in AUTOCAST_PATHS:
-                numbers["own_logp_gap"] = behaviour_gap(ctx, own.rollouts, own.requests,
-                                                        args.reference_micro_batch or 4 * args.micro_batch)
         flops = path_flops(ctx.config, rolled.rollouts, ar_tokens=ar_tokens["scored"],
                            critic_layers=ctx.extraction_layer + 1, critic_trains_backbone=not args.ar_lora,
                            critic_ar_tokens=ar_tokens["trained"])
@@ -527,7 +508,7 @@ def grpo_step(ctx: Context, requests, group: int, args, *, paths: list[str]):
             flops["score"] += critic_flops  # a no-grad AR forward scored; the best pairs' forward + backward trained
         elif args.critic:
             flops["score"] = critic_flops  # one AR forward + backward scored and trained
-        results[path] = ({"rollout": path_rollout, **phases}, numbers, flops)
+        results[path] = ({"rollout": rollout, **phases}, numbers, flops)
         print(f"[path] {path}: " + ", ".join(f"{k} {v['s']:.2f}s" for k, v in results[path][0].items()), flush=True)
     extra = {"generated_tokens": sum(r.response_len for r in rolled.rollouts),
              "resident_gib_before_rollout": resident,
@@ -537,7 +518,7 @@ def grpo_step(ctx: Context, requests, group: int, args, *, paths: list[str]):
 
 def timed_rollout(ctx: Context, state):
     """({"s", "capture_s", "peak_gib", "in_use_gib"}, the trainer's rollout phase's output): seconds without
-    the CUDA-graph captures (a fresh engine captures on first use of a shape, see `recapture`)."""
+    the CUDA-graph captures (the native engine captures on first use of a shape)."""
     from nla_shell.training import step
 
     seconds, rolled, memory = syn.measured(lambda: step.rollout_phase(state, 0), ctx.device)
@@ -557,46 +538,12 @@ def compare_numbers(a: dict, b: dict) -> dict[str, float]:
     }
 
 
-def behaviour_gap(ctx: Context, rollouts, requests, micro_batch: int) -> float:
-    """Mean |behaviour - trainer| log-prob over the response tokens of these rollouts (no grad)."""
-    from nla_shell.training import prefix
-
-    total = torch.zeros((), dtype=torch.float64, device=ctx.device)
-    count = torch.zeros((), dtype=torch.float64, device=ctx.device)
-    with torch.no_grad():
-        for rows in prefix.plan_micro_batches(rollouts, micro_batch):
-            batch = prefix.prefix_batch(rollouts, rows, ctx.injector, pad_id=ctx.tokenizer.pad_token_id).to(ctx.device)
-            vectors = torch.stack([requests[rollouts[i].prompt_index].activation for i in batch.prompt_sources.tolist()])
-            logp = prefix.prefix_logprobs(ctx.actor, ctx.injector, batch, vectors.to(ctx.device, torch.float32))
-            total += torch.where(batch.mask, (logp - batch.behavior_logp).abs(), 0.0).sum()
-            count += batch.mask.sum()
-    return float(total / count.clamp_min(1))
-
-
 @contextlib.contextmanager
-def path_arithmetic(ctx: Context, path: str, args):
+def path_arithmetic(ctx: Context, path: str):
     """The path's trainer options while its phases run: bf16 autocast, compiled block parts."""
     compiled = (ctx.actor, ctx.critic.lm) if path in COMPILE_PATHS else ()
-    try:
-        with syn.trainer_options(ctx.actor, bf16_autocast=path in AUTOCAST_PATHS, compiled=compiled):
-            if path in AUTOCAST_PATHS:
-                recapture(ctx, args)
-            yield
-    finally:
-        if path in AUTOCAST_PATHS:
-            recapture(ctx, args)
-
-
-def recapture(ctx: Context, args) -> None:
-    """A fresh native engine: its CUDA graphs were captured under the previous arithmetic.
-
-    (Re-capturing into a closed engine's graph pool fails in the caching allocator.)
-    """
-    if args.engine == "native":
-        ctx.engine.close()
-        ctx.engine = None
-        syn.free_memory(ctx.device)
-        ctx.engine = make_engine(args, ctx)
+    with syn.trainer_options(ctx.actor, bf16_autocast=path in AUTOCAST_PATHS, compiled=compiled):
+        yield
 
 
 @contextlib.contextmanager
@@ -689,12 +636,6 @@ def run(args, rank, device: torch.device) -> None:
                     record.error(f"{label} {path} warm-up", err)
             results, extra = grpo_step(ctx, requests, group, args, paths=paths)
             across_ranks(results)
-            repeats = {path: [phases] for path, (phases, _, _) in results.items()}
-            for repeat in range(1, args.repeats):
-                again, _ = grpo_step(ctx, requests, group, args, paths=paths[::-1] if repeat % 2 else paths)
-                across_ranks(again)
-                for path, (phases, _, _) in again.items():
-                    repeats[path].append(phases)
             if args.profile and index == 0:
                 # Warm now: the warm-up's prompts again under the profiler (the warm-up itself is mostly
                 # compilation: run AC's tables of it held 14-19 % of its wall time in kernels).
@@ -718,18 +659,11 @@ def run(args, rank, device: torch.device) -> None:
                     "peak_gib": max(p["peak_gib"] for p in phases.values()),
                     "in_use_gib": max(p["in_use_gib"] for p in phases.values()),
                     "numbers": {k: v for k, v in numbers.items() if k != "reward"}, **extra}
-            if args.repeats > 1:
-                case["repeats"] = [{name: p["s"] for name, p in measured.items()} for measured in repeats[path]]
-                case["step_s_repeats"] = [sum(r.values()) for r in case["repeats"]]
             record.add(case)
             print(f"[step] {label} {path}: {case['step_s']:.2f}s, peak {case['peak_gib']:.1f} GiB "
                   f"(device in use {case['in_use_gib']:.1f} GiB), "
                   + ", ".join(f"{k} {v['s']:.2f}s ({v['pct_peak']:.0f}%)" for k, v in phases.items())
                   + f", logp_diff_mean {numbers['logp_diff_mean']:.3e}", flush=True)
-            if args.repeats > 1:
-                print(f"[repeats] {label} {path}: step " + ", ".join(f"{t:.2f}" for t in case["step_s_repeats"])
-                      + " s; " + "; ".join(f"{name} " + ", ".join(f"{r[name]:.2f}" for r in case["repeats"])
-                                           for name in case["repeats"][0]), flush=True)
         for path in results:
             # The after_* paths change "after"'s arithmetic; without "after", the first path is the base.
             base = "after" if "after" in results else next(iter(results))
@@ -745,8 +679,7 @@ def run(args, rank, device: torch.device) -> None:
             if len(results) > 1:
                 print(f"    {path:13} loss {n['loss']:+.6e} grad_norm {n['grad_norm']:.6e} kl {n['kl_mean']:.6e} "
                       f"critic_loss {n['critic_loss']:.6e} critic_grad_norm {n['critic_grad_norm']:.6e} "
-                      f"logp_diff_mean {n['logp_diff_mean']:.3e}"
-                      + (f" own_logp_gap {n['own_logp_gap']:.3e}" if "own_logp_gap" in n else ""), flush=True)
+                      f"logp_diff_mean {n['logp_diff_mean']:.3e}", flush=True)
     if hasattr(ctx.engine, "close"):
         ctx.engine.close()
     table = summary(record.data["cases"])

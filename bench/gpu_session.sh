@@ -24,9 +24,8 @@
 #                             on the same rollouts (after_all, after_all_fp8); QUANT=fp8 the
 #                             step with vLLM's FP8 rollouts too (after_all_fp8); FP8_STEP_PATHS=
 #                             after_all_fp8,after_all_fp8_backward: FP8 backwards too (PATH+best:
-#                             critic_rollouts=best, run AF); REPEATS=2: the step again, paths
-#                             reversed (bench_step --repeats); and
-#                             tests/gpu/test_fp8_gpu.py + test_vllm.py -k fp8 first
+#                             critic_rollouts=best, run AF); and tests/gpu/test_fp8_gpu.py +
+#                             test_vllm.py -k fp8 first
 #   profile        p4, .bnb   where the step's device time goes: torch.profiler tables     FP8: where the update's time goes (run AC
 #                             (top ops by device time) of the score and update phases     profiled the warm-up; see there)
 #                             of a step on the warm-up's prompts after the measured one,
@@ -129,7 +128,7 @@ case $stage in
         | grep -v "$QUIET" > "$OUT/vllm_fp8_test.log"
       tail -n 3 "$OUT/vllm_fp8_test.log"; paths=after_all_fp8
     fi
-    timeout -k 10 $((585 - SECONDS)) python3 bench/bench_step.py $STEP_ARGS --paths ${FP8_STEP_PATHS:-$paths} --repeats ${REPEATS:-1} \
+    timeout -k 10 $((585 - SECONDS)) python3 bench/bench_step.py $STEP_ARGS --paths ${FP8_STEP_PATHS:-$paths} \
       --fp8 "${FP8_PHASES:-score,reference,update}" --vllm-quantization $q --out "$OUT/fp8_step_$q.json" \
       > "$OUT/fp8_step_$q.log" 2>&1
     echo "[fp8-step] QUANT=$q: exit $?"; step_lines "$OUT/fp8_step_$q.log"; pack fp8-step-$q ;;

@@ -145,34 +145,3 @@ def tiny_step(monkeypatch, paths: list[str], *, prompts: int) -> dict:
                                        vocab=min(ctx.config.vocab_size, len(ctx.tokenizer)), seed=4)
     results, _ = bench_step.grpo_step(ctx, requests, 2, args, paths=paths)
     return results
-
-
-def test_repeats_measure_every_path_again_in_the_reversed_order(monkeypatch, tmp_path, capsys):
-    """--repeats 3 runs the measured step three times, the paths in the given order, reversed, then given again;
-    each case keeps its first measurement and records all three; --repeats 0 is refused."""
-    monkeypatch.setattr(sys, "argv", ["bench_step.py", "--tiny", "--repeats", "0"])
-    with pytest.raises(SystemExit):
-        bench_step.parse_args()
-    assert "--repeats 0" in capsys.readouterr().err
-    orders = []
-    step = bench_step.grpo_step
-
-    def recording(ctx, requests, group, args, *, paths):
-        orders.append(list(paths))
-        return step(ctx, requests, group, args, paths=paths)
-
-    monkeypatch.setattr(bench_step, "grpo_step", recording)
-    out = tmp_path / "step.json"
-    monkeypatch.setattr(sys, "argv", ["bench_step.py", "--tiny", "--cases", "2x2", "--paths", "after,after+best",
-                                      "--repeats", "3", "--out", str(out)])
-    bench_step.main()
-    assert orders[-3:] == [["after", "after+best"], ["after+best", "after"], ["after", "after+best"]]  # after the warm-ups
-    import json
-
-    record = json.loads(out.read_text())
-    assert not record["errors"]
-    for case in record["cases"]:
-        assert len(case["repeats"]) == len(case["step_s_repeats"]) == 3
-        assert case["repeats"][0] == {name: p["s"] for name, p in case["phases"].items()}
-        assert case["step_s_repeats"][0] == pytest.approx(case["step_s"])
-    assert capsys.readouterr().out.count("[repeats] 2x2 critic on") == 2

@@ -5,11 +5,14 @@ The trainer's own step on random bf16 weights: a RunState (`trainer_state`) hold
 (PEFT LoRA r128 on q, k, v, o, rsLoRA alpha 16, with the injection hook), the chosen engine, an
 AR truncated after two thirds of the depth (8B: layer 24, 25 blocks; `synthetic.ar_extraction_layer`;
 identity value head) and the optimisers, and each phase
-is the trainer's function (`nla_shell.training.step`): `rollout_phase` (this rank's share of the
-batch, the steering canary), `score_phase` (scoring, group advantages, the critic step when the
+is the trainer's function (`nla_shell.training.step`): `rollout_phase` (the batch, the steering
+canary), `score_phase` (scoring, group advantages, the critic step when the
 critic is co-trained) and `update_phase` (the policy update); `train_step` runs the same three
 (tests/shell/test_bench_step.py checks that both give the same numbers). Hyper-parameters are
-TrainConfig's defaults (the reference's), except the shapes and micro-batches set here.
+TrainConfig's defaults (the reference's), except the shapes and micro-batches set here. One process, one
+GPU: `--ranks` (the step as a torchrun job, runs C, U and W5/W6 in bench/RESULTS.md "Multi-GPU") is retired,
+last at d13c92a; `torchrun ... -m nla_shell.cli train` on make_8b_run.py's inputs logs the same phases' seconds
+(the maximum over ranks) in its metrics.jsonl.
 
 Paths, each on the same rollouts (the hand-replayed pre-issue-12 step, "before", is retired: its
 numbers stay in bench/RESULTS.md, made by this file at commit 74a810e; so is `after_tf32`, TF32 float32
@@ -67,17 +70,6 @@ fp8 (or another TrainConfig.vllm_quantization) has vLLM sample with its online F
 re-quantised; each [step] line's logp_diff_mean (the update's mean |behaviour - trainer|
 log-prob) is then the FP8 behaviour/trainer gap, on random weights.
 
---ranks 1,2 runs the whole benchmark once per world size, each as a torchrun job (gloo on
-CPU with --tiny): every rank builds the models (and, with --engine vllm, a vLLM engine of its
-own: the trainer's per-rank engines) on its own GPU and takes an equal share of
-each case's prompts; the update and the critic step all-reduce their gradients as the
-trainer does (nla_shell.training.distributed). Each phase's time is the maximum over ranks
-(a lockstep job runs at its slowest rank's pace), TF/s and % of peak are per GPU (the
-ranks' mean FLOPs over that time), and the speed-up of every world size against 1 rank of
-the same invocation is printed and saved.
-
-    NCCL_NVLS_ENABLE=0 python bench/bench_step.py --cases 256x8 --paths after --ranks 1,2 --out bench/step_ddp.json
-    .venv/bin/python bench/bench_step.py --tiny --paths after --ranks 1,2 --out /tmp/step_ddp.json   # CPU smoke
 """
 
 from __future__ import annotations
@@ -86,12 +78,9 @@ import argparse
 import contextlib
 import dataclasses
 import functools
-import json
 import math
 import os
 import re
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -156,13 +145,6 @@ def parse_args() -> argparse.Namespace:
                         help="vLLM's sleep level between rollouts (TrainConfig.vllm_sleep); 0 keeps it resident")
     parser.add_argument("--vllm-quantization", default="none", choices=typing.get_args(VLLMQuantization),
                         help="TrainConfig.vllm_quantization: vLLM's online FP8, each push re-quantised")
-    parser.add_argument("--ranks", default=None,
-                        help="world sizes to run, one torchrun job each, e.g. 1,2 (see above)")
-    parser.add_argument("--case-timeout", type=int, default=590, help="--ranks: seconds per torchrun job")
-    parser.add_argument("--keep-runs", action="store_true",
-                        help="--ranks: keep the world sizes an earlier invocation wrote to --out with the same "
-                             "settings (to split 1 and 2 ranks over two calls on one machine)")
-    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # a rank: where rank 0 writes its record
     parser.add_argument("--prompt-len", type=int, default=None, help="default 96 (tiny 24)")
     parser.add_argument("--new-tokens", type=int, default=None, help="default TrainConfig's 160 (tiny 8)")
     parser.add_argument("--fp8", default="score,reference,update",
@@ -174,13 +156,7 @@ def parse_args() -> argparse.Namespace:
                         "after its measured step")
     args = parser.parse_args()
     tiny = args.tiny
-    args.ranks = [int(n) for n in args.ranks.split(",")] if args.ranks else []
-    default_cases = ("2x2,4x2" if args.ranks else "2x2,3x2") if tiny else "32x8"
-    args.cases = [tuple(int(x) for x in c.split("x")) for c in (args.cases or default_cases).split(",")]
-    for prompts, _ in args.cases:
-        for n in args.ranks:
-            if prompts % n:
-                parser.error(f"--cases {prompts}x..: {prompts} prompts do not split into {n} equal shares (--ranks)")
+    args.cases = [tuple(int(x) for x in c.split("x")) for c in (args.cases or ("2x2,3x2" if tiny else "32x8")).split(",")]
     args.critic = args.critic == "on"
     args.paths = [p for p in args.paths.split(",") if p]
     kinds = {path_kind(p) for p in args.paths}
@@ -278,7 +254,6 @@ def make_engine(args, ctx: Context):
 
         return HFRolloutEngine(ctx.actor, ctx.injector, ctx.tokenizer)
     from nla_shell.engines.vllm import VLLMRolloutEngine, require_vllm
-    from nla_shell.training import distributed
 
     require_vllm()  # says how to install it when it is missing
     model_dir = Path(tempfile.mkdtemp(prefix="bench_step_vllm_"))
@@ -292,7 +267,7 @@ def make_engine(args, ctx: Context):
         max_model_len=args.prompt_len + args.new_tokens + 16, load_format="dummy",
         enable_prefix_caching=args.vllm_prefix_caching == "on",
         max_num_seqs=(ctx.defaults["vllm_max_seqs"] if args.vllm_max_seqs is None else args.vllm_max_seqs) or None,
-        sleep_level=args.vllm_sleep, per_rank=distributed.active(),
+        sleep_level=args.vllm_sleep,
         quantization=None if args.vllm_quantization == "none" else args.vllm_quantization,
     )
     config = engine.llm.llm_engine.vllm_config
@@ -486,7 +461,7 @@ def lr0_sgd(model) -> torch.optim.Optimizer:
 
 
 def grpo_step(ctx: Context, requests, group: int, args, *, paths: list[str]):
-    """The trainer's rollout phase once (this rank's share of `requests`), then each path on those rollouts.
+    """The trainer's rollout phase once, then each path on those rollouts.
     Returns {path: (phases, numbers, flops)}, extra."""
     device = ctx.device
     state = trainer_state(ctx, args, requests, group)
@@ -568,39 +543,23 @@ def write_profile_table(prof, path: Path, device: torch.device, *, rows: int = 3
 
 
 def main() -> None:
-    args = parse_args()
-    if args.ranks and args.worker is None:
-        sys.exit(launch(args, sys.argv[1:]))
-    from nla_shell.training import distributed
-
-    rank = distributed.rank_info()
-    device = torch.device("cpu") if args.tiny else torch.device("cuda", rank.local_rank)
-    if args.tiny and rank.world_size > 1:
-        torch.set_num_threads(1)  # the ranks share the CPU's cores
-    # Rank 0 tells the story; the others stay quiet (their errors still reach stderr).
-    quiet = contextlib.redirect_stdout(open(os.devnull, "w")) if not rank.is_main else contextlib.nullcontext()
-    with distributed.process_group(rank, device), quiet:
-        run(args, rank, device)
-
-
-def run(args, rank, device: torch.device) -> None:
-    """Every case, this rank taking its share of each case's prompts; rank 0 records."""
+    """Every case: its warm-up, then the measured step of every path on the same rollouts."""
     from nla_shell.io.config import TrainConfig
     from nla_shell.models import trainable_parameters
-    from nla_shell.training import distributed
+
+    args = parse_args()
+    device = torch.device("cpu") if args.tiny else torch.device("cuda")
 
     defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
     new_tokens = args.new_tokens = args.new_tokens or (8 if args.tiny else defaults["max_new_tokens"])  # the engine reads it
     # bf16 autocast needs a bf16 base: the tiny run is then bf16 too.
     dtype = torch.float32 if args.tiny and not {path_kind(p) for p in args.paths} & set(AUTOCAST_PATHS) else torch.bfloat16
-    settings = {**vars(args), "new_tokens": new_tokens, "world_size": rank.world_size,
+    settings = {**vars(args), "new_tokens": new_tokens,
                 "defaults": {k: v for k, v in defaults.items() if isinstance(v, (int, float, str, bool, type(None)))}}
-    record = syn.Record((args.worker or args.out) if rank.is_main else os.devnull,
-                        {**syn.environment(device), "settings": settings, "peak_tflops": PEAK_TFLOPS})
+    record = syn.Record(args.out, {**syn.environment(device), "settings": settings, "peak_tflops": PEAK_TFLOPS})
 
     t0 = time.perf_counter()
     ctx = Context(args, device, dtype, defaults)
-    distributed.broadcast_parameters(trainable_parameters(ctx.actor))  # as the trainer starts every rank
     record.data["setup_s"] = time.perf_counter() - t0
     # Which AdamW make_optimizer picked (AdamW8bit needs bitsandbytes): the memory estimate depends on it.
     record.data["optimizers"] = {"actor": type(ctx.optimizer).__name__,
@@ -610,11 +569,9 @@ def run(args, rank, device: torch.device) -> None:
                                         "all": sum(p.numel() for p in model.parameters())}
                                  for name, model in (("actor", ctx.actor), ("critic", ctx.critic))}
     record.save()
-    print(f"[setup] actor + critic + engine on {device} in {record.data['setup_s']:.1f}s"
-          + (f" (each of {rank.world_size} ranks)" if rank.world_size > 1 else ""), flush=True)
+    print(f"[setup] actor + critic + engine on {device} in {record.data['setup_s']:.1f}s", flush=True)
 
     for index, (prompts, group) in enumerate(args.cases):
-        # The global batch: the trainer's rollout phase takes this rank's share.
         requests = syn.make_requests(prompts, args.prompt_len, ctx.config.hidden_size, ctx.tokens,
                                      vocab=min(ctx.config.vocab_size, len(ctx.tokenizer)), seed=prompts * group)
         label = f"{prompts}x{group} critic {'on' if args.critic else 'off'}"
@@ -622,25 +579,22 @@ def run(args, rank, device: torch.device) -> None:
         try:
             # This shape's rollout graphs, then every phase's first-use costs on one prompt's group.
             print(f"[warm-up] {label}", flush=True)
-            ctx.engine.generate(distributed.shard(requests, rank), group_size=group, max_new_tokens=new_tokens)
-            warm_prompts = min(prompts, max(1, args.micro_batch // group) * rank.world_size)
+            ctx.engine.generate(requests, group_size=group, max_new_tokens=new_tokens)
+            warm_prompts = min(prompts, max(1, args.micro_batch // group))
             paths = []
             for path in args.paths:
                 try:
                     grpo_step(ctx, requests[:warm_prompts], group, args, paths=[path])
                     paths.append(path)
                 except Exception as err:  # noqa: BLE001 - a path that fails its warm-up is left out of the step
-                    if rank.world_size > 1:
-                        raise  # the other ranks may not have failed: their collectives would wait forever
                     traceback.print_exc()
                     record.error(f"{label} {path} warm-up", err)
             results, extra = grpo_step(ctx, requests, group, args, paths=paths)
-            across_ranks(results)
             if args.profile and index == 0:
                 # Warm now: the warm-up's prompts again under the profiler (the warm-up itself is mostly
                 # compilation: run AC's tables of it held 14-19 % of its wall time in kernels).
                 for path in paths:
-                    ctx.profile_dir = args.profile if rank.is_main else None
+                    ctx.profile_dir = args.profile
                     grpo_step(ctx, requests[:warm_prompts], group, args, paths=[path])
         except Exception as err:  # noqa: BLE001 - report, free, go on
             traceback.print_exc()
@@ -687,113 +641,6 @@ def run(args, rank, device: torch.device) -> None:
     record.save()
     print(table)
     print(f"saved {record.path}")
-
-
-def across_ranks(results: dict) -> None:
-    """In place, over the ranks of a torchrun job (nothing changes in one process): each phase's
-    seconds and peak memory -> their maximum (a lockstep job runs at its slowest rank's pace),
-    each phase's FLOPs -> the ranks' mean (the work of one GPU)."""
-    from nla_shell.training import distributed
-
-    world = distributed.rank_info().world_size
-    for phases, _, flops in results.values():
-        names, keys = sorted(phases), sorted(flops)
-        measures = ("s", "peak_gib", "in_use_gib")
-        maxima = distributed.all_reduce_max([phases[n][m] for m in measures for n in names])
-        for i, name in enumerate(names):
-            phases[name] = {m: maxima[j * len(names) + i] for j, m in enumerate(measures)}
-        sums = distributed.all_reduce_sum([flops[k] for k in keys])
-        flops.update({k: v / world for k, v in zip(keys, sums)})
-
-
-def run_case(script: str | Path, world_size: int, argv: list[str], *, timeout: int) -> dict:
-    """One torchrun job of `world_size` ranks, each running `script argv --worker PART`: the JSON
-    its rank 0 wrote to PART, or {"error": ...}."""
-    with tempfile.TemporaryDirectory() as tmp:
-        part = Path(tmp) / "part.json"
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world_size}",
-                   str(script), *argv, "--worker", str(part)]
-        env = {**os.environ, "NCCL_NVLS_ENABLE": "0"}  # NVLink multicast off on the lent machines
-        print(f"[case] {world_size} rank(s): {' '.join(command[1:])}", flush=True)
-        start = time.perf_counter()
-        proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        try:
-            out, _ = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            proc.send_signal(signal.SIGTERM)  # torchrun stops its ranks on SIGTERM
-            try:
-                out, _ = proc.communicate(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                out, _ = proc.communicate()
-            return {"world_size": world_size, "error": f"timed out after {timeout}s", "log_tail": out[-4000:]}
-        print(out[-3000:], flush=True)
-        if proc.returncode != 0 or not part.exists():
-            return {"world_size": world_size, "error": f"exit status {proc.returncode}", "log_tail": out[-4000:]}
-        result = json.loads(part.read_text())
-        result["wall_s"] = time.perf_counter() - start
-        return result
-
-
-def launch(args, argv: list[str]) -> int:
-    """--ranks: this script once per world size as a torchrun job; each phase's speed-up against 1 rank."""
-    out = Path(args.out)
-    settings = json.loads(json.dumps({k: v for k, v in vars(args).items() if k != "worker"}, default=str))
-    runs: dict[int, dict] = kept_runs(out, settings) if args.keep_runs else {}
-    scaling: list[dict] = []
-    for n in args.ranks:
-        runs[n] = run_case(Path(__file__), n, argv, timeout=args.case_timeout)
-        if "error" in runs[n]:
-            print(f"[error] {n} rank(s): {runs[n]['error']}", flush=True)
-        scaling = speedups(runs)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({"settings": settings, "runs": runs, "scaling": scaling}, indent=2, default=str))
-    for s in scaling:
-        print(f"[scaling] {s['prompts']}x{s['group']} {s['path']}: 1 rank {s['step_s'][0]:.2f}s, {s['world_size']} "
-              f"ranks {s['step_s'][1]:.2f}s: {s['speedup']:.2f}x ({s['efficiency']:.0%} efficiency); "
-              + ", ".join(f"{k} {v:.2f}x" for k, v in s["phase_speedup"].items()), flush=True)
-    print(f"saved {out}", flush=True)
-    return 0 if all("error" not in r for r in runs.values()) else 1
-
-
-LAUNCH_ONLY = ("ranks", "out", "case_timeout", "keep_runs")
-"""Settings that do not change what a rank measures."""
-
-
-def kept_runs(out: Path, settings: dict) -> dict[int, dict]:
-    """The successful runs an earlier --ranks invocation saved in `out`; SystemExit (one line) when
-    its settings differ from these in anything a rank measures."""
-    if not out.exists():
-        return {}
-    earlier = json.loads(out.read_text())
-    differ = sorted(k for k in settings if k not in LAUNCH_ONLY and earlier.get("settings", {}).get(k) != settings[k])
-    if differ:
-        sys.exit(f"--keep-runs: {out} was measured with other settings ({', '.join(differ)}); "
-                 "use another --out or the same settings")
-    runs = {int(n): run for n, run in earlier.get("runs", {}).items() if "error" not in run}
-    kept = ", ".join(f"{n} rank(s) of {run.get('date')}" for n, run in runs.items())
-    print(f"[kept] {kept or 'nothing'} from {out}", flush=True)
-    return runs
-
-
-def speedups(runs: dict[int, dict]) -> list[dict]:
-    """Step and per-phase speed-up of every multi-rank step case against the 1-rank case of the same shape and path."""
-    def steps(run):
-        return {(c["prompts"], c["group"], c["path"]): c for c in run.get("cases", []) if c["case"] == "step"}
-
-    base = steps(runs.get(1, {}))
-    rows = []
-    for n, run in runs.items():
-        for key, case in steps(run).items() if n != 1 else ():
-            one = base.get(key)
-            if one is None:
-                continue
-            speedup = one["step_s"] / case["step_s"]
-            rows.append({"world_size": n, "prompts": key[0], "group": key[1], "path": key[2],
-                         "step_s": [one["step_s"], case["step_s"]], "speedup": speedup, "efficiency": speedup / n,
-                         "phase_speedup": {p: one["phases"][p]["s"] / v["s"] for p, v in case["phases"].items()
-                                           if p in one["phases"] and v["s"] > 0}})
-    return rows
 
 
 def summary(cases: list[dict]) -> str:

@@ -35,10 +35,6 @@
 #                             with and without vllm_quantization=fp8 (LANE_PAIRS=trainer  The critic on each group's best rollout (AG)
 #                             or rollout: one pair only; critic, ROLLOUT_QUANT: see the
 #                             stage); paired tables
-#   step-ranks2    p4, .bnb,  the same step as a 2-rank torchrun job, each rank with its   Multi-GPU: 256 x 8, one and two GPUs (W5, W6)
-#                  x2         own vLLM engine (its JSON kept in /tmp/keep for step-ranks1)
-#   step-ranks1    p4, .bnb,  after step-ranks2 on the same machine: GPU0 the 1-rank job   Multi-GPU: 256 x 8, one and two GPUs (W5, W6)
-#                  x2         (prints the 2-rank speed-up), GPU1 the plain process
 #   scaling        p4, .bnb   one GRPO step per Qwen3 shape and batch, the cases of alike  Step time: Scaling across Qwen3 sizes;
 #                             settings in one process (SHAPES="0.6b ...", CASES= split    docs/performance.md
 #                             the matrix over calls; micro-batches and vLLM's share from
@@ -53,14 +49,11 @@
 #   families       p4         tests/gpu/test_families_gpu.py, native then vLLM cases      Model families on the GPU
 #   parity         p4, .bnb,  learning parity on the toy NLA: hf 6 seeds on GPU1, vLLM 6  Learning parity across engines
 #                  x2         seeds in 3 lanes on GPU0 (PARITY_ENGINES=hf,native: R2's legs)
-#   ddp            x2         bench_step --ranks 1,2: the trainer's step (16 x 8, critic   Multi-GPU
-#                             off, native engine) at 1 and 2 ranks
 set -uo pipefail
 stage=$1
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/keep
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 QUIET='^INFO\|^WARNING\|^(EngineCore\|Capturing'
-lane() { local gpu=$1; shift; CUDA_VISIBLE_DEVICES=$gpu bash -c "$*"; }
 lane_pair() { [[ " ${LANE_PAIRS:-trainer rollout} " == *" $1 "* ]]; }  # fp8-learning: LANE_PAIRS names pair $1
 pack() { tar -C "$OUT" -czf "/tmp/$1.tgz" . && rm -rf "${OUT:?}"/* && mv "/tmp/$1.tgz" "$OUT/"; }  # one file back, not > 8
 need_vllm() {  # the bundle's install.sh (once per machine), then nla's vLLM plugin entry point (TP workers are spawned)
@@ -186,17 +179,6 @@ case $stage in
     q=${ROLLOUT_QUANT:-fp8}
     variant vllm engine=vllm vllm_gpu_mem=0.05 vllm_kv_cache_gib=1
     variant vllm_$q engine=vllm vllm_gpu_mem=0.05 vllm_kv_cache_gib=1 vllm_quantization=$q ;;
-  step-ranks2)
-    need_vllm || exit 1; need_bnb
-    timeout -k 5 585 python3 bench/bench_step.py $STEP_ARGS --ranks 2 --case-timeout 570 \
-      --out /tmp/keep/ranks.json > "$OUT/step_ranks2.log" 2>&1
-    cp /tmp/keep/ranks.json "$OUT/" 2>/dev/null; step_lines "$OUT/step_ranks2.log"; pack step-ranks2 ;;
-  step-ranks1)
-    need_vllm || exit 1; need_bnb
-    lane 1 "timeout -k 10 560 python3 bench/bench_step.py $STEP_ARGS --out $OUT/step_plain.json > $OUT/step_plain.log 2>&1" &
-    lane 0 "timeout -k 5 575 python3 bench/bench_step.py $STEP_ARGS --ranks 1 --keep-runs --case-timeout 560 \
-            --out /tmp/keep/ranks.json > $OUT/step_ranks1.log 2>&1"
-    wait; cp /tmp/keep/ranks.json "$OUT/" 2>/dev/null; step_lines "$OUT"/step_*.log; pack step-ranks1 ;;
   scaling)
     need_vllm || exit 1; need_bnb
     for shape in ${SHAPES:-0.6b 1.7b 4b 8b 14b}; do
@@ -250,17 +232,12 @@ case $stage in
     tail -n 3 "$OUT/families_native.log"; grep -E "mean\|dlogp|passed|failed" "$OUT/families_vllm.log" ;;
   parity)
     need_vllm || exit 1; need_bnb
+    # The test's own fixture builds the toy's SFT checkpoints in NLA_PARITY_DIR/demo (nothing here imports tests/).
     export OMP_NUM_THREADS=2 NLA_PARITY_DIR=/tmp/parity
-    CUDA_VISIBLE_DEVICES=1 python3 -c "import sys; from pathlib import Path; sys.path.insert(0, 'tests'); import parity; \
-      parity.demo_inputs(Path('/tmp/parity/demo'))" > "$OUT/parity_demo.log" 2>&1
     NLA_PARITY_JSON=$OUT/parity.json NLA_PARITY_SEEDS=6 NLA_PARITY_ENGINES=${PARITY_ENGINES:-hf,vllm} \
       NLA_PARITY_LANES=1,1,1,1,1,1 NLA_PARITY_VLLM_LANES=0,0,0 timeout -k 10 $((${PARITY_LIMIT:-585} - SECONDS)) \
       python3 -m pytest tests/gpu/test_learning_parity.py -q -s -p no:cacheprovider -k reaches 2>&1 | grep -v "$QUIET" > "$OUT/parity.log"
     grep "^\[parity\]\|^|\|passed\|failed" "$OUT/parity.log" ;;
-  ddp)
-    timeout -k 10 300 python3 bench/bench_step.py --engine native --cases 16x8 --critic off --paths after --micro-batch 8 \
-      --ranks 1,2 --case-timeout 140 --out "$OUT/ddp.json" > "$OUT/ddp.log" 2>&1
-    tail -n 12 "$OUT/ddp.log" ;;
   *)
     echo "unknown stage '$stage'; see the table at the top of $0" >&2; exit 2 ;;
 esac

@@ -1,75 +1,50 @@
 """One full GRPO step at a Qwen3 shape (--shape, default 8b): seconds, TFLOP/s and peak memory per phase,
-of the trainer's step and of variants of its arithmetic on the same rollouts.
+of the trainer's step and of trainer options on the same rollouts.
 
-The trainer's own step on random bf16 weights: a RunState (`trainer_state`) holds the actor
-(PEFT LoRA r128 on q, k, v, o, rsLoRA alpha 16, with the injection hook), the chosen engine, an
-AR truncated after two thirds of the depth (8B: layer 24, 25 blocks; `synthetic.ar_extraction_layer`;
-identity value head) and the optimisers, and each phase
-is the trainer's function (`nla_shell.training.step`): `rollout_phase` (the batch, the steering
-canary), `score_phase` (scoring, group advantages, the critic step when the
-critic is co-trained) and `update_phase` (the policy update); `train_step` runs the same three
-(tests/shell/test_bench_step.py checks that both give the same numbers). Hyper-parameters are
-TrainConfig's defaults (the reference's), except the shapes and micro-batches set here. One process, one
-GPU: `--ranks` (the step as a torchrun job, runs C, U and W5/W6 in bench/RESULTS.md "Multi-GPU") is retired,
-last at d13c92a; `torchrun ... -m nla_shell.cli train` on make_8b_run.py's inputs logs the same phases' seconds
-(the maximum over ranks) in its metrics.jsonl.
+The trainer's own step on random bf16 weights: a RunState (`trainer_state`) holds the actor (PEFT LoRA r128
+on q, k, v, o, rsLoRA alpha 16, with the injection hook), the chosen engine, an AR truncated after two thirds
+of the depth (8B: layer 24, 25 blocks; identity value head) and the optimisers; each phase is the trainer's
+function (`nla_shell.training.step`): `rollout_phase`, `score_phase` (scoring, group advantages, the critic
+step when co-trained) and `update_phase`; tests/shell/test_bench_step.py checks that `train_step` gives the
+same numbers. Hyper-parameters are TrainConfig's defaults except the shapes and micro-batches set here.
 
-Paths, each on the same rollouts (the hand-replayed pre-issue-12 step, "before", is retired: its
-numbers stay in bench/RESULTS.md, made by this file at commit 74a810e; so is `after_tf32`, TF32 float32
-products, no trainer option and no recorded numbers, last at 86fb46f; and, last at d13c92a, the fast-accumulation
-paths after_all_fp8_fast and after_all_fp8_fastfwd (runs AH, AI), --repeats (run AF) and an autocast path's own
-rollout with its own_logp_gap (runs R1, R3)):
-  after   the trainer now: each group's prompt computed once (`training.prefix`), the
-          reference in its own no-grad pass at --reference-micro-batch, scoring and the
-          critic step on one AR forward (`score_and_train_critic`) at --critic-micro-batch.
-  after_bf16  "after" with the actor's blocks under bf16 autocast (`bf16_autocast`: bf16 LoRA
-          products, float32 master weights).
-  after_compile  "after" with the norms, MLPs, LoRA layers and rotary embedding of the actor's and
-          the AR's blocks compiled (`compile_blocks`); compilation happens in the path's warm-up step.
-  after_all   after_bf16 and after_compile together.
-  after_fp8   "after" with the matmuls of --fp8's phases in FP8 (`nla train fp8=`, nla_shell.models.fp8):
-          score (the AR's scoring forward; a co-trained critic's step backward runs in bf16,
-          straight-through), reference (the reference pass, timed inside the update phase) and
-          update (the policy forwards). The FP8 copies are made before the phases, as the trainer's
-          setup makes them.
-  after_all_fp8  after_all with --fp8's phases in FP8: the fastest settings with fp8= on top.
-  after_all_fp8_backward  after_all_fp8 with `backward` added to --fp8: the input gradients of the
-          update's (and a co-trained critic's) backward from transposed FP8 copies too.
-  PATH+best  any path above with `critic_rollouts=best`: the AR scores every rollout in a no-grad
-          forward, then the critic steps on each group's best-rewarded one (its own forward and backward).
-Paths run in the order given on the same rollouts, sampled once in the base arithmetic (with
-engine=vllm, the fast settings', the paths' options do not touch the rollout); every path but the last
-leaves the weights as they were (its optimisers are lr-0 SGDs), so each sees the same weights. The step
-prints each path's loss, grad norm, KL, rewards and critic loss beside "after"'s (the first path's
-without "after"). A non-stepping path's times hold an lr-0 SGD step instead of AdamW's
-(milliseconds for the LoRA; ~0.1 s less for the AR).
+Paths (trainer options), each on the same rollouts:
+  after            the trainer's defaults: each group's prompt once (`training.prefix`), the reference at
+                   --reference-micro-batch, scoring and the critic step on one AR forward at --critic-micro-batch
+  after_bf16       + bf16_autocast (bf16 LoRA products, float32 master weights)
+  after_compile    + compile_blocks on the actor's and the AR's blocks (compiled in the path's warm-up)
+  after_all        + both: the fast settings
+  after_fp8        + fp8= --fp8's phases (score, reference, update; copies made as the trainer's setup makes them)
+  after_all_fp8    after_all + fp8=
+  after_all_fp8_backward  after_all_fp8 with `backward` added to --fp8 (the input gradients from FP8 copies)
+  PATH+best        PATH with critic_rollouts=best (the critic steps on each group's best-rewarded rollout)
+The rollouts are sampled once in the base arithmetic (with engine=vllm, the fast settings', the paths' options
+do not touch the rollout); every path but the last runs with lr-0 SGDs (milliseconds for the LoRA, ~0.1 s less
+than AdamW for the AR), so each sees the same weights. Each [step] line and each case's `numbers` give the path's
+loss, grad norm, KL and critic loss.
 
-A random model writes no <explanation> tags, so each rollout's text is made an <explanation>
-(`StandInEngine`) of text the AR reads as exactly as many tokens as it generated (its ids mapped
-onto the toy vocabulary's words, `stand_in_explanation`), which the trainer's extraction reads: the AR then reads inputs of
-realistic length. Prompts: random tokens with one marker.
+Retired, their numbers in bench/RESULTS.md: the hand-replayed pre-issue-12 step "before" (made by this file at
+74a810e); after_tf32 (no recorded numbers, last at 86fb46f); last at d13c92a: the fast-accumulation paths
+after_all_fp8_fast and _fastfwd (runs AH, AI), --repeats (run AF), an autocast path's own rollout and its
+own_logp_gap (runs R1, R3), the printed "[same numbers]" comparison, and --ranks (the step as a torchrun job:
+runs C, U, W5, W6; `torchrun ... -m nla_shell.cli train` on make_8b_run.py's inputs logs every phase's seconds,
+the maximum over ranks, in metrics.jsonl).
 
-TFLOP/s counts the matrix arithmetic each path executes (`path_flops`), and % of peak is
-against 790 TFLOP/s (bf16 dense, measured on this H200). The rollout's TFLOP/s is shown for
-completeness: decoding is bound by memory bandwidth, not arithmetic.
+A random model writes no <explanation> tags, so each rollout's text is made an <explanation> (`StandInEngine`)
+that the AR reads as exactly as many tokens as were generated (`stand_in_explanation`). Prompts: random
+tokens with one marker. TFLOP/s counts the matrix arithmetic each path executes (`path_flops`); % of peak is
+against 790 TFLOP/s (bf16 dense, measured on the H200); decoding is bound by memory bandwidth, not arithmetic.
+
+--engine vllm runs vLLM beside the trainer in sleep mode (--vllm-sleep, default 2: weights and KV cache freed
+after each rollout, the actor pushed at each wake-up); the rollout's time is wake + push + generate + sleep.
+Each phase's "in use" is the device's memory taken by everything (`synthetic.DeviceMemoryPeak`): torch's peak
+counter also counts sleeping vLLM's unmapped memory (103.9 GiB in use against 145 GiB by torch's counter at
+256 x 8 with the fast settings). --vllm-quantization fp8 has vLLM sample with its online FP8; logp_diff_mean
+is then the FP8 behaviour/trainer gap.
 
     python bench/bench_step.py --out bench/step.json                                   # H200, 32x8
-    python bench/bench_step.py --cases 256x8 --paths after --out bench/step_256x8.json  # the issue's shape
-    python bench/bench_step.py --engine vllm ...                                       # needs vllm + its plugin
-    python bench/bench_step.py --paths after_all,after_all_fp8 --out bench/step_fp8.json  # FP8 off and on
+    python bench/bench_step.py --engine vllm --paths after_all,after_all_fp8 --out bench/step_fp8.json
     .venv/bin/python bench/bench_step.py --tiny --out /tmp/step.json                    # CPU smoke run
-
---engine vllm runs vLLM beside the trainer in sleep mode (--vllm-sleep, default 2: weights
-and KV cache freed after each rollout, the actor pushed at each wake-up), so vLLM's share
-(--vllm-gpu-mem) is taken only while it generates. Each phase's "in use" is the device's memory
-taken by everything (sampled, `synthetic.DeviceMemoryPeak`); torch's peak counter also counts
-sleeping vLLM's unmapped memory (at 256 x 8, micro-batch 64, critic 64, AdamW8bit: 103.9 GiB in
-use at most, 145 GiB by torch's counter; sixth session). The rollout's time is wake + push +
-generate + sleep; vLLM's own split of it and its KV capacity are printed. --vllm-quantization
-fp8 (or another TrainConfig.vllm_quantization) has vLLM sample with its online FP8, each push
-re-quantised; each [step] line's logp_diff_mean (the update's mean |behaviour - trainer|
-log-prob) is then the FP8 behaviour/trainer gap, on random weights.
-
 """
 
 from __future__ import annotations
@@ -501,18 +476,6 @@ def timed_rollout(ctx: Context, state):
     return {"s": seconds - capture, "capture_s": capture, **memory}, rolled
 
 
-def compare_numbers(a: dict, b: dict) -> dict[str, float]:
-    """|b - a| of two paths' training numbers on the same rollouts (relative for the norms)."""
-    rel = lambda x, y: abs(x - y) / max(abs(x), 1e-12)  # noqa: E731
-    return {
-        "loss_abs": abs(a["loss"] - b["loss"]), "grad_norm_rel": rel(a["grad_norm"], b["grad_norm"]),
-        "kl_mean_abs": abs(a["kl_mean"] - b["kl_mean"]),
-        "reward_max_abs": max((abs(x - y) for x, y in zip(a["reward"], b["reward"])), default=0.0),
-        "critic_loss_rel": rel(a["critic_loss"], b["critic_loss"]),
-        "critic_grad_norm_rel": rel(a["critic_grad_norm"], b["critic_grad_norm"]),
-    }
-
-
 @contextlib.contextmanager
 def path_arithmetic(ctx: Context, path: str):
     """The path's trainer options while its phases run: bf16 autocast, compiled block parts."""
@@ -543,7 +506,7 @@ def write_profile_table(prof, path: Path, device: torch.device, *, rows: int = 3
 
 
 def main() -> None:
-    """Every case: its warm-up, then the measured step of every path on the same rollouts."""
+    """The context (models, optimisers, engine), then every case (`measure_case`); the JSON after each."""
     from nla_shell.io.config import TrainConfig
     from nla_shell.models import trainable_parameters
 
@@ -572,68 +535,7 @@ def main() -> None:
     print(f"[setup] actor + critic + engine on {device} in {record.data['setup_s']:.1f}s", flush=True)
 
     for index, (prompts, group) in enumerate(args.cases):
-        requests = syn.make_requests(prompts, args.prompt_len, ctx.config.hidden_size, ctx.tokens,
-                                     vocab=min(ctx.config.vocab_size, len(ctx.tokenizer)), seed=prompts * group)
-        label = f"{prompts}x{group} critic {'on' if args.critic else 'off'}"
-        syn.free_memory(device)
-        try:
-            # This shape's rollout graphs, then every phase's first-use costs on one prompt's group.
-            print(f"[warm-up] {label}", flush=True)
-            ctx.engine.generate(requests, group_size=group, max_new_tokens=new_tokens)
-            warm_prompts = min(prompts, max(1, args.micro_batch // group))
-            paths = []
-            for path in args.paths:
-                try:
-                    grpo_step(ctx, requests[:warm_prompts], group, args, paths=[path])
-                    paths.append(path)
-                except Exception as err:  # noqa: BLE001 - a path that fails its warm-up is left out of the step
-                    traceback.print_exc()
-                    record.error(f"{label} {path} warm-up", err)
-            results, extra = grpo_step(ctx, requests, group, args, paths=paths)
-            if args.profile and index == 0:
-                # Warm now: the warm-up's prompts again under the profiler (the warm-up itself is mostly
-                # compilation: run AC's tables of it held 14-19 % of its wall time in kernels).
-                for path in paths:
-                    ctx.profile_dir = args.profile
-                    grpo_step(ctx, requests[:warm_prompts], group, args, paths=[path])
-        except Exception as err:  # noqa: BLE001 - report, free, go on
-            traceback.print_exc()
-            record.error(label, err)
-            continue
-        print(f"[engine] {label} {args.engine}: resident before the rollout {extra['resident_gib_before_rollout']:.1f} "
-              "GiB (torch.cuda.memory_allocated); own split: "
-              + (", ".join(f"{k} {v:.2f}" for k, v in extra["engine_stats"].items()) or "none"), flush=True)
-        for path, (phases, numbers, flops) in results.items():
-            for name, p in phases.items():
-                p["tflops"] = flops.get(name, math.nan) / p["s"] / 1e12
-                p["pct_peak"] = 100.0 * p["tflops"] / PEAK_TFLOPS
-            case = {"case": "step", "shape": args.shape, "path": path, "prompts": prompts, "group": group, "critic": args.critic,
-                    "micro_batch": args.micro_batch, "phases": phases, "flops": flops,
-                    "step_s": sum(p["s"] for p in phases.values()),
-                    "peak_gib": max(p["peak_gib"] for p in phases.values()),
-                    "in_use_gib": max(p["in_use_gib"] for p in phases.values()),
-                    "numbers": {k: v for k, v in numbers.items() if k != "reward"}, **extra}
-            record.add(case)
-            print(f"[step] {label} {path}: {case['step_s']:.2f}s, peak {case['peak_gib']:.1f} GiB "
-                  f"(device in use {case['in_use_gib']:.1f} GiB), "
-                  + ", ".join(f"{k} {v['s']:.2f}s ({v['pct_peak']:.0f}%)" for k, v in phases.items())
-                  + f", logp_diff_mean {numbers['logp_diff_mean']:.3e}", flush=True)
-        for path in results:
-            # The after_* paths change "after"'s arithmetic; without "after", the first path is the base.
-            base = "after" if "after" in results else next(iter(results))
-            if path == base:
-                continue
-            diff = compare_numbers(results[base][1], results[path][1])
-            record.data.setdefault("comparisons", []).append({"prompts": prompts, "group": group, "path": path,
-                                                              "against": base, **diff})
-            record.save()
-            print(f"[same numbers] {label} {base} vs {path}: " + ", ".join(f"{k} {v:.2e}" for k, v in diff.items()),
-                  flush=True)
-        for path, (_, n, _) in results.items():
-            if len(results) > 1:
-                print(f"    {path:13} loss {n['loss']:+.6e} grad_norm {n['grad_norm']:.6e} kl {n['kl_mean']:.6e} "
-                      f"critic_loss {n['critic_loss']:.6e} critic_grad_norm {n['critic_grad_norm']:.6e} "
-                      f"logp_diff_mean {n['logp_diff_mean']:.3e}", flush=True)
+        measure_case(ctx, args, record, prompts, group, profile=index == 0)
     if hasattr(ctx.engine, "close"):
         ctx.engine.close()
     table = summary(record.data["cases"])
@@ -641,6 +543,58 @@ def main() -> None:
     record.save()
     print(table)
     print(f"saved {record.path}")
+
+
+def measure_case(ctx: Context, args, record: syn.Record, prompts: int, group: int, *, profile: bool) -> None:
+    """One case: the warm-up (the shape's rollout graphs, every path's first-use costs on one micro-batch's
+    prompts), the measured step of every path on the same rollouts, and with --profile (first case only) one
+    more step per path on the warm-up's prompts under the profiler. A failure is recorded and the run goes on."""
+    requests = syn.make_requests(prompts, args.prompt_len, ctx.config.hidden_size, ctx.tokens,
+                                 vocab=min(ctx.config.vocab_size, len(ctx.tokenizer)), seed=prompts * group)
+    label = f"{prompts}x{group} critic {'on' if args.critic else 'off'}"
+    syn.free_memory(ctx.device)
+    try:
+        print(f"[warm-up] {label}", flush=True)
+        ctx.engine.generate(requests, group_size=group, max_new_tokens=args.new_tokens)
+        warm_prompts = min(prompts, max(1, args.micro_batch // group))
+        paths = []
+        for path in args.paths:
+            try:
+                grpo_step(ctx, requests[:warm_prompts], group, args, paths=[path])
+                paths.append(path)
+            except Exception as err:  # noqa: BLE001 - a path that fails its warm-up is left out of the step
+                traceback.print_exc()
+                record.error(f"{label} {path} warm-up", err)
+        results, extra = grpo_step(ctx, requests, group, args, paths=paths)
+        if args.profile and profile:
+            # Warm now: the warm-up's prompts again under the profiler (the warm-up itself is mostly
+            # compilation: run AC's tables of it held 14-19 % of its wall time in kernels).
+            for path in paths:
+                ctx.profile_dir = args.profile
+                grpo_step(ctx, requests[:warm_prompts], group, args, paths=[path])
+    except Exception as err:  # noqa: BLE001 - report, free, go on
+        traceback.print_exc()
+        record.error(label, err)
+        return
+    print(f"[engine] {label} {args.engine}: resident before the rollout {extra['resident_gib_before_rollout']:.1f} "
+          "GiB (torch.cuda.memory_allocated); own split: "
+          + (", ".join(f"{k} {v:.2f}" for k, v in extra["engine_stats"].items()) or "none"), flush=True)
+    for path, (phases, numbers, flops) in results.items():
+        for name, p in phases.items():
+            p["tflops"] = flops.get(name, math.nan) / p["s"] / 1e12
+            p["pct_peak"] = 100.0 * p["tflops"] / PEAK_TFLOPS
+        case = {"case": "step", "shape": args.shape, "path": path, "prompts": prompts, "group": group,
+                "critic": args.critic, "micro_batch": args.micro_batch, "phases": phases, "flops": flops,
+                "step_s": sum(p["s"] for p in phases.values()),
+                "peak_gib": max(p["peak_gib"] for p in phases.values()),
+                "in_use_gib": max(p["in_use_gib"] for p in phases.values()),
+                "numbers": {k: v for k, v in numbers.items() if k != "reward"}, **extra}
+        record.add(case)
+        print(f"[step] {label} {path}: {case['step_s']:.2f}s, peak {case['peak_gib']:.1f} GiB "
+              f"(device in use {case['in_use_gib']:.1f} GiB), "
+              + ", ".join(f"{k} {v['s']:.2f}s ({v['pct_peak']:.0f}%)" for k, v in phases.items())
+              + f"; loss {numbers['loss']:+.6e} grad_norm {numbers['grad_norm']:.6e} kl {numbers['kl_mean']:.6e} "
+              f"critic_loss {numbers['critic_loss']:.6e} logp_diff_mean {numbers['logp_diff_mean']:.3e}", flush=True)
 
 
 def summary(cases: list[dict]) -> str:

@@ -11,44 +11,33 @@
 # only its CUDA 13 libraries, so that it fits beside p4 in one call's 64 MiB). Stages marked x2 use
 # two GPUs (`nvidia-h200-x2`), the others one (GPU0).
 #
-#   stage          needs      measures                                                    RESULTS.md section
-#   install-vllm   p4         nothing: installs vLLM for the next calls (real_nla.sh's vllm-smoke)   –
-#   vllm-tests     p4, x2     tests/gpu/test_vllm.py (steering, sync, TP=2, prefix-cache   Rollout engines: vLLM engine GPU tests;
-#                             leaks, sleep, per-rank engines); PYTEST_K= selects           Multi-GPU: Per-rank vLLM engines
-#   gpu-tests      -          the native engine's GPU tests and its CUDA-graph sampler     Rollout engines: Native CUDA-graph sampler
-#                             (and tests/gpu/test_fp8_gpu.py: the device's FP8 kernel at the 8B widths)
-#   step           p4, .bnb   one GRPO step at 256 x 8, critic on, the fastest settings    Step time: 256 x 8 ... (W3, W4); docs/performance.md
-#                             (STEP_ARGS= replaces them, e.g. the earlier rows' settings)
-#   fp8-step       p4, .bnb   the step at 256 x 8 with FP8: QUANT=none (default) runs the     FP8 (both options); docs/performance.md
-#                             fastest settings and the same + fp8=score,reference,update
-#                             on the same rollouts (after_all, after_all_fp8); QUANT=fp8 the
-#                             step with vLLM's FP8 rollouts too (after_all_fp8); FP8_STEP_PATHS=
-#                             after_all_fp8,after_all_fp8_backward: FP8 backwards too (PATH+best:
-#                             critic_rollouts=best, run AF); and tests/gpu/test_fp8_gpu.py +
-#                             test_vllm.py -k fp8 first
-#   profile        p4, .bnb   where the step's device time goes: torch.profiler tables     FP8: where the update's time goes (run AC
-#                             (top ops by device time) of the score and update phases     profiled the warm-up; see there)
-#                             of a step on the warm-up's prompts after the measured one,
-#                             bf16 and FP8 (after_all, after_all_fp8), at 64 x 8 (PROFILE_CASES=)
-#   fp8-learning   p4         the toy NLA, SEEDS (0 1 2), from each seed's SFT: bf16      FP8: Learning with both FP8 options (Z);
-#                             native with and without fp8=score,reference,update, vLLM    Learning with vLLM's FP8 rollouts (AE2)
-#                             with and without vllm_quantization=fp8 (LANE_PAIRS=trainer  The critic on each group's best rollout (AG)
-#                             or rollout: one pair only; critic, ROLLOUT_QUANT: see the
-#                             stage); paired tables
-#   scaling        p4, .bnb   one GRPO step per Qwen3 shape and batch, the cases of alike  Step time: Scaling across Qwen3 sizes;
-#                             settings in one process (SHAPES="0.6b ...", CASES= split    docs/performance.md
-#                             the matrix over calls; micro-batches and vLLM's share from
-#                             bench/memory_model.py --bench-args, SHARED_FIT=1: the first
-#                             case's for all; SCALING_ARGS= the rest)
-#   train8b        p4, x2     `nla train` at the 8B shape, 3 steps per engine             Step time: nla train at the 8B shape
-#   train8b-fast   p4, .bnb   `nla train` at the 8B shape, 256 x 8, the fast settings     Step time: nla train at 256 x 8
-#                             (TRAIN_ARGS= adds keys), 3 steps, vLLM
-#   quant          .bnb       tests/gpu/test_quant_ar_gpu.py (4- and 8-bit AR-LoRA:        Quantisation: The quantised AR
-#                             SFT and a co-trained RL step); bench_quant.py, which
-#                             made the numbers, is retired (last at f40f446)
-#   families       p4         tests/gpu/test_families_gpu.py, native then vLLM cases      Model families on the GPU
-#   parity         p4, .bnb,  learning parity on the toy NLA: hf 6 seeds on GPU1, vLLM 6  Learning parity across engines
-#                  x2         seeds in 3 lanes on GPU0 (PARITY_ENGINES=hf,native: R2's legs)
+#   stage          needs           measures (RESULTS.md section)
+#   install-vllm   p4              nothing: installs vLLM for the next calls (real_nla.sh's vllm-smoke)
+#   vllm-tests     p4, x2          tests/gpu/test_vllm.py; PYTEST_K= selects (Rollout engines: vLLM engine GPU tests;
+#                                  Multi-GPU: Per-rank vLLM engines)
+#   gpu-tests      -               the native engine's GPU tests, its CUDA-graph sampler, tests/gpu/test_fp8_gpu.py
+#                                  (Rollout engines: Native CUDA-graph sampler)
+#   step           p4, .bnb        one GRPO step at 256 x 8, critic on, the fastest settings; STEP_ARGS= replaces
+#                                  them (Step time: W3, W4; docs/performance.md)
+#   fp8-step       p4, .bnb        the step with FP8 (after_all, after_all_fp8 on the same rollouts); QUANT=fp8: vLLM's
+#                                  FP8 rollouts too; FP8_STEP_PATHS=, FP8_PHASES= (FP8; docs/performance.md)
+#   profile        p4, .bnb        torch.profiler tables of the score and update phases, bf16 and FP8, 64 x 8
+#                                  (PROFILE_CASES=, PROFILE_PATHS=) (FP8: where the update's time goes)
+#   fp8-learning   p4              the toy NLA, SEEDS (0 1 2), paired RL variants from each seed's SFT: LANE_PAIRS=
+#                                  trainer (fp8=), rollout (vllm_quantization=, ROLLOUT_QUANT=), critic
+#                                  (critic_rollouts=best) (FP8: Learning ... (Z, AE2); The critic on ... best (AG))
+#   scaling        p4, .bnb        one step per Qwen3 shape and batch, settings from memory_model.py --bench-args;
+#                                  SHAPES=, CASES=, SHARED_FIT=1, SCALING_ARGS= (Step time: Scaling across Qwen3 sizes)
+#   train8b        p4, x2          `nla train` at the 8B shape, 3 steps per engine (Step time: nla train at the 8B shape)
+#   train8b-fast   p4, .bnb        `nla train` at 256 x 8 with the fast settings, 3 steps; TRAIN_ARGS= adds keys
+#   quant          .bnb            tests/gpu/test_quant_ar_gpu.py (Quantisation: The quantised AR; bench_quant.py,
+#                                  which made the numbers, is retired, last at f40f446)
+#   families       p4              tests/gpu/test_families_gpu.py, native then vLLM (Model families on the GPU)
+#   parity         p4, .bnb, x2    learning parity on the toy: hf 6 seeds on GPU1, vLLM 6 in 3 lanes on GPU0
+#                                  (PARITY_ENGINES=hf,native: R2's legs) (Learning parity across engines)
+# Retired, last at d13c92a (their numbers stay in RESULTS.md): decode, prefix-cache, max-seqs, rollout-fp8,
+# fp8-kernels, update, critic, step-ranks1, step-ranks2, ddp, and fp8-learning's pairs fast, trainer_fast and
+# trainer_fastfwd.
 set -uo pipefail
 stage=$1
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}

@@ -21,8 +21,6 @@ import torch
 from nla_shell.training import memory  # noqa: E402
 
 QWEN3_SHAPES = memory.QWEN3_SHAPES
-QWEN3_8B = QWEN3_SHAPES["8b"]
-"""The Qwen3-8B geometry (the benchmarks' default)."""
 TINY = dict(
     vocab_size=None, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
     num_attention_heads=4, num_key_value_heads=2, head_dim=16,

@@ -2,11 +2,12 @@
 of the trainer's step and of trainer options on the same rollouts.
 
 The trainer's own step on random bf16 weights: a RunState (`trainer_state`) holds the actor (PEFT LoRA r128
-on q, k, v, o, rsLoRA alpha 16, with the injection hook), the chosen engine, an AR truncated after two thirds
-of the depth (8B: layer 24, 25 blocks; identity value head) and the optimisers; each phase is the trainer's
-function (`nla_shell.training.step`): `rollout_phase`, `score_phase` (scoring, group advantages, the critic
-step when co-trained) and `update_phase`; tests/shell/test_bench_step.py checks that `train_step` gives the
-same numbers. Hyper-parameters are TrainConfig's defaults except the shapes and micro-batches set here.
+on q, k, v, o, rsLoRA alpha 16, with the injection hook), an AR truncated after two thirds of the depth (8B:
+layer 24, 25 blocks; identity value head), and the engine and optimisers of the trainer's setup
+(`setup.make_engine`, vLLM's with dummy weights; `setup.make_optimizers`); each phase is the trainer's function
+(`nla_shell.training.step`): `rollout_phase`, `score_phase` (scoring, group advantages, the critic step when
+co-trained) and `update_phase`; tests/shell/test_bench_step.py checks that `train_step` gives the same numbers.
+Hyper-parameters are TrainConfig's defaults except the shapes, micro-batches and engine set here.
 
 Paths (trainer options), each on the same rollouts:
   after            the trainer's defaults: each group's prompt once (`training.prefix`), the reference at
@@ -26,9 +27,10 @@ loss, grad norm, KL and critic loss.
 Retired, their numbers in bench/RESULTS.md: the hand-replayed pre-issue-12 step "before" (made by this file at
 74a810e); after_tf32 (no recorded numbers, last at 86fb46f); last at d13c92a: the fast-accumulation paths
 after_all_fp8_fast and _fastfwd (runs AH, AI), --repeats (run AF), an autocast path's own rollout and its
-own_logp_gap (runs R1, R3), the printed "[same numbers]" comparison, and --ranks (the step as a torchrun job:
-runs C, U, W5, W6; `torchrun ... -m nla_shell.cli train` on make_8b_run.py's inputs logs every phase's seconds,
-the maximum over ranks, in metrics.jsonl).
+own_logp_gap (runs R1, R3), the printed "[same numbers]" comparison, --merge-lora (the native engine's merged
+rollouts: run B, bench_rollout.py), and --ranks (the step as a torchrun job: runs C, U, W5, W6; `torchrun ... -m
+nla_shell.cli train` on make_8b_run.py's inputs logs every phase's seconds, the maximum over ranks, in
+metrics.jsonl).
 
 A random model writes no <explanation> tags, so each rollout's text is made an <explanation> (`StandInEngine`)
 that the AR reads as exactly as many tokens as were generated (`stand_in_explanation`). Prompts: random
@@ -108,7 +110,6 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--prompt-block", type=int, default=None,
                         help="after: micro-batches per prompt forward (default TrainConfig.logp_prompt_block)")
     parser.add_argument("--engine", default="native", choices=["native", "hf", "vllm"])
-    parser.add_argument("--merge-lora", action="store_true", help="native engine: LoRA merged for the rollout")
     parser.add_argument("--vllm-gpu-mem", type=float, default=0.35,
                         help="vLLM's share of GPU memory: at the 8B shape on an H200 0.35 is 49 GiB, a KV cache of "
                              "233k tokens after the weights (measured 2026-11-30)")
@@ -164,10 +165,19 @@ class Context:
     """The models, optimisers and engine of one benchmark run, built as the trainer builds them."""
 
     def __init__(self, args, device: torch.device, dtype: torch.dtype, defaults: dict) -> None:
-        from nla_shell.models import trainable_parameters
-        from nla_shell.training.runtime import make_optimizer
+        from nla_shell.io.config import TrainConfig
+        from nla_shell.training import setup
 
         self.device, self.defaults = device, defaults
+        # TrainConfig's defaults (the reference's) but the shapes, micro-batches and engine set here; each case
+        # sets its batch (`trainer_state`).
+        self.cfg = TrainConfig(
+            av_ckpt="<random weights>", ar_ckpt="<random weights>", rl_parquet="<synthetic>", save_dir=os.devnull,
+            max_new_tokens=args.new_tokens, train_critic=args.critic, logp_micro_batch=args.micro_batch,
+            ref_micro_batch=args.reference_micro_batch or 4 * args.micro_batch, critic_micro_batch=args.critic_micro_batch,
+            logp_prompt_block=args.prompt_block or defaults["logp_prompt_block"], engine=args.engine,
+            vllm_canary="warn",  # random weights: a canary is read (its cost is the trainer's), never a reason to stop
+        )
         self.tokenizer, tokens = syn.toy_tokenizer()
         self.shape = syn.bench_shape(args.shape, tiny=args.tiny)
         self.config = syn.qwen3_config(self.shape, vocab_size=len(self.tokenizer))
@@ -183,9 +193,8 @@ class Context:
             self.critic.add_lora(r=defaults["lora_r"], alpha=defaults["lora_alpha"], use_rslora=defaults["use_rslora"],
                                  base_model=f"random {args.shape}")
         self.critic.requires_grad_(args.critic)
-        self.optimizer = make_optimizer(trainable_parameters(self.actor), defaults["lr"], device=device, label="actor")
-        self.critic_optimizer = (make_optimizer(trainable_parameters(self.critic), defaults["critic_lr"],
-                                                device=device, label="critic") if args.critic else None)
+        self.optimizer, self.critic_optimizer, self.critic_ema = setup.make_optimizers(self.cfg, self.actor, self.critic,
+                                                                                       None, device=device)
         self.engine = make_engine(args, self)
         self.profile_dir: str | None = None
 
@@ -219,15 +228,13 @@ def _word_tokens(tokenizer) -> tuple[int, ...]:
 
 
 def make_engine(args, ctx: Context):
-    """The rollout engine; vLLM gets random weights ("dummy") and then the actor's, as the trainer pushes them."""
-    if args.engine == "native":
-        from nla_shell.engines.native import NativeRolloutEngine
+    """The trainer's engine (`setup.make_engine`); vLLM's gets random weights ("dummy", no checkpoint to load)
+    and then the actor's, as the trainer pushes them."""
+    if args.engine != "vllm":
+        from nla_shell.training import setup
 
-        return NativeRolloutEngine(ctx.actor, ctx.injector, ctx.tokenizer, merge_lora=args.merge_lora)
-    if args.engine == "hf":
-        from nla_shell.engines.hf import HFRolloutEngine
-
-        return HFRolloutEngine(ctx.actor, ctx.injector, ctx.tokenizer)
+        return setup.make_engine(ctx.cfg, ctx.actor, ctx.injector, ctx.tokenizer, layer_index=ctx.extraction_layer,
+                                 eos_ids=(ctx.tokenizer.eos_token_id,))
     from nla_shell.engines.vllm import VLLMRolloutEngine, require_vllm
 
     require_vllm()  # says how to install it when it is missing
@@ -321,12 +328,11 @@ def path_flops(config, rollouts, *, ar_tokens: list[int], critic_layers: int,
 # --------------------------------------------------------------------------- one step
 
 
-def trainer_state(ctx: Context, args, requests, group: int):
+def trainer_state(ctx: Context, requests, group: int):
     """The trainer's run state (`nla_shell.training.setup.RunState`) over one case's synthetic prompts:
     the context's models, engine and optimisers, TrainConfig's defaults but the shapes and micro-batches
     set here; a step's phases are then the trainer's own functions (`nla_shell.training.step`)."""
     import nla_core
-    from nla_shell.io.config import TrainConfig
     from nla_shell.io.data import RLRow
     from nla_shell.io.logging import NullLogger
     from nla_shell.training import distributed
@@ -334,13 +340,7 @@ def trainer_state(ctx: Context, args, requests, group: int):
     from nla_shell.training.setup import EvalEngine, RunState
     from nla_shell.training.runtime import DataOrder
 
-    cfg = TrainConfig(
-        av_ckpt="<random weights>", ar_ckpt="<random weights>", rl_parquet="<synthetic>", save_dir=os.devnull,
-        batch_prompts=len(requests), group_size=group, max_new_tokens=args.new_tokens, train_critic=args.critic,
-        logp_micro_batch=args.micro_batch, ref_micro_batch=args.reference_micro_batch or 4 * args.micro_batch,
-        critic_micro_batch=args.critic_micro_batch, logp_prompt_block=args.prompt_block or ctx.defaults["logp_prompt_block"],
-        vllm_canary="warn",  # random weights: a canary is read (its cost is the trainer's), never a reason to stop
-    )
+    cfg = dataclasses.replace(ctx.cfg, batch_prompts=len(requests), group_size=group)
     t = ctx.tokens
     nla = nla_core.NLAConfig(
         kind="synthetic", d_model=ctx.config.hidden_size, injection_char="", injection_token_id=t["injection_token_id"],
@@ -355,7 +355,7 @@ def trainer_state(ctx: Context, args, requests, group: int):
         prompt_ids=[list(r.prompt_ids) for r in requests], eval_rows=[], eval_prompt_ids=[], actor=ctx.actor,
         injector=ctx.injector, critic=ctx.critic, engine=engine,
         eval_engine=EvalEngine(engine, ctx.actor, ctx.injector, ctx.tokenizer), optimizer=ctx.optimizer,
-        critic_optimizer=ctx.critic_optimizer, critic_ema=None, eos_ids=(ctx.tokenizer.eos_token_id,),
+        critic_optimizer=ctx.critic_optimizer, critic_ema=ctx.critic_ema, eos_ids=(ctx.tokenizer.eos_token_id,),
         mse_scale=ctx.critic.mse_scale, rawvar=1.0, meannorm=1.0, order=DataOrder(len(rows), cfg.seed), start_step=0,
         skipped_steps=0, logger=NullLogger(), save_dir=Path(os.devnull), canary_watch=CanaryWatch(stop=False),
     )
@@ -439,7 +439,7 @@ def grpo_step(ctx: Context, requests, group: int, args, *, paths: list[str]):
     """The trainer's rollout phase once, then each path on those rollouts.
     Returns {path: (phases, numbers, flops)}, extra."""
     device = ctx.device
-    state = trainer_state(ctx, args, requests, group)
+    state = trainer_state(ctx, requests, group)
     resident = torch.cuda.memory_allocated(device) / 2**30 if device.type == "cuda" else math.nan
     rollout, rolled = timed_rollout(ctx, state)
     results = {}

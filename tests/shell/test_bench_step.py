@@ -73,7 +73,7 @@ def test_the_benchmarks_step_is_the_trainers(monkeypatch):
     results, _ = bench_step.grpo_step(ctx, requests, 2, args, paths=["after"])
     bench = results["after"][1]
     ctx, requests = same_start()
-    record = step.train_step(bench_step.trainer_state(ctx, args, requests, 2), 0)
+    record = step.train_step(bench_step.trainer_state(ctx, requests, 2), 0)
     for key in ("loss", "grad_norm", "kl_mean", "clip_frac", "logp_diff_mean", "critic_loss", "critic_grad_norm"):
         assert bench[key] == record[key], key
     assert record["extraction_rate"] == 1.0  # every stand-in explanation was extracted and scored

@@ -164,18 +164,18 @@ def fp8_phases(parser: argparse.ArgumentParser, text: str, *, needed: bool) -> t
 class Context:
     """The models, optimisers and engine of one benchmark run, built as the trainer builds them."""
 
-    def __init__(self, args, device: torch.device, dtype: torch.dtype, defaults: dict) -> None:
+    def __init__(self, args, device: torch.device, dtype: torch.dtype) -> None:
         from nla_shell.io.config import TrainConfig
         from nla_shell.training import setup
 
-        self.device, self.defaults = device, defaults
+        self.device = device
         # TrainConfig's defaults (the reference's) but the shapes, micro-batches and engine set here; each case
         # sets its batch (`trainer_state`).
         self.cfg = TrainConfig(
             av_ckpt="<random weights>", ar_ckpt="<random weights>", rl_parquet="<synthetic>", save_dir=os.devnull,
             max_new_tokens=args.new_tokens, train_critic=args.critic, logp_micro_batch=args.micro_batch,
             ref_micro_batch=args.reference_micro_batch or 4 * args.micro_batch, critic_micro_batch=args.critic_micro_batch,
-            logp_prompt_block=args.prompt_block or defaults["logp_prompt_block"], engine=args.engine,
+            logp_prompt_block=args.prompt_block or TrainConfig.logp_prompt_block, engine=args.engine,
             vllm_canary="warn",  # random weights: a canary is read (its cost is the trainer's), never a reason to stop
         )
         self.tokenizer, tokens = syn.toy_tokenizer()
@@ -183,14 +183,14 @@ class Context:
         self.config = syn.qwen3_config(self.shape, vocab_size=len(self.tokenizer))
         self.tokens = tokens
         base = syn.random_qwen3(self.config, device=device, dtype=dtype, seed=0)
-        self.actor = syn.attach_lora(base, r=defaults["lora_r"], alpha=defaults["lora_alpha"],
-                                     use_rslora=defaults["use_rslora"])
+        cfg = self.cfg
+        self.actor = syn.attach_lora(base, r=cfg.lora_r, alpha=cfg.lora_alpha, use_rslora=cfg.use_rslora)
         self.injector = syn.make_injector(self.actor, tokens)
         self.extraction_layer = syn.ar_extraction_layer(args.shape, tiny=args.tiny)
         self.critic = syn.random_ar(self.shape, extraction_layer=self.extraction_layer,
                                     vocab_size=len(self.tokenizer), device=device, dtype=dtype)
         if args.ar_lora:  # as an AR-LoRA ar_ckpt trains: the backbone frozen, a LoRA (and the value head) trained
-            self.critic.add_lora(r=defaults["lora_r"], alpha=defaults["lora_alpha"], use_rslora=defaults["use_rslora"],
+            self.critic.add_lora(r=cfg.lora_r, alpha=cfg.lora_alpha, use_rslora=cfg.use_rslora,
                                  base_model=f"random {args.shape}")
         self.critic.requires_grad_(args.critic)
         self.optimizer, self.critic_optimizer, self.critic_ema = setup.make_optimizers(self.cfg, self.actor, self.critic,
@@ -248,7 +248,7 @@ def make_engine(args, ctx: Context):
         right_id=ctx.injector.right_id, injection_layer=1, gpu_memory_utilization=args.vllm_gpu_mem,
         max_model_len=args.prompt_len + args.new_tokens + 16, load_format="dummy",
         enable_prefix_caching=args.vllm_prefix_caching == "on",
-        max_num_seqs=(ctx.defaults["vllm_max_seqs"] if args.vllm_max_seqs is None else args.vllm_max_seqs) or None,
+        max_num_seqs=(ctx.cfg.vllm_max_seqs if args.vllm_max_seqs is None else args.vllm_max_seqs) or None,
         sleep_level=args.vllm_sleep,
         quantization=None if args.vllm_quantization == "none" else args.vllm_quantization,
     )
@@ -522,7 +522,7 @@ def main() -> None:
     record = syn.Record(args.out, {**syn.environment(device), "settings": settings, "peak_tflops": PEAK_TFLOPS})
 
     t0 = time.perf_counter()
-    ctx = Context(args, device, dtype, defaults)
+    ctx = Context(args, device, dtype)
     record.data["setup_s"] = time.perf_counter() - t0
     # Which AdamW make_optimizer picked (AdamW8bit needs bitsandbytes): the memory estimate depends on it.
     record.data["optimizers"] = {"actor": type(ctx.optimizer).__name__,

@@ -52,19 +52,15 @@ def test_stand_in_of_a_full_rollout_keeps_its_length(toy_tokenizer):
 def test_the_benchmarks_step_is_the_trainers(monkeypatch):
     """From the same state, the benchmark's step (its "after" path: the trainer's rollout, score and
     update phases on a synthetic RunState) and the trainer's `train_step` give the same numbers."""
-    import dataclasses
-
-    from nla_shell.io.config import TrainConfig
     from nla_shell.training import step
 
     monkeypatch.setattr(sys, "argv", ["bench_step.py", "--tiny", "--paths", "after"])
     args = bench_step.parse_args()
     args.new_tokens = 8
-    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
 
     def same_start():
         torch.manual_seed(0)
-        ctx = bench_step.Context(args, torch.device("cpu"), torch.float32, defaults)
+        ctx = bench_step.Context(args, torch.device("cpu"), torch.float32)
         requests = synthetic.make_requests(2, args.prompt_len, ctx.config.hidden_size, ctx.tokens,
                                            vocab=min(ctx.config.vocab_size, len(ctx.tokenizer)), seed=4)
         return ctx, requests
@@ -131,16 +127,11 @@ def test_a_best_path_is_the_trainers_critic_rollouts_best(monkeypatch, capsys):
 
 def tiny_step(monkeypatch, paths: list[str], *, prompts: int) -> dict:
     """bench_step's grpo_step on the tiny models (critic on), `prompts` x 2, the given paths on the same rollouts."""
-    import dataclasses
-
-    from nla_shell.io.config import TrainConfig
-
     monkeypatch.setattr(sys, "argv", ["bench_step.py", "--tiny", "--critic", "on", "--paths", ",".join(paths)])
     args = bench_step.parse_args()
     args.new_tokens = 8
     torch.manual_seed(0)
-    ctx = bench_step.Context(args, torch.device("cpu"), torch.float32,
-                             {f.name: f.default for f in dataclasses.fields(TrainConfig)})
+    ctx = bench_step.Context(args, torch.device("cpu"), torch.float32)
     requests = synthetic.make_requests(prompts, args.prompt_len, ctx.config.hidden_size, ctx.tokens,
                                        vocab=min(ctx.config.vocab_size, len(ctx.tokenizer)), seed=4)
     results, _ = bench_step.grpo_step(ctx, requests, 2, args, paths=paths)

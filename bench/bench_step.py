@@ -1,88 +1,52 @@
 """One full GRPO step at a Qwen3 shape (--shape, default 8b): seconds, TFLOP/s and peak memory per phase,
-of the trainer's step and of variants of its arithmetic on the same rollouts.
+of the trainer's step and of trainer options on the same rollouts.
 
-The trainer's own step on random bf16 weights: a RunState (`trainer_state`) holds the actor
-(PEFT LoRA r128 on q, k, v, o, rsLoRA alpha 16, with the injection hook), the chosen engine, an
-AR truncated after two thirds of the depth (8B: layer 24, 25 blocks; `synthetic.ar_extraction_layer`;
-identity value head) and the optimisers, and each phase
-is the trainer's function (`nla_shell.training.step`): `rollout_phase` (this rank's share of the
-batch, the steering canary), `score_phase` (scoring, group advantages, the critic step when the
-critic is co-trained) and `update_phase` (the policy update); `train_step` runs the same three
-(tests/shell/test_bench_step.py checks that both give the same numbers). Hyper-parameters are
-TrainConfig's defaults (the reference's), except the shapes and micro-batches set here.
+The trainer's own step on random bf16 weights: a RunState (`trainer_state`) holds the actor (PEFT LoRA r128
+on q, k, v, o, rsLoRA alpha 16, with the injection hook), an AR truncated after two thirds of the depth (8B:
+layer 24, 25 blocks; identity value head), and the engine and optimisers of the trainer's setup
+(`setup.make_engine`, vLLM's with dummy weights; `setup.make_optimizers`); each phase is the trainer's function
+(`nla_shell.training.step`): `rollout_phase`, `score_phase` (scoring, group advantages, the critic step when
+co-trained) and `update_phase`; tests/shell/test_bench_step.py checks that `train_step` gives the same numbers.
+Hyper-parameters are TrainConfig's defaults except the shapes, micro-batches and engine set here.
 
-Paths, each on the same rollouts (the hand-replayed pre-issue-12 step, "before", is retired: its
-numbers stay in bench/RESULTS.md, made by this file at commit 74a810e; so is `after_tf32`, TF32 float32
-products, no trainer option and no recorded numbers, last at 86fb46f):
-  after   the trainer now: each group's prompt computed once (`training.prefix`), the
-          reference in its own no-grad pass at --reference-micro-batch, scoring and the
-          critic step on one AR forward (`score_and_train_critic`) at --critic-micro-batch.
-  after_bf16  "after" with the actor's blocks under bf16 autocast (`bf16_autocast`: bf16 LoRA
-          products, float32 master weights). Its rollout phase is its own rollout under the same
-          autocast (the engine samples with the trainer's arithmetic), whose mean |behaviour -
-          trainer| log-prob is printed as own_logp_gap; its update runs on the shared rollouts.
-  after_compile  "after" with the norms, MLPs, LoRA layers and rotary embedding of the actor's and
-          the AR's blocks compiled (`compile_blocks`); compilation happens in the path's warm-up step.
-  after_all   after_bf16 and after_compile together.
-  after_fp8   "after" with the matmuls of --fp8's phases in FP8 (`nla train fp8=`, nla_shell.models.fp8):
-          score (the AR's scoring forward; a co-trained critic's step backward runs in bf16,
-          straight-through), reference (the reference pass, timed inside the update phase) and
-          update (the policy forwards). The FP8 copies are made before the phases, as the trainer's
-          setup makes them.
-  after_all_fp8  after_all with --fp8's phases in FP8: the fastest settings with fp8= on top.
-  after_all_fp8_backward  after_all_fp8 with `backward` added to --fp8: the input gradients of the
-          update's (and a co-trained critic's) backward from transposed FP8 copies too.
-  after_all_fp8_fast  after_all_fp8_backward with every FP8 product's fast accumulation (fp8_fast_accum=all).
-  after_all_fp8_fastfwd  after_all_fp8_backward with the forward FP8 products' fast accumulation
-          (fp8_fast_accum=forward; the input gradients' products without it).
-  PATH+best  any path above with `critic_rollouts=best`: the AR scores every rollout in a no-grad
-          forward, then the critic steps on each group's best-rewarded one (its own forward and backward).
-Paths run in the order given on the same rollouts; every path but the last leaves the
-weights as they were (its optimisers are lr-0 SGDs), so each sees the same weights. --repeats N
-measures the step N times in all, each time on fresh rollouts, the paths in the order given and then
-reversed by turns (A B, B A, A B, ...), so a path's place in the order shows as spread: each
-case keeps its first measurement as before and adds every repeat's phase seconds. The step
-prints each path's loss, grad norm, KL, rewards and critic loss beside "after"'s (the first path's
-without "after"). A non-stepping path's times hold an lr-0 SGD step instead of AdamW's
-(milliseconds for the LoRA; ~0.1 s less for the AR).
+Paths (trainer options), each on the same rollouts:
+  after            the trainer's defaults: each group's prompt once (`training.prefix`), the reference at
+                   --reference-micro-batch, scoring and the critic step on one AR forward at --critic-micro-batch
+  after_bf16       + bf16_autocast (bf16 LoRA products, float32 master weights)
+  after_compile    + compile_blocks on the actor's and the AR's blocks (compiled in the path's warm-up)
+  after_all        + both: the fast settings
+  after_fp8        + fp8= --fp8's phases (score, reference, update; copies made as the trainer's setup makes them)
+  after_all_fp8    after_all + fp8=
+  after_all_fp8_backward  after_all_fp8 with `backward` added to --fp8 (the input gradients from FP8 copies)
+  PATH+best        PATH with critic_rollouts=best (the critic steps on each group's best-rewarded rollout)
+The rollouts are sampled once in the base arithmetic (with engine=vllm, the fast settings', the paths' options
+do not touch the rollout); every path but the last runs with lr-0 SGDs (milliseconds for the LoRA, ~0.1 s less
+than AdamW for the AR), so each sees the same weights. Each [step] line and each case's `numbers` give the path's
+loss, grad norm, KL and critic loss.
 
-A random model writes no <explanation> tags, so each rollout's text is made an <explanation>
-(`StandInEngine`) of text the AR reads as exactly as many tokens as it generated (its ids mapped
-onto the toy vocabulary's words, `stand_in_explanation`), which the trainer's extraction reads: the AR then reads inputs of
-realistic length. Prompts: random tokens with one marker.
+Retired, their numbers in bench/RESULTS.md: the hand-replayed pre-issue-12 step "before" (made by this file at
+74a810e); after_tf32 (no recorded numbers, last at 86fb46f); last at d13c92a: the fast-accumulation paths
+after_all_fp8_fast and _fastfwd (runs AH, AI), --repeats (run AF), an autocast path's own rollout and its
+own_logp_gap (runs R1, R3), the printed "[same numbers]" comparison, --merge-lora (the native engine's merged
+rollouts: run B, bench_rollout.py), and --ranks (the step as a torchrun job: runs C, U, W5, W6; `torchrun ... -m
+nla_shell.cli train` on make_8b_run.py's inputs logs every phase's seconds, the maximum over ranks, in
+metrics.jsonl).
 
-TFLOP/s counts the matrix arithmetic each path executes (`path_flops`), and % of peak is
-against 790 TFLOP/s (bf16 dense, measured on this H200). The rollout's TFLOP/s is shown for
-completeness: decoding is bound by memory bandwidth, not arithmetic.
+A random model writes no <explanation> tags, so each rollout's text is made an <explanation> (`StandInEngine`)
+that the AR reads as exactly as many tokens as were generated (`stand_in_explanation`). Prompts: random
+tokens with one marker. TFLOP/s counts the matrix arithmetic each path executes (`path_flops`); % of peak is
+against 790 TFLOP/s (bf16 dense, measured on the H200); decoding is bound by memory bandwidth, not arithmetic.
+
+--engine vllm runs vLLM beside the trainer in sleep mode (--vllm-sleep, default 2: weights and KV cache freed
+after each rollout, the actor pushed at each wake-up); the rollout's time is wake + push + generate + sleep.
+Each phase's "in use" is the device's memory taken by everything (`synthetic.DeviceMemoryPeak`): torch's peak
+counter also counts sleeping vLLM's unmapped memory (103.9 GiB in use against 145 GiB by torch's counter at
+256 x 8 with the fast settings). --vllm-quantization fp8 has vLLM sample with its online FP8; logp_diff_mean
+is then the FP8 behaviour/trainer gap.
 
     python bench/bench_step.py --out bench/step.json                                   # H200, 32x8
-    python bench/bench_step.py --cases 256x8 --paths after --out bench/step_256x8.json  # the issue's shape
-    python bench/bench_step.py --engine vllm ...                                       # needs vllm + its plugin
-    python bench/bench_step.py --paths after_all,after_all_fp8 --out bench/step_fp8.json  # FP8 off and on
+    python bench/bench_step.py --engine vllm --paths after_all,after_all_fp8 --out bench/step_fp8.json
     .venv/bin/python bench/bench_step.py --tiny --out /tmp/step.json                    # CPU smoke run
-
---engine vllm runs vLLM beside the trainer in sleep mode (--vllm-sleep, default 2: weights
-and KV cache freed after each rollout, the actor pushed at each wake-up), so vLLM's share
-(--vllm-gpu-mem) is taken only while it generates. Each phase's "in use" is the device's memory
-taken by everything (sampled, `synthetic.DeviceMemoryPeak`); torch's peak counter also counts
-sleeping vLLM's unmapped memory (at 256 x 8, micro-batch 64, critic 64, AdamW8bit: 103.9 GiB in
-use at most, 145 GiB by torch's counter; sixth session). The rollout's time is wake + push +
-generate + sleep; vLLM's own split of it and its KV capacity are printed. --vllm-quantization
-fp8 (or another TrainConfig.vllm_quantization) has vLLM sample with its online FP8, each push
-re-quantised; each [step] line's logp_diff_mean (the update's mean |behaviour - trainer|
-log-prob) is then the FP8 behaviour/trainer gap, on random weights.
-
---ranks 1,2 runs the whole benchmark once per world size, each as a torchrun job (gloo on
-CPU with --tiny): every rank builds the models (and, with --engine vllm, a vLLM engine of its
-own: the trainer's per-rank engines) on its own GPU and takes an equal share of
-each case's prompts; the update and the critic step all-reduce their gradients as the
-trainer does (nla_shell.training.distributed). Each phase's time is the maximum over ranks
-(a lockstep job runs at its slowest rank's pace), TF/s and % of peak are per GPU (the
-ranks' mean FLOPs over that time), and the speed-up of every world size against 1 rank of
-the same invocation is printed and saved.
-
-    NCCL_NVLS_ENABLE=0 python bench/bench_step.py --cases 256x8 --paths after --ranks 1,2 --out bench/step_ddp.json
-    .venv/bin/python bench/bench_step.py --tiny --paths after --ranks 1,2 --out /tmp/step_ddp.json   # CPU smoke
 """
 
 from __future__ import annotations
@@ -91,12 +55,9 @@ import argparse
 import contextlib
 import dataclasses
 import functools
-import json
 import math
 import os
 import re
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -111,14 +72,10 @@ import torch  # noqa: E402
 
 import synthetic as syn  # noqa: E402
 
-PATHS = ("after", "after_bf16", "after_compile", "after_all", "after_fp8", "after_all_fp8",
-         "after_all_fp8_backward", "after_all_fp8_fast", "after_all_fp8_fastfwd")
-FAST_ACCUM_PATHS = {"after_all_fp8_fast": "all", "after_all_fp8_fastfwd": "forward"}
-"""The paths with fp8_fast_accum on, and its value."""
-FP8_BACKWARD_PATHS = ("after_all_fp8_backward", *FAST_ACCUM_PATHS)
-FP8_PATHS = ("after_fp8", "after_all_fp8", *FP8_BACKWARD_PATHS)
-AUTOCAST_PATHS = ("after_bf16", "after_all", "after_all_fp8", *FP8_BACKWARD_PATHS)
-COMPILE_PATHS = ("after_compile", "after_all", "after_all_fp8", *FP8_BACKWARD_PATHS)
+PATHS = ("after", "after_bf16", "after_compile", "after_all", "after_fp8", "after_all_fp8", "after_all_fp8_backward")
+FP8_PATHS = ("after_fp8", "after_all_fp8", "after_all_fp8_backward")
+AUTOCAST_PATHS = ("after_bf16", "after_all", "after_all_fp8", "after_all_fp8_backward")
+COMPILE_PATHS = ("after_compile", "after_all", "after_all_fp8", "after_all_fp8_backward")
 CRITIC_ROLLOUTS_SUFFIX = "+best"
 """A path name ending in this runs with critic_rollouts=best (TrainConfig's key)."""
 PEAK_TFLOPS = 790.0
@@ -153,7 +110,6 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--prompt-block", type=int, default=None,
                         help="after: micro-batches per prompt forward (default TrainConfig.logp_prompt_block)")
     parser.add_argument("--engine", default="native", choices=["native", "hf", "vllm"])
-    parser.add_argument("--merge-lora", action="store_true", help="native engine: LoRA merged for the rollout")
     parser.add_argument("--vllm-gpu-mem", type=float, default=0.35,
                         help="vLLM's share of GPU memory: at the 8B shape on an H200 0.35 is 49 GiB, a KV cache of "
                              "233k tokens after the weights (measured 2026-11-30)")
@@ -165,33 +121,18 @@ def parse_args() -> argparse.Namespace:
                         help="vLLM's sleep level between rollouts (TrainConfig.vllm_sleep); 0 keeps it resident")
     parser.add_argument("--vllm-quantization", default="none", choices=typing.get_args(VLLMQuantization),
                         help="TrainConfig.vllm_quantization: vLLM's online FP8, each push re-quantised")
-    parser.add_argument("--ranks", default=None,
-                        help="world sizes to run, one torchrun job each, e.g. 1,2 (see above)")
-    parser.add_argument("--case-timeout", type=int, default=590, help="--ranks: seconds per torchrun job")
-    parser.add_argument("--keep-runs", action="store_true",
-                        help="--ranks: keep the world sizes an earlier invocation wrote to --out with the same "
-                             "settings (to split 1 and 2 ranks over two calls on one machine)")
-    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # a rank: where rank 0 writes its record
     parser.add_argument("--prompt-len", type=int, default=None, help="default 96 (tiny 24)")
     parser.add_argument("--new-tokens", type=int, default=None, help="default TrainConfig's 160 (tiny 8)")
     parser.add_argument("--fp8", default="score,reference,update",
                         help="after_fp8, after_all_fp8: the phases whose matmuls run in FP8, of score,reference,update "
                              "and backward (their backwards' input gradients too) "
                              "(nla train's fp8=)")
-    parser.add_argument("--repeats", type=int, default=1,
-                        help="measure the step this many times, the paths' order reversed each time (see above)")
     parser.add_argument("--profile", default=None, help="directory for torch.profiler tables of each path's "
                         "score and update phases: one more step on the first case's warm-up prompts, "
                         "after its measured step")
     args = parser.parse_args()
     tiny = args.tiny
-    args.ranks = [int(n) for n in args.ranks.split(",")] if args.ranks else []
-    default_cases = ("2x2,4x2" if args.ranks else "2x2,3x2") if tiny else "32x8"
-    args.cases = [tuple(int(x) for x in c.split("x")) for c in (args.cases or default_cases).split(",")]
-    for prompts, _ in args.cases:
-        for n in args.ranks:
-            if prompts % n:
-                parser.error(f"--cases {prompts}x..: {prompts} prompts do not split into {n} equal shares (--ranks)")
+    args.cases = [tuple(int(x) for x in c.split("x")) for c in (args.cases or ("2x2,3x2" if tiny else "32x8")).split(",")]
     args.critic = args.critic == "on"
     args.paths = [p for p in args.paths.split(",") if p]
     kinds = {path_kind(p) for p in args.paths}
@@ -201,8 +142,6 @@ def parse_args() -> argparse.Namespace:
     if any(p.endswith(CRITIC_ROLLOUTS_SUFFIX) for p in args.paths) and not args.critic:
         parser.error(f"--paths ...{CRITIC_ROLLOUTS_SUFFIX}: the critic steps on the best rollouts; leave --critic on")
     args.fp8 = fp8_phases(parser, args.fp8, needed=bool(set(FP8_PATHS) & kinds))
-    if args.repeats < 1:
-        parser.error(f"--repeats {args.repeats}: measure the step at least once")
     args.prompt_len = args.prompt_len or (24 if tiny else 96)
     return args
 
@@ -225,29 +164,37 @@ def fp8_phases(parser: argparse.ArgumentParser, text: str, *, needed: bool) -> t
 class Context:
     """The models, optimisers and engine of one benchmark run, built as the trainer builds them."""
 
-    def __init__(self, args, device: torch.device, dtype: torch.dtype, defaults: dict) -> None:
-        from nla_shell.models import trainable_parameters
-        from nla_shell.training.runtime import make_optimizer
+    def __init__(self, args, device: torch.device, dtype: torch.dtype) -> None:
+        from nla_shell.io.config import TrainConfig
+        from nla_shell.training import setup
 
-        self.device, self.defaults = device, defaults
+        self.device = device
+        # TrainConfig's defaults (the reference's) but the shapes, micro-batches and engine set here; each case
+        # sets its batch (`trainer_state`).
+        self.cfg = TrainConfig(
+            av_ckpt="<random weights>", ar_ckpt="<random weights>", rl_parquet="<synthetic>", save_dir=os.devnull,
+            max_new_tokens=args.new_tokens, train_critic=args.critic, logp_micro_batch=args.micro_batch,
+            ref_micro_batch=args.reference_micro_batch or 4 * args.micro_batch, critic_micro_batch=args.critic_micro_batch,
+            logp_prompt_block=args.prompt_block or TrainConfig.logp_prompt_block, engine=args.engine,
+            vllm_canary="warn",  # random weights: a canary is read (its cost is the trainer's), never a reason to stop
+        )
         self.tokenizer, tokens = syn.toy_tokenizer()
         self.shape = syn.bench_shape(args.shape, tiny=args.tiny)
         self.config = syn.qwen3_config(self.shape, vocab_size=len(self.tokenizer))
         self.tokens = tokens
         base = syn.random_qwen3(self.config, device=device, dtype=dtype, seed=0)
-        self.actor = syn.attach_lora(base, r=defaults["lora_r"], alpha=defaults["lora_alpha"],
-                                     use_rslora=defaults["use_rslora"])
+        cfg = self.cfg
+        self.actor = syn.attach_lora(base, r=cfg.lora_r, alpha=cfg.lora_alpha, use_rslora=cfg.use_rslora)
         self.injector = syn.make_injector(self.actor, tokens)
         self.extraction_layer = syn.ar_extraction_layer(args.shape, tiny=args.tiny)
         self.critic = syn.random_ar(self.shape, extraction_layer=self.extraction_layer,
                                     vocab_size=len(self.tokenizer), device=device, dtype=dtype)
         if args.ar_lora:  # as an AR-LoRA ar_ckpt trains: the backbone frozen, a LoRA (and the value head) trained
-            self.critic.add_lora(r=defaults["lora_r"], alpha=defaults["lora_alpha"], use_rslora=defaults["use_rslora"],
+            self.critic.add_lora(r=cfg.lora_r, alpha=cfg.lora_alpha, use_rslora=cfg.use_rslora,
                                  base_model=f"random {args.shape}")
         self.critic.requires_grad_(args.critic)
-        self.optimizer = make_optimizer(trainable_parameters(self.actor), defaults["lr"], device=device, label="actor")
-        self.critic_optimizer = (make_optimizer(trainable_parameters(self.critic), defaults["critic_lr"],
-                                                device=device, label="critic") if args.critic else None)
+        self.optimizer, self.critic_optimizer, self.critic_ema = setup.make_optimizers(self.cfg, self.actor, self.critic,
+                                                                                       None, device=device)
         self.engine = make_engine(args, self)
         self.profile_dir: str | None = None
 
@@ -281,17 +228,14 @@ def _word_tokens(tokenizer) -> tuple[int, ...]:
 
 
 def make_engine(args, ctx: Context):
-    """The rollout engine; vLLM gets random weights ("dummy") and then the actor's, as the trainer pushes them."""
-    if args.engine == "native":
-        from nla_shell.engines.native import NativeRolloutEngine
+    """The trainer's engine (`setup.make_engine`); vLLM's gets random weights ("dummy", no checkpoint to load)
+    and then the actor's, as the trainer pushes them."""
+    if args.engine != "vllm":
+        from nla_shell.training import setup
 
-        return NativeRolloutEngine(ctx.actor, ctx.injector, ctx.tokenizer, merge_lora=args.merge_lora)
-    if args.engine == "hf":
-        from nla_shell.engines.hf import HFRolloutEngine
-
-        return HFRolloutEngine(ctx.actor, ctx.injector, ctx.tokenizer)
+        return setup.make_engine(ctx.cfg, ctx.actor, ctx.injector, ctx.tokenizer, layer_index=ctx.extraction_layer,
+                                 eos_ids=(ctx.tokenizer.eos_token_id,))
     from nla_shell.engines.vllm import VLLMRolloutEngine, require_vllm
-    from nla_shell.training import distributed
 
     require_vllm()  # says how to install it when it is missing
     model_dir = Path(tempfile.mkdtemp(prefix="bench_step_vllm_"))
@@ -304,8 +248,8 @@ def make_engine(args, ctx: Context):
         right_id=ctx.injector.right_id, injection_layer=1, gpu_memory_utilization=args.vllm_gpu_mem,
         max_model_len=args.prompt_len + args.new_tokens + 16, load_format="dummy",
         enable_prefix_caching=args.vllm_prefix_caching == "on",
-        max_num_seqs=(ctx.defaults["vllm_max_seqs"] if args.vllm_max_seqs is None else args.vllm_max_seqs) or None,
-        sleep_level=args.vllm_sleep, per_rank=distributed.active(),
+        max_num_seqs=(ctx.cfg.vllm_max_seqs if args.vllm_max_seqs is None else args.vllm_max_seqs) or None,
+        sleep_level=args.vllm_sleep,
         quantization=None if args.vllm_quantization == "none" else args.vllm_quantization,
     )
     config = engine.llm.llm_engine.vllm_config
@@ -384,12 +328,11 @@ def path_flops(config, rollouts, *, ar_tokens: list[int], critic_layers: int,
 # --------------------------------------------------------------------------- one step
 
 
-def trainer_state(ctx: Context, args, requests, group: int):
+def trainer_state(ctx: Context, requests, group: int):
     """The trainer's run state (`nla_shell.training.setup.RunState`) over one case's synthetic prompts:
     the context's models, engine and optimisers, TrainConfig's defaults but the shapes and micro-batches
     set here; a step's phases are then the trainer's own functions (`nla_shell.training.step`)."""
     import nla_core
-    from nla_shell.io.config import TrainConfig
     from nla_shell.io.data import RLRow
     from nla_shell.io.logging import NullLogger
     from nla_shell.training import distributed
@@ -397,13 +340,7 @@ def trainer_state(ctx: Context, args, requests, group: int):
     from nla_shell.training.setup import EvalEngine, RunState
     from nla_shell.training.runtime import DataOrder
 
-    cfg = TrainConfig(
-        av_ckpt="<random weights>", ar_ckpt="<random weights>", rl_parquet="<synthetic>", save_dir=os.devnull,
-        batch_prompts=len(requests), group_size=group, max_new_tokens=args.new_tokens, train_critic=args.critic,
-        logp_micro_batch=args.micro_batch, ref_micro_batch=args.reference_micro_batch or 4 * args.micro_batch,
-        critic_micro_batch=args.critic_micro_batch, logp_prompt_block=args.prompt_block or ctx.defaults["logp_prompt_block"],
-        vllm_canary="warn",  # random weights: a canary is read (its cost is the trainer's), never a reason to stop
-    )
+    cfg = dataclasses.replace(ctx.cfg, batch_prompts=len(requests), group_size=group)
     t = ctx.tokens
     nla = nla_core.NLAConfig(
         kind="synthetic", d_model=ctx.config.hidden_size, injection_char="", injection_token_id=t["injection_token_id"],
@@ -418,15 +355,15 @@ def trainer_state(ctx: Context, args, requests, group: int):
         prompt_ids=[list(r.prompt_ids) for r in requests], eval_rows=[], eval_prompt_ids=[], actor=ctx.actor,
         injector=ctx.injector, critic=ctx.critic, engine=engine,
         eval_engine=EvalEngine(engine, ctx.actor, ctx.injector, ctx.tokenizer), optimizer=ctx.optimizer,
-        critic_optimizer=ctx.critic_optimizer, critic_ema=None, eos_ids=(ctx.tokenizer.eos_token_id,),
+        critic_optimizer=ctx.critic_optimizer, critic_ema=ctx.critic_ema, eos_ids=(ctx.tokenizer.eos_token_id,),
         mse_scale=ctx.critic.mse_scale, rawvar=1.0, meannorm=1.0, order=DataOrder(len(rows), cfg.seed), start_step=0,
         skipped_steps=0, logger=NullLogger(), save_dir=Path(os.devnull), canary_watch=CanaryWatch(stop=False),
     )
 
 
 class StandInEngine:
-    """The context's engine (whichever it is now: `recapture` replaces it), each rollout's text an
-    <explanation> of its stand-in, so that the trainer's own extraction reads it."""
+    """The context's engine, each rollout's text an <explanation> of its stand-in, so that the trainer's own
+    extraction reads it."""
 
     def __init__(self, ctx: Context) -> None:
         self.ctx = ctx
@@ -465,9 +402,8 @@ def run_path(ctx: Context, path: str, state, rolled, args, *, keep_weights: bool
     if kind in FP8_PATHS:  # the FP8 copies of --fp8's phases, made as the trainer's setup makes them
         from nla_shell.training.setup import make_fp8_copies
 
-        fp8 = args.fp8 + ("backward",) if kind in FP8_BACKWARD_PATHS and "backward" not in args.fp8 else args.fp8
-        cfg = dataclasses.replace(state.cfg, fp8=fp8, compile_blocks=kind in COMPILE_PATHS,
-                                  fp8_fast_accum=FAST_ACCUM_PATHS.get(kind, "off"))
+        backward = kind == "after_all_fp8_backward" and "backward" not in args.fp8
+        cfg = dataclasses.replace(state.cfg, fp8=args.fp8 + ("backward",) * backward, compile_blocks=kind in COMPILE_PATHS)
         fp8_score, fp8_reference, fp8_update = make_fp8_copies(cfg, ctx.actor, ctx.critic, device=ctx.device)
         state = dataclasses.replace(state, cfg=cfg, fp8_score=fp8_score, fp8_reference=fp8_reference,
                                     fp8_update=fp8_update)
@@ -500,23 +436,18 @@ def lr0_sgd(model) -> torch.optim.Optimizer:
 
 
 def grpo_step(ctx: Context, requests, group: int, args, *, paths: list[str]):
-    """The trainer's rollout phase once (this rank's share of `requests`), then each path on those rollouts.
+    """The trainer's rollout phase once, then each path on those rollouts.
     Returns {path: (phases, numbers, flops)}, extra."""
     device = ctx.device
-    state = trainer_state(ctx, args, requests, group)
+    state = trainer_state(ctx, requests, group)
     resident = torch.cuda.memory_allocated(device) / 2**30 if device.type == "cuda" else math.nan
     rollout, rolled = timed_rollout(ctx, state)
     results = {}
     for position, path in enumerate(paths):
-        path_rollout, kind = rollout, path_kind(path)
-        with path_arithmetic(ctx, kind, args):
-            if kind in AUTOCAST_PATHS:
-                path_rollout, own = timed_rollout(ctx, state)
+        kind = path_kind(path)
+        with path_arithmetic(ctx, kind):
             phases, numbers, ar_tokens = run_path(ctx, path, state, rolled, args,
                                                   keep_weights=position < len(paths) - 1)
-            if kind in AUTOCAST_PATHS:
-                numbers["own_logp_gap"] = behaviour_gap(ctx, own.rollouts, own.requests,
-                                                        args.reference_micro_batch or 4 * args.micro_batch)
         flops = path_flops(ctx.config, rolled.rollouts, ar_tokens=ar_tokens["scored"],
                            critic_layers=ctx.extraction_layer + 1, critic_trains_backbone=not args.ar_lora,
                            critic_ar_tokens=ar_tokens["trained"])
@@ -527,7 +458,7 @@ def grpo_step(ctx: Context, requests, group: int, args, *, paths: list[str]):
             flops["score"] += critic_flops  # a no-grad AR forward scored; the best pairs' forward + backward trained
         elif args.critic:
             flops["score"] = critic_flops  # one AR forward + backward scored and trained
-        results[path] = ({"rollout": path_rollout, **phases}, numbers, flops)
+        results[path] = ({"rollout": rollout, **phases}, numbers, flops)
         print(f"[path] {path}: " + ", ".join(f"{k} {v['s']:.2f}s" for k, v in results[path][0].items()), flush=True)
     extra = {"generated_tokens": sum(r.response_len for r in rolled.rollouts),
              "resident_gib_before_rollout": resident,
@@ -537,7 +468,7 @@ def grpo_step(ctx: Context, requests, group: int, args, *, paths: list[str]):
 
 def timed_rollout(ctx: Context, state):
     """({"s", "capture_s", "peak_gib", "in_use_gib"}, the trainer's rollout phase's output): seconds without
-    the CUDA-graph captures (a fresh engine captures on first use of a shape, see `recapture`)."""
+    the CUDA-graph captures (the native engine captures on first use of a shape)."""
     from nla_shell.training import step
 
     seconds, rolled, memory = syn.measured(lambda: step.rollout_phase(state, 0), ctx.device)
@@ -545,58 +476,12 @@ def timed_rollout(ctx: Context, state):
     return {"s": seconds - capture, "capture_s": capture, **memory}, rolled
 
 
-def compare_numbers(a: dict, b: dict) -> dict[str, float]:
-    """|b - a| of two paths' training numbers on the same rollouts (relative for the norms)."""
-    rel = lambda x, y: abs(x - y) / max(abs(x), 1e-12)  # noqa: E731
-    return {
-        "loss_abs": abs(a["loss"] - b["loss"]), "grad_norm_rel": rel(a["grad_norm"], b["grad_norm"]),
-        "kl_mean_abs": abs(a["kl_mean"] - b["kl_mean"]),
-        "reward_max_abs": max((abs(x - y) for x, y in zip(a["reward"], b["reward"])), default=0.0),
-        "critic_loss_rel": rel(a["critic_loss"], b["critic_loss"]),
-        "critic_grad_norm_rel": rel(a["critic_grad_norm"], b["critic_grad_norm"]),
-    }
-
-
-def behaviour_gap(ctx: Context, rollouts, requests, micro_batch: int) -> float:
-    """Mean |behaviour - trainer| log-prob over the response tokens of these rollouts (no grad)."""
-    from nla_shell.training import prefix
-
-    total = torch.zeros((), dtype=torch.float64, device=ctx.device)
-    count = torch.zeros((), dtype=torch.float64, device=ctx.device)
-    with torch.no_grad():
-        for rows in prefix.plan_micro_batches(rollouts, micro_batch):
-            batch = prefix.prefix_batch(rollouts, rows, ctx.injector, pad_id=ctx.tokenizer.pad_token_id).to(ctx.device)
-            vectors = torch.stack([requests[rollouts[i].prompt_index].activation for i in batch.prompt_sources.tolist()])
-            logp = prefix.prefix_logprobs(ctx.actor, ctx.injector, batch, vectors.to(ctx.device, torch.float32))
-            total += torch.where(batch.mask, (logp - batch.behavior_logp).abs(), 0.0).sum()
-            count += batch.mask.sum()
-    return float(total / count.clamp_min(1))
-
-
 @contextlib.contextmanager
-def path_arithmetic(ctx: Context, path: str, args):
+def path_arithmetic(ctx: Context, path: str):
     """The path's trainer options while its phases run: bf16 autocast, compiled block parts."""
     compiled = (ctx.actor, ctx.critic.lm) if path in COMPILE_PATHS else ()
-    try:
-        with syn.trainer_options(ctx.actor, bf16_autocast=path in AUTOCAST_PATHS, compiled=compiled):
-            if path in AUTOCAST_PATHS:
-                recapture(ctx, args)
-            yield
-    finally:
-        if path in AUTOCAST_PATHS:
-            recapture(ctx, args)
-
-
-def recapture(ctx: Context, args) -> None:
-    """A fresh native engine: its CUDA graphs were captured under the previous arithmetic.
-
-    (Re-capturing into a closed engine's graph pool fails in the caching allocator.)
-    """
-    if args.engine == "native":
-        ctx.engine.close()
-        ctx.engine = None
-        syn.free_memory(ctx.device)
-        ctx.engine = make_engine(args, ctx)
+    with syn.trainer_options(ctx.actor, bf16_autocast=path in AUTOCAST_PATHS, compiled=compiled):
+        yield
 
 
 @contextlib.contextmanager
@@ -621,39 +506,23 @@ def write_profile_table(prof, path: Path, device: torch.device, *, rows: int = 3
 
 
 def main() -> None:
-    args = parse_args()
-    if args.ranks and args.worker is None:
-        sys.exit(launch(args, sys.argv[1:]))
-    from nla_shell.training import distributed
-
-    rank = distributed.rank_info()
-    device = torch.device("cpu") if args.tiny else torch.device("cuda", rank.local_rank)
-    if args.tiny and rank.world_size > 1:
-        torch.set_num_threads(1)  # the ranks share the CPU's cores
-    # Rank 0 tells the story; the others stay quiet (their errors still reach stderr).
-    quiet = contextlib.redirect_stdout(open(os.devnull, "w")) if not rank.is_main else contextlib.nullcontext()
-    with distributed.process_group(rank, device), quiet:
-        run(args, rank, device)
-
-
-def run(args, rank, device: torch.device) -> None:
-    """Every case, this rank taking its share of each case's prompts; rank 0 records."""
+    """The context (models, optimisers, engine), then every case (`measure_case`); the JSON after each."""
     from nla_shell.io.config import TrainConfig
     from nla_shell.models import trainable_parameters
-    from nla_shell.training import distributed
+
+    args = parse_args()
+    device = torch.device("cpu") if args.tiny else torch.device("cuda")
 
     defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
     new_tokens = args.new_tokens = args.new_tokens or (8 if args.tiny else defaults["max_new_tokens"])  # the engine reads it
     # bf16 autocast needs a bf16 base: the tiny run is then bf16 too.
     dtype = torch.float32 if args.tiny and not {path_kind(p) for p in args.paths} & set(AUTOCAST_PATHS) else torch.bfloat16
-    settings = {**vars(args), "new_tokens": new_tokens, "world_size": rank.world_size,
+    settings = {**vars(args), "new_tokens": new_tokens,
                 "defaults": {k: v for k, v in defaults.items() if isinstance(v, (int, float, str, bool, type(None)))}}
-    record = syn.Record((args.worker or args.out) if rank.is_main else os.devnull,
-                        {**syn.environment(device), "settings": settings, "peak_tflops": PEAK_TFLOPS})
+    record = syn.Record(args.out, {**syn.environment(device), "settings": settings, "peak_tflops": PEAK_TFLOPS})
 
     t0 = time.perf_counter()
-    ctx = Context(args, device, dtype, defaults)
-    distributed.broadcast_parameters(trainable_parameters(ctx.actor))  # as the trainer starts every rank
+    ctx = Context(args, device, dtype)
     record.data["setup_s"] = time.perf_counter() - t0
     # Which AdamW make_optimizer picked (AdamW8bit needs bitsandbytes): the memory estimate depends on it.
     record.data["optimizers"] = {"actor": type(ctx.optimizer).__name__,
@@ -663,90 +532,10 @@ def run(args, rank, device: torch.device) -> None:
                                         "all": sum(p.numel() for p in model.parameters())}
                                  for name, model in (("actor", ctx.actor), ("critic", ctx.critic))}
     record.save()
-    print(f"[setup] actor + critic + engine on {device} in {record.data['setup_s']:.1f}s"
-          + (f" (each of {rank.world_size} ranks)" if rank.world_size > 1 else ""), flush=True)
+    print(f"[setup] actor + critic + engine on {device} in {record.data['setup_s']:.1f}s", flush=True)
 
     for index, (prompts, group) in enumerate(args.cases):
-        # The global batch: the trainer's rollout phase takes this rank's share.
-        requests = syn.make_requests(prompts, args.prompt_len, ctx.config.hidden_size, ctx.tokens,
-                                     vocab=min(ctx.config.vocab_size, len(ctx.tokenizer)), seed=prompts * group)
-        label = f"{prompts}x{group} critic {'on' if args.critic else 'off'}"
-        syn.free_memory(device)
-        try:
-            # This shape's rollout graphs, then every phase's first-use costs on one prompt's group.
-            print(f"[warm-up] {label}", flush=True)
-            ctx.engine.generate(distributed.shard(requests, rank), group_size=group, max_new_tokens=new_tokens)
-            warm_prompts = min(prompts, max(1, args.micro_batch // group) * rank.world_size)
-            paths = []
-            for path in args.paths:
-                try:
-                    grpo_step(ctx, requests[:warm_prompts], group, args, paths=[path])
-                    paths.append(path)
-                except Exception as err:  # noqa: BLE001 - a path that fails its warm-up is left out of the step
-                    if rank.world_size > 1:
-                        raise  # the other ranks may not have failed: their collectives would wait forever
-                    traceback.print_exc()
-                    record.error(f"{label} {path} warm-up", err)
-            results, extra = grpo_step(ctx, requests, group, args, paths=paths)
-            across_ranks(results)
-            repeats = {path: [phases] for path, (phases, _, _) in results.items()}
-            for repeat in range(1, args.repeats):
-                again, _ = grpo_step(ctx, requests, group, args, paths=paths[::-1] if repeat % 2 else paths)
-                across_ranks(again)
-                for path, (phases, _, _) in again.items():
-                    repeats[path].append(phases)
-            if args.profile and index == 0:
-                # Warm now: the warm-up's prompts again under the profiler (the warm-up itself is mostly
-                # compilation: run AC's tables of it held 14-19 % of its wall time in kernels).
-                for path in paths:
-                    ctx.profile_dir = args.profile if rank.is_main else None
-                    grpo_step(ctx, requests[:warm_prompts], group, args, paths=[path])
-        except Exception as err:  # noqa: BLE001 - report, free, go on
-            traceback.print_exc()
-            record.error(label, err)
-            continue
-        print(f"[engine] {label} {args.engine}: resident before the rollout {extra['resident_gib_before_rollout']:.1f} "
-              "GiB (torch.cuda.memory_allocated); own split: "
-              + (", ".join(f"{k} {v:.2f}" for k, v in extra["engine_stats"].items()) or "none"), flush=True)
-        for path, (phases, numbers, flops) in results.items():
-            for name, p in phases.items():
-                p["tflops"] = flops.get(name, math.nan) / p["s"] / 1e12
-                p["pct_peak"] = 100.0 * p["tflops"] / PEAK_TFLOPS
-            case = {"case": "step", "shape": args.shape, "path": path, "prompts": prompts, "group": group, "critic": args.critic,
-                    "micro_batch": args.micro_batch, "phases": phases, "flops": flops,
-                    "step_s": sum(p["s"] for p in phases.values()),
-                    "peak_gib": max(p["peak_gib"] for p in phases.values()),
-                    "in_use_gib": max(p["in_use_gib"] for p in phases.values()),
-                    "numbers": {k: v for k, v in numbers.items() if k != "reward"}, **extra}
-            if args.repeats > 1:
-                case["repeats"] = [{name: p["s"] for name, p in measured.items()} for measured in repeats[path]]
-                case["step_s_repeats"] = [sum(r.values()) for r in case["repeats"]]
-            record.add(case)
-            print(f"[step] {label} {path}: {case['step_s']:.2f}s, peak {case['peak_gib']:.1f} GiB "
-                  f"(device in use {case['in_use_gib']:.1f} GiB), "
-                  + ", ".join(f"{k} {v['s']:.2f}s ({v['pct_peak']:.0f}%)" for k, v in phases.items())
-                  + f", logp_diff_mean {numbers['logp_diff_mean']:.3e}", flush=True)
-            if args.repeats > 1:
-                print(f"[repeats] {label} {path}: step " + ", ".join(f"{t:.2f}" for t in case["step_s_repeats"])
-                      + " s; " + "; ".join(f"{name} " + ", ".join(f"{r[name]:.2f}" for r in case["repeats"])
-                                           for name in case["repeats"][0]), flush=True)
-        for path in results:
-            # The after_* paths change "after"'s arithmetic; without "after", the first path is the base.
-            base = "after" if "after" in results else next(iter(results))
-            if path == base:
-                continue
-            diff = compare_numbers(results[base][1], results[path][1])
-            record.data.setdefault("comparisons", []).append({"prompts": prompts, "group": group, "path": path,
-                                                              "against": base, **diff})
-            record.save()
-            print(f"[same numbers] {label} {base} vs {path}: " + ", ".join(f"{k} {v:.2e}" for k, v in diff.items()),
-                  flush=True)
-        for path, (_, n, _) in results.items():
-            if len(results) > 1:
-                print(f"    {path:13} loss {n['loss']:+.6e} grad_norm {n['grad_norm']:.6e} kl {n['kl_mean']:.6e} "
-                      f"critic_loss {n['critic_loss']:.6e} critic_grad_norm {n['critic_grad_norm']:.6e} "
-                      f"logp_diff_mean {n['logp_diff_mean']:.3e}"
-                      + (f" own_logp_gap {n['own_logp_gap']:.3e}" if "own_logp_gap" in n else ""), flush=True)
+        measure_case(ctx, args, record, prompts, group, profile=index == 0)
     if hasattr(ctx.engine, "close"):
         ctx.engine.close()
     table = summary(record.data["cases"])
@@ -756,111 +545,56 @@ def run(args, rank, device: torch.device) -> None:
     print(f"saved {record.path}")
 
 
-def across_ranks(results: dict) -> None:
-    """In place, over the ranks of a torchrun job (nothing changes in one process): each phase's
-    seconds and peak memory -> their maximum (a lockstep job runs at its slowest rank's pace),
-    each phase's FLOPs -> the ranks' mean (the work of one GPU)."""
-    from nla_shell.training import distributed
-
-    world = distributed.rank_info().world_size
-    for phases, _, flops in results.values():
-        names, keys = sorted(phases), sorted(flops)
-        measures = ("s", "peak_gib", "in_use_gib")
-        maxima = distributed.all_reduce_max([phases[n][m] for m in measures for n in names])
-        for i, name in enumerate(names):
-            phases[name] = {m: maxima[j * len(names) + i] for j, m in enumerate(measures)}
-        sums = distributed.all_reduce_sum([flops[k] for k in keys])
-        flops.update({k: v / world for k, v in zip(keys, sums)})
-
-
-def run_case(script: str | Path, world_size: int, argv: list[str], *, timeout: int) -> dict:
-    """One torchrun job of `world_size` ranks, each running `script argv --worker PART`: the JSON
-    its rank 0 wrote to PART, or {"error": ...}."""
-    with tempfile.TemporaryDirectory() as tmp:
-        part = Path(tmp) / "part.json"
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world_size}",
-                   str(script), *argv, "--worker", str(part)]
-        env = {**os.environ, "NCCL_NVLS_ENABLE": "0"}  # NVLink multicast off on the lent machines
-        print(f"[case] {world_size} rank(s): {' '.join(command[1:])}", flush=True)
-        start = time.perf_counter()
-        proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        try:
-            out, _ = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            proc.send_signal(signal.SIGTERM)  # torchrun stops its ranks on SIGTERM
+def measure_case(ctx: Context, args, record: syn.Record, prompts: int, group: int, *, profile: bool) -> None:
+    """One case: the warm-up (the shape's rollout graphs, every path's first-use costs on one micro-batch's
+    prompts), the measured step of every path on the same rollouts, and with --profile (first case only) one
+    more step per path on the warm-up's prompts under the profiler. A failure is recorded and the run goes on."""
+    requests = syn.make_requests(prompts, args.prompt_len, ctx.config.hidden_size, ctx.tokens,
+                                 vocab=min(ctx.config.vocab_size, len(ctx.tokenizer)), seed=prompts * group)
+    label = f"{prompts}x{group} critic {'on' if args.critic else 'off'}"
+    syn.free_memory(ctx.device)
+    try:
+        print(f"[warm-up] {label}", flush=True)
+        ctx.engine.generate(requests, group_size=group, max_new_tokens=args.new_tokens)
+        warm_prompts = min(prompts, max(1, args.micro_batch // group))
+        paths = []
+        for path in args.paths:
             try:
-                out, _ = proc.communicate(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                out, _ = proc.communicate()
-            return {"world_size": world_size, "error": f"timed out after {timeout}s", "log_tail": out[-4000:]}
-        print(out[-3000:], flush=True)
-        if proc.returncode != 0 or not part.exists():
-            return {"world_size": world_size, "error": f"exit status {proc.returncode}", "log_tail": out[-4000:]}
-        result = json.loads(part.read_text())
-        result["wall_s"] = time.perf_counter() - start
-        return result
-
-
-def launch(args, argv: list[str]) -> int:
-    """--ranks: this script once per world size as a torchrun job; each phase's speed-up against 1 rank."""
-    out = Path(args.out)
-    settings = json.loads(json.dumps({k: v for k, v in vars(args).items() if k != "worker"}, default=str))
-    runs: dict[int, dict] = kept_runs(out, settings) if args.keep_runs else {}
-    scaling: list[dict] = []
-    for n in args.ranks:
-        runs[n] = run_case(Path(__file__), n, argv, timeout=args.case_timeout)
-        if "error" in runs[n]:
-            print(f"[error] {n} rank(s): {runs[n]['error']}", flush=True)
-        scaling = speedups(runs)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({"settings": settings, "runs": runs, "scaling": scaling}, indent=2, default=str))
-    for s in scaling:
-        print(f"[scaling] {s['prompts']}x{s['group']} {s['path']}: 1 rank {s['step_s'][0]:.2f}s, {s['world_size']} "
-              f"ranks {s['step_s'][1]:.2f}s: {s['speedup']:.2f}x ({s['efficiency']:.0%} efficiency); "
-              + ", ".join(f"{k} {v:.2f}x" for k, v in s["phase_speedup"].items()), flush=True)
-    print(f"saved {out}", flush=True)
-    return 0 if all("error" not in r for r in runs.values()) else 1
-
-
-LAUNCH_ONLY = ("ranks", "out", "case_timeout", "keep_runs")
-"""Settings that do not change what a rank measures."""
-
-
-def kept_runs(out: Path, settings: dict) -> dict[int, dict]:
-    """The successful runs an earlier --ranks invocation saved in `out`; SystemExit (one line) when
-    its settings differ from these in anything a rank measures."""
-    if not out.exists():
-        return {}
-    earlier = json.loads(out.read_text())
-    differ = sorted(k for k in settings if k not in LAUNCH_ONLY and earlier.get("settings", {}).get(k) != settings[k])
-    if differ:
-        sys.exit(f"--keep-runs: {out} was measured with other settings ({', '.join(differ)}); "
-                 "use another --out or the same settings")
-    runs = {int(n): run for n, run in earlier.get("runs", {}).items() if "error" not in run}
-    kept = ", ".join(f"{n} rank(s) of {run.get('date')}" for n, run in runs.items())
-    print(f"[kept] {kept or 'nothing'} from {out}", flush=True)
-    return runs
-
-
-def speedups(runs: dict[int, dict]) -> list[dict]:
-    """Step and per-phase speed-up of every multi-rank step case against the 1-rank case of the same shape and path."""
-    def steps(run):
-        return {(c["prompts"], c["group"], c["path"]): c for c in run.get("cases", []) if c["case"] == "step"}
-
-    base = steps(runs.get(1, {}))
-    rows = []
-    for n, run in runs.items():
-        for key, case in steps(run).items() if n != 1 else ():
-            one = base.get(key)
-            if one is None:
-                continue
-            speedup = one["step_s"] / case["step_s"]
-            rows.append({"world_size": n, "prompts": key[0], "group": key[1], "path": key[2],
-                         "step_s": [one["step_s"], case["step_s"]], "speedup": speedup, "efficiency": speedup / n,
-                         "phase_speedup": {p: one["phases"][p]["s"] / v["s"] for p, v in case["phases"].items()
-                                           if p in one["phases"] and v["s"] > 0}})
-    return rows
+                grpo_step(ctx, requests[:warm_prompts], group, args, paths=[path])
+                paths.append(path)
+            except Exception as err:  # noqa: BLE001 - a path that fails its warm-up is left out of the step
+                traceback.print_exc()
+                record.error(f"{label} {path} warm-up", err)
+        results, extra = grpo_step(ctx, requests, group, args, paths=paths)
+        if args.profile and profile:
+            # Warm now: the warm-up's prompts again under the profiler (the warm-up itself is mostly
+            # compilation: run AC's tables of it held 14-19 % of its wall time in kernels).
+            for path in paths:
+                ctx.profile_dir = args.profile
+                grpo_step(ctx, requests[:warm_prompts], group, args, paths=[path])
+    except Exception as err:  # noqa: BLE001 - report, free, go on
+        traceback.print_exc()
+        record.error(label, err)
+        return
+    print(f"[engine] {label} {args.engine}: resident before the rollout {extra['resident_gib_before_rollout']:.1f} "
+          "GiB (torch.cuda.memory_allocated); own split: "
+          + (", ".join(f"{k} {v:.2f}" for k, v in extra["engine_stats"].items()) or "none"), flush=True)
+    for path, (phases, numbers, flops) in results.items():
+        for name, p in phases.items():
+            p["tflops"] = flops.get(name, math.nan) / p["s"] / 1e12
+            p["pct_peak"] = 100.0 * p["tflops"] / PEAK_TFLOPS
+        case = {"case": "step", "shape": args.shape, "path": path, "prompts": prompts, "group": group,
+                "critic": args.critic, "micro_batch": args.micro_batch, "phases": phases, "flops": flops,
+                "step_s": sum(p["s"] for p in phases.values()),
+                "peak_gib": max(p["peak_gib"] for p in phases.values()),
+                "in_use_gib": max(p["in_use_gib"] for p in phases.values()),
+                "numbers": {k: v for k, v in numbers.items() if k != "reward"}, **extra}
+        record.add(case)
+        print(f"[step] {label} {path}: {case['step_s']:.2f}s, peak {case['peak_gib']:.1f} GiB "
+              f"(device in use {case['in_use_gib']:.1f} GiB), "
+              + ", ".join(f"{k} {v['s']:.2f}s ({v['pct_peak']:.0f}%)" for k, v in phases.items())
+              + f"; loss {numbers['loss']:+.6e} grad_norm {numbers['grad_norm']:.6e} kl {numbers['kl_mean']:.6e} "
+              f"critic_loss {numbers['critic_loss']:.6e} logp_diff_mean {numbers['logp_diff_mean']:.3e}", flush=True)
 
 
 def summary(cases: list[dict]) -> str:

@@ -11,70 +11,38 @@
 # only its CUDA 13 libraries, so that it fits beside p4 in one call's 64 MiB). Stages marked x2 use
 # two GPUs (`nvidia-h200-x2`), the others one (GPU0).
 #
-#   stage          needs      measures                                                    RESULTS.md section
-#   install-vllm   p4         nothing: installs vLLM for the next calls (real_nla.sh's vllm-smoke)   –
-#   decode         p4, x2     ms per decode step: vLLM unsteered / steered (bench_vllm,   Rollout engines: Decode speed
-#                             GPU0), HF generate and the native engine (bench_rollout,
-#                             GPU1, with its own vLLM baseline)
-#   prefix-cache   p4         vLLM's rollout of 2048 sequences, prefix caching off and on  Rollout engines: ... prefix caching off and on
-#   max-seqs       p4         the same rollout at max_num_seqs 512 and 1024                Rollout engines: ... max_num_seqs 512 and 1024
-#   vllm-tests     p4, x2     tests/gpu/test_vllm.py (steering, sync, TP=2, prefix-cache   Rollout engines: vLLM engine GPU tests;
-#                             leaks, sleep, per-rank engines); PYTEST_K= selects           Multi-GPU: Per-rank vLLM engines
-#   gpu-tests      -          the native engine's GPU tests and its CUDA-graph sampler     Rollout engines: Native CUDA-graph sampler
-#                             (and tests/gpu/test_fp8_gpu.py: the device's FP8 kernel at the 8B widths)
-#   step           p4, .bnb   one GRPO step at 256 x 8, critic on, the fastest settings    Step time: 256 x 8 ... (W3, W4); docs/performance.md
-#                             (STEP_ARGS= replaces them, e.g. the earlier rows' settings)
-#   fp8-step       p4, .bnb   the step at 256 x 8 with FP8: QUANT=none (default) runs the     FP8 (both options); docs/performance.md
-#                             fastest settings and the same + fp8=score,reference,update
-#                             on the same rollouts (after_all, after_all_fp8); QUANT=fp8 the
-#                             step with vLLM's FP8 rollouts too (after_all_fp8); FP8_STEP_PATHS=
-#                             after_all_fp8,after_all_fp8_backward: FP8 backwards too (PATH+best:
-#                             critic_rollouts=best, run AF); REPEATS=2: the step again, paths
-#                             reversed (bench_step --repeats); and
-#                             tests/gpu/test_fp8_gpu.py + test_vllm.py -k fp8 first
-#   fp8-kernels    -          the device's FP8 accumulation (bench/fp8_accumulation.py),   FP8: the device's accumulator; the update's
-#                             tests/gpu/test_fp8_gpu.py, then the update alone in bf16,   kernels in bf16 and FP8
-#                             fp8 and fp8bw with its profiler tables (bench_update, 32 x 8)
-#   profile        p4, .bnb   where the step's device time goes: torch.profiler tables     FP8: where the update's time goes (run AC
-#                             (top ops by device time) of the score and update phases     profiled the warm-up; see there)
-#                             of a step on the warm-up's prompts after the measured one,
-#                             bf16 and FP8 (after_all, after_all_fp8), at 64 x 8 (PROFILE_CASES=)
-#   fp8-learning   p4         the toy NLA, SEEDS (0 1 2), from each seed's SFT: bf16      FP8: Learning with both FP8 options (Z);
-#                             native with and without fp8=score,reference,update, vLLM    Learning with vLLM's FP8 rollouts (AE2)
-#                             with and without vllm_quantization=fp8 (LANE_PAIRS=trainer  Fast accumulation in the forward only...
-#                             or rollout: one pair only; critic, fast, trainer_fast,      (AI)
-#                             trainer_fastfwd, ROLLOUT_QUANT: see the stage); paired tables
-#   rollout-fp8    p4         vLLM's 2048-sequence rollout with FP8 weights, FP8 KV cache  FP8: ... vLLM's FP8 rollouts (AE2: not
-#                             and max_num_seqs 2048 (ROLLOUT_KNOBS=, two a call)          measured)
-#   step-ranks2    p4, .bnb,  the same step as a 2-rank torchrun job, each rank with its   Multi-GPU: 256 x 8, one and two GPUs (W5, W6)
-#                  x2         own vLLM engine (its JSON kept in /tmp/keep for step-ranks1)
-#   step-ranks1    p4, .bnb,  after step-ranks2 on the same machine: GPU0 the 1-rank job   Multi-GPU: 256 x 8, one and two GPUs (W5, W6)
-#                  x2         (prints the 2-rank speed-up), GPU1 the plain process
-#   scaling        p4, .bnb   one GRPO step per Qwen3 shape and batch, the cases of alike  Step time: Scaling across Qwen3 sizes;
-#                             settings in one process (SHAPES="0.6b ...", CASES= split    docs/performance.md
-#                             the matrix over calls; micro-batches and vLLM's share from
-#                             bench/memory_model.py --bench-args, SHARED_FIT=1: the first
-#                             case's for all; SCALING_ARGS= the rest)
-#   train8b        p4, x2     `nla train` at the 8B shape, 3 steps per engine             Step time: nla train at the 8B shape
-#   train8b-fast   p4, .bnb   `nla train` at the 8B shape, 256 x 8, the fast settings     Step time: nla train at 256 x 8
-#                             (TRAIN_ARGS= adds keys), 3 steps, vLLM
-#   update         .bnb       the policy update alone (bench_update) on 32 x 8 rollouts;   The policy update
-#                             VARIANTS=, UPDATE_ARGS= pick the variants of each table
-#   critic         .bnb       the AR's score + critic step alone (bench_critic)            The critic: Critic micro-batch
-#   quant          .bnb       tests/gpu/test_quant_ar_gpu.py (4- and 8-bit AR-LoRA:        Quantisation: The quantised AR
-#                             SFT and a co-trained RL step); bench_quant.py, which
-#                             made the numbers, is retired (last at f40f446)
-#   families       p4         tests/gpu/test_families_gpu.py, native then vLLM cases      Model families on the GPU
-#   parity         p4, .bnb,  learning parity on the toy NLA: hf 6 seeds on GPU1, vLLM 6  Learning parity across engines
-#                  x2         seeds in 3 lanes on GPU0 (PARITY_ENGINES=hf,native: R2's legs)
-#   ddp            x2         bench_step --ranks 1,2: the trainer's step (16 x 8, critic   Multi-GPU
-#                             off, native engine) at 1 and 2 ranks
+#   stage          needs           measures (RESULTS.md section)
+#   install-vllm   p4              nothing: installs vLLM for the next calls (real_nla.sh's vllm-smoke)
+#   vllm-tests     p4, x2          tests/gpu/test_vllm.py; PYTEST_K= selects (Rollout engines: vLLM engine GPU tests;
+#                                  Multi-GPU: Per-rank vLLM engines)
+#   gpu-tests      -               the native engine's GPU tests, its CUDA-graph sampler, tests/gpu/test_fp8_gpu.py
+#                                  (Rollout engines: Native CUDA-graph sampler)
+#   step           p4, .bnb        one GRPO step at 256 x 8, critic on, the fastest settings; STEP_ARGS= replaces
+#                                  them (Step time: W3, W4; docs/performance.md)
+#   fp8-step       p4, .bnb        the step with FP8 (after_all, after_all_fp8 on the same rollouts); QUANT=fp8: vLLM's
+#                                  FP8 rollouts too; FP8_STEP_PATHS=, FP8_PHASES= (FP8; docs/performance.md)
+#   profile        p4, .bnb        torch.profiler tables of the score and update phases, bf16 and FP8, 64 x 8
+#                                  (PROFILE_CASES=, PROFILE_PATHS=) (FP8: where the update's time goes)
+#   fp8-learning   p4              the toy NLA, SEEDS (0 1 2), paired RL variants from each seed's SFT: LANE_PAIRS=
+#                                  trainer (fp8=), rollout (vllm_quantization=, ROLLOUT_QUANT=), critic
+#                                  (critic_rollouts=best) (FP8: Learning ... (Z, AE2); The critic on ... best (AG))
+#   scaling        p4, .bnb        one step per Qwen3 shape and batch, settings from memory_model.py --bench-args;
+#                                  SHAPES=, CASES=, SHARED_FIT=1, SCALING_ARGS= (Step time: Scaling across Qwen3 sizes)
+#   train8b        p4, x2          `nla train` at the 8B shape, 3 steps per engine (Step time: nla train at the 8B shape)
+#   train8b-fast   p4, .bnb        `nla train` at 256 x 8 with the fast settings, 3 steps; TRAIN_ARGS= adds keys
+#   quant          .bnb            tests/gpu/test_quant_ar_gpu.py (Quantisation: The quantised AR; bench_quant.py,
+#                                  which made the numbers, is retired, last at f40f446)
+#   families       p4              tests/gpu/test_families_gpu.py, native then vLLM (Model families on the GPU)
+#   parity         p4, .bnb, x2    learning parity on the toy: hf 6 seeds on GPU1, vLLM 6 in 3 lanes on GPU0
+#                                  (PARITY_ENGINES=hf,native: R2's legs) (Learning parity across engines)
+# Retired, last at d13c92a (their numbers stay in RESULTS.md): decode, prefix-cache, max-seqs, rollout-fp8,
+# fp8-kernels, update, critic, step-ranks1, step-ranks2, ddp, and fp8-learning's pairs fast, trainer_fast and
+# trainer_fastfwd.
 set -uo pipefail
 stage=$1
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/keep
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 QUIET='^INFO\|^WARNING\|^(EngineCore\|Capturing'
-lane() { local gpu=$1; shift; CUDA_VISIBLE_DEVICES=$gpu bash -c "$*"; }
 lane_pair() { [[ " ${LANE_PAIRS:-trainer rollout} " == *" $1 "* ]]; }  # fp8-learning: LANE_PAIRS names pair $1
 pack() { tar -C "$OUT" -czf "/tmp/$1.tgz" . && rm -rf "${OUT:?}"/* && mv "/tmp/$1.tgz" "$OUT/"; }  # one file back, not > 8
 need_vllm() {  # the bundle's install.sh (once per machine), then nla's vLLM plugin entry point (TP workers are spawned)
@@ -111,37 +79,6 @@ case $stage in
     mkdir -p /tmp/parts && cp .device-carry/vllm/p${stage#part}/* /tmp/parts/ && ls /tmp/parts ;;
   install-vllm)  # p4: the install alone, for stages of other scripts on the same machine (bench/real_nla.sh)
     need_vllm && python3 -c "import vllm; print('vllm', vllm.__version__)" ;;
-  decode)
-    need_vllm || exit 1
-    nvidia-smi --query-gpu=name,memory.total --format=csv > "$OUT/gpus.txt"
-    lane 0 "timeout -k 10 300 python3 bench/bench_vllm.py --shapes 8b --configs baseline,nla --out $OUT/vllm_8b.json \
-            > $OUT/vllm_8b.log 2>&1" &
-    lane 1 "timeout -k 10 540 python3 bench/bench_rollout.py --out $OUT/rollout.json > $OUT/rollout.log 2>&1" &
-    wait; tail -n 6 "$OUT/vllm_8b.log" "$OUT/rollout.log" ;;
-  prefix-cache)
-    need_vllm || exit 1
-    timeout -k 10 580 python3 bench/bench_vllm.py --shapes 8b --configs nla,nla_cached --seqs 2048 --repeats 1 \
-      --gpu-memory-utilization 0.35 --max-num-seqs 512 --out "$OUT/vllm_cache.json" 2>&1 | grep -v "$QUIET" > "$OUT/vllm_cache.log"
-    tail -n 8 "$OUT/vllm_cache.log" ;;
-  max-seqs)
-    need_vllm || exit 1
-    for seqs in 512 1024; do
-      timeout -k 10 250 python3 bench/bench_vllm.py --shapes 8b --configs nla_cached --seqs 2048 --repeats 1 \
-        --gpu-memory-utilization 0.35 --max-num-seqs $seqs --out "$OUT/vllm$seqs.json" 2>&1 | grep -v "$QUIET" > "$OUT/vllm$seqs.log"
-    done
-    tail -n 4 "$OUT/vllm512.log" "$OUT/vllm1024.log" ;;
-  rollout-fp8)  # vLLM's 2048-sequence rollout: FP8 weights, then FP8 KV cache as well, at max_num_seqs 1024 and 2048
-    need_vllm || exit 1
-    # ROLLOUT_KNOBS: "quantization kv_cache_dtype max_num_seqs" triples, comma-separated. Run AE2's three 8B
-    # processes had printed nothing at 150 s each; run U1's finished within 250 s: two a call.
-    IFS=, read -ra knob_list <<< "${ROLLOUT_KNOBS:-fp8 auto 1024,fp8 fp8 1024,fp8 fp8 2048}"
-    for knobs in "${knob_list[@]}"; do
-      set -- $knobs; name=vllm_q$1_kv$2_$3
-      timeout -k 10 ${EACH:-250} python3 bench/bench_vllm.py --shapes 8b --configs nla_cached --seqs 2048 --repeats 1 \
-        --gpu-memory-utilization 0.35 --quantization $1 --kv-cache-dtype $2 --max-num-seqs $3 \
-        --out "$OUT/$name.json" 2>&1 | grep -v "$QUIET" > "$OUT/$name.log"
-      tail -n 3 "$OUT/$name.log"
-    done ;;
   vllm-tests)
     need_vllm || exit 1
     timeout -k 10 560 python3 -m pytest tests/gpu/test_vllm.py -q -s -p no:cacheprovider ${PYTEST_K:+-k "$PYTEST_K"} 2>&1 \
@@ -173,7 +110,7 @@ case $stage in
         | grep -v "$QUIET" > "$OUT/vllm_fp8_test.log"
       tail -n 3 "$OUT/vllm_fp8_test.log"; paths=after_all_fp8
     fi
-    timeout -k 10 $((585 - SECONDS)) python3 bench/bench_step.py $STEP_ARGS --paths ${FP8_STEP_PATHS:-$paths} --repeats ${REPEATS:-1} \
+    timeout -k 10 $((585 - SECONDS)) python3 bench/bench_step.py $STEP_ARGS --paths ${FP8_STEP_PATHS:-$paths} \
       --fp8 "${FP8_PHASES:-score,reference,update}" --vllm-quantization $q --out "$OUT/fp8_step_$q.json" \
       > "$OUT/fp8_step_$q.log" 2>&1
     echo "[fp8-step] QUANT=$q: exit $?"; step_lines "$OUT/fp8_step_$q.log"; pack fp8-step-$q ;;
@@ -187,10 +124,8 @@ case $stage in
     # Learning parity of both FP8 options on the toy NLA: per seed its demo (fp32 SFT and RL), then four RL
     # variants from its SFT, one lane per seed (fp8-lane); held-out FVE paired with the same engine in bf16.
     # LANE_PAIRS=critic: critic_rollouts=best against all, critic co-trained, native engine (no vLLM needed).
-    # LANE_PAIRS=fast: the fast settings' trainer keys (critic on the best rollouts; fp8 with backward) without and
-    # with fp8_fast_accum, against the same critic in bf16 (native engine, no vLLM needed). LANE_PAIRS=trainer_fast:
-    # fp8=score,reference,update,backward without and with fp8_fast_accum=all, the AR frozen (as the trainer pair);
-    # trainer_fastfwd: the same with fp8_fast_accum=forward. ROLLOUT_QUANT= the rollout pair's vLLM quantisation.
+    # ROLLOUT_QUANT= the rollout pair's vLLM quantisation. (The fast-accumulation pairs, fast, trainer_fast and
+    # trainer_fastfwd, are retired: runs AH and AI are in RESULTS.md; the stage is in git history at d13c92a.)
     ! lane_pair rollout || need_vllm || exit 1
     # LIMIT: the seconds this stage may take, vLLM's install included; the lanes stop 45 s before it, so the tables
     # and the log tarball are written (run AI's call reached its limit while writing them: its logs did not come back).
@@ -202,9 +137,7 @@ case $stage in
     python3 bench/rl_variants.py table /tmp/fp8toy/seed*/ --out "$OUT/rollout" --against vllm > "$OUT/rollout.md" 2>&1
     python3 bench/rl_variants.py table /tmp/fp8toy/seed*/ --out "$OUT/critic" --against bf16_critic > "$OUT/critic.md" 2>&1
     python3 bench/rl_variants.py table /tmp/fp8toy/seed*/ --out "$OUT/best" --against bf16_critic_best > "$OUT/best.md" 2>&1
-    python3 bench/rl_variants.py table /tmp/fp8toy/seed*/ --out "$OUT/fast" --against bf16_critic_best_fp8 > "$OUT/fast.md" 2>&1
-    python3 bench/rl_variants.py table /tmp/fp8toy/seed*/ --out "$OUT/trainer_fast" --against bf16_fp8bw > "$OUT/trainer_fast.md" 2>&1
-    tail -n 8 "$OUT"/{trainer,rollout,critic,best,fast,trainer_fast}.md; tail -n 3 /tmp/fp8toy/*.log | grep -i "rror"
+    tail -n 8 "$OUT"/{trainer,rollout,critic,best}.md; tail -n 3 /tmp/fp8toy/*.log | grep -i "rror"
     # Logs and reports only (run AE2's tarball with the checkpoints, 70 MB, was over what comes back).
     tar -czf "$OUT/lane_logs.tgz" --exclude='*.safetensors' --exclude='*.pt' --exclude='*.bin' --exclude='*.parquet' \
       --exclude='*.npy' --exclude='*.png' -C /tmp fp8toy ;;
@@ -219,22 +152,6 @@ case $stage in
     if lane_pair critic; then
       variant bf16_critic dtype=bfloat16 engine=native train_critic=true
       variant bf16_critic_best dtype=bfloat16 engine=native train_critic=true critic_rollouts=best
-    fi
-    if lane_pair fast; then
-      best="dtype=bfloat16 engine=native train_critic=true critic_rollouts=best"
-      variant bf16_critic_best $best
-      variant bf16_critic_best_fp8 $best fp8=score,reference,update,backward
-      variant bf16_critic_best_fp8_fast $best fp8=score,reference,update,backward fp8_fast_accum=all
-    fi
-    if lane_pair trainer_fast || lane_pair trainer_fastfwd; then
-      variant bf16_fp8bw dtype=bfloat16 engine=native fp8=score,reference,update,backward
-    fi
-    if lane_pair trainer_fast; then
-      variant bf16_fp8bw_fast dtype=bfloat16 engine=native fp8=score,reference,update,backward fp8_fast_accum=all
-    fi
-    if lane_pair trainer_fastfwd; then
-      variant bf16_fp8bw_fastfwd dtype=bfloat16 engine=native fp8=score,reference,update,backward \
-        fp8_fast_accum=forward
     fi
     if lane_pair trainer; then
       variant bf16 dtype=bfloat16 engine=native
@@ -251,17 +168,6 @@ case $stage in
     q=${ROLLOUT_QUANT:-fp8}
     variant vllm engine=vllm vllm_gpu_mem=0.05 vllm_kv_cache_gib=1
     variant vllm_$q engine=vllm vllm_gpu_mem=0.05 vllm_kv_cache_gib=1 vllm_quantization=$q ;;
-  step-ranks2)
-    need_vllm || exit 1; need_bnb
-    timeout -k 5 585 python3 bench/bench_step.py $STEP_ARGS --ranks 2 --case-timeout 570 \
-      --out /tmp/keep/ranks.json > "$OUT/step_ranks2.log" 2>&1
-    cp /tmp/keep/ranks.json "$OUT/" 2>/dev/null; step_lines "$OUT/step_ranks2.log"; pack step-ranks2 ;;
-  step-ranks1)
-    need_vllm || exit 1; need_bnb
-    lane 1 "timeout -k 10 560 python3 bench/bench_step.py $STEP_ARGS --out $OUT/step_plain.json > $OUT/step_plain.log 2>&1" &
-    lane 0 "timeout -k 5 575 python3 bench/bench_step.py $STEP_ARGS --ranks 1 --keep-runs --case-timeout 560 \
-            --out /tmp/keep/ranks.json > $OUT/step_ranks1.log 2>&1"
-    wait; cp /tmp/keep/ranks.json "$OUT/" 2>/dev/null; step_lines "$OUT"/step_*.log; pack step-ranks1 ;;
   scaling)
     need_vllm || exit 1; need_bnb
     for shape in ${SHAPES:-0.6b 1.7b 4b 8b 14b}; do
@@ -303,31 +209,6 @@ case $stage in
       compile_blocks=true bf16_autocast=true dtype=bfloat16 fp8=score,reference,update,backward ${TRAIN_ARGS:-} \
       > "$OUT/train_fast.log" 2>&1
     grep -v "^INFO\|^WARNING\|^(EngineCore" "$OUT/train_fast.log" | tail -n 30; pack train8b-fast ;;
-  fp8-kernels)
-    timeout -k 10 60 python3 bench/fp8_accumulation.py --out "$OUT/fp8_accumulation.json" > "$OUT/fp8_accumulation.log" 2>&1
-    timeout -k 10 90 python3 -m pytest tests/gpu/test_fp8_gpu.py -q -p no:cacheprovider > "$OUT/fp8_gpu_test.log" 2>&1
-    cat "$OUT/fp8_accumulation.log"; tail -n 2 "$OUT/fp8_gpu_test.log"
-    timeout -k 10 $((${LIMIT:-560} - SECONDS)) python3 bench/bench_update.py --cases 32x8 --profile-micro-batches 4 \
-      --variants "${VARIANTS:-64:bf16+compile,64:bf16+compile+fp8,64:bf16+compile+fp8bw}" --tables "$OUT/update_tables" \
-      --out "$OUT/update.json" > "$OUT/update.log" 2>&1
-    grep "^\[update\]\|^\[idle\]\|rror" "$OUT/update.log"; pack fp8-kernels ;;
-  update)
-    # The variant sets of RESULTS.md's tables: 16,32,64,16:bf16,32:bf16,64:bf16,32:bf16+compile (micro-batch, bf16);
-    # (host syncs: the retired `synced` replay, at 74a810e); LoRA layers, rotary and log-prob head compiled: the retired
-    # mlpcompile, norotary and nohead replays, at fad6eb1; 64:bf16+compile,64:bf16+compile+ref256,64:bf16+compile+noref
-    # (reference pass); 64:bf16+compile with UPDATE_ARGS="--profile-micro-batches 4" (where the GPU waits);
-    # the default (prompt blocks) with --lead;
-    # 64:bf16+compile+fp8bw,64:bf16+compile+fp8bw+noref (and +ref128, +ref256) with
-    # UPDATE_ARGS="--profile-micro-batches 4 --sites" (run AJ: kernel time by site, the reference pass's share).
-    need_bnb
-    timeout -k 10 580 python3 bench/bench_update.py --cases 32x8 --variants "${VARIANTS:-64:bf16+compile+pb1,64:bf16+compile}" \
-      ${UPDATE_ARGS:---lead --profile-micro-batches 0} --tables "$OUT/update_tables" --out "$OUT/update.json" > "$OUT/update.log" 2>&1
-    grep -h "^\[update\]\|^\[lead\]\|^\[idle\]\|^\[setup\]\|rror" "$OUT/update.log"; pack update ;;
-  critic)
-    need_bnb
-    timeout -k 10 580 python3 bench/bench_critic.py --inputs 512 --variants "${VARIANTS:-24:compile,48:compile,64:compile,96:compile}" \
-      --profile-micro-batches "${PROFILE:-0}" --out "$OUT/critic.json" > "$OUT/critic.log" 2>&1
-    grep -h "^\[critic\]\|^\[idle\]\|^\[setup\]\|rror" "$OUT/critic.log"; pack critic ;;
   quant)
     need_bnb
     timeout -k 10 120 python3 -m pytest tests/gpu/test_quant_ar_gpu.py -q -p no:cacheprovider > "$OUT/quant_ar_gpu.log" 2>&1
@@ -340,17 +221,12 @@ case $stage in
     tail -n 3 "$OUT/families_native.log"; grep -E "mean\|dlogp|passed|failed" "$OUT/families_vllm.log" ;;
   parity)
     need_vllm || exit 1; need_bnb
+    # The test's own fixture builds the toy's SFT checkpoints in NLA_PARITY_DIR/demo (nothing here imports tests/).
     export OMP_NUM_THREADS=2 NLA_PARITY_DIR=/tmp/parity
-    CUDA_VISIBLE_DEVICES=1 python3 -c "import sys; from pathlib import Path; sys.path.insert(0, 'tests'); import parity; \
-      parity.demo_inputs(Path('/tmp/parity/demo'))" > "$OUT/parity_demo.log" 2>&1
     NLA_PARITY_JSON=$OUT/parity.json NLA_PARITY_SEEDS=6 NLA_PARITY_ENGINES=${PARITY_ENGINES:-hf,vllm} \
       NLA_PARITY_LANES=1,1,1,1,1,1 NLA_PARITY_VLLM_LANES=0,0,0 timeout -k 10 $((${PARITY_LIMIT:-585} - SECONDS)) \
       python3 -m pytest tests/gpu/test_learning_parity.py -q -s -p no:cacheprovider -k reaches 2>&1 | grep -v "$QUIET" > "$OUT/parity.log"
     grep "^\[parity\]\|^|\|passed\|failed" "$OUT/parity.log" ;;
-  ddp)
-    timeout -k 10 300 python3 bench/bench_step.py --engine native --cases 16x8 --critic off --paths after --micro-batch 8 \
-      --ranks 1,2 --case-timeout 140 --out "$OUT/ddp.json" > "$OUT/ddp.log" 2>&1
-    tail -n 12 "$OUT/ddp.log" ;;
   *)
     echo "unknown stage '$stage'; see the table at the top of $0" >&2; exit 2 ;;
 esac

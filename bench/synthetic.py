@@ -21,8 +21,6 @@ import torch
 from nla_shell.training import memory  # noqa: E402
 
 QWEN3_SHAPES = memory.QWEN3_SHAPES
-QWEN3_8B = QWEN3_SHAPES["8b"]
-"""The Qwen3-8B geometry (the benchmarks' default)."""
 TINY = dict(
     vocab_size=None, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
     num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -176,16 +174,6 @@ def timed(fn: Callable[[], Any], device: torch.device) -> tuple[float, Any]:
     result = fn()
     sync(device)
     return time.perf_counter() - start, result
-
-
-def copy_bandwidth(device: torch.device, *, gib: float = 1.0, repeats: int = 10) -> float:
-    """Device-to-device copy bandwidth, bytes read + written per second (the HBM ceiling)."""
-    n = int(gib * 2**30) // 2
-    src = torch.empty(n, dtype=torch.bfloat16, device=device).normal_()
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    seconds, _ = timed(lambda: [dst.copy_(src) for _ in range(repeats)], device)
-    return 2 * src.numel() * src.element_size() * repeats / seconds
 
 
 def reset_peak(device: torch.device) -> None:

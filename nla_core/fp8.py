@@ -17,8 +17,8 @@ of its subnormal spacing 2^-9 (values below 2^-6 in scaled units). The product
 is formed exactly in fp8 x fp8 and accumulated by the kernel, then rounded to out_dtype. The CPU's
 kernel sums in float32; the H200's is off by up to about 3e-5 of sum_k |q_ik s_i r_jk t_j| with fast
 accumulation off, about 4e-4 with it on (`fast_accum=True`: the tensor cores' partial sums are not promoted
-to float32 along K; measured by bench/fp8_accumulation.py): more than float32's, and both far below FP8's
-own rounding (about 2^-3 of the same sum at worst). The CPU ignores `fast_accum`.
+to float32 along K; run AC, bench/RESULTS.md "The device's FP8 accumulation"): more than float32's, and both
+far below FP8's own rounding (about 2^-3 of the same sum at worst). The CPU ignores `fast_accum`.
 
 Non-finite inputs are propagated, not rejected (a check would need a device synchronisation):
 a NaN or inf in x's row i makes s_i or q_i NaN, so row i of the output is NaN; likewise a

@@ -365,7 +365,7 @@ class TrainConfig:
     accumulation, `_scaled_mm(use_fast_accum=True)`), not promoted to float32 as they go: "forward" the forward
     products (policy, reference and AR scoring; the FP8 input gradients of `backward` not, as torchao's float8
     training does), "all" every product, "off" none. An entry then errs by about 4e-4 of its sum of absolute
-    terms on the H200 instead of 3e-5, both far below FP8's own 2^-3 (bench/fp8_accumulation.py). With "all" the
+    terms on the H200 instead of 3e-5, both far below FP8's own 2^-3 (run AC in bench/RESULTS.md). With "all" the
     8B step at 256 x 8 took 47.12 s against 49.88 s (2026-12-03, one H200), but learning parity on the toy was
     not shown (held-out FVE -0.015 over 6 GPU seeds, lower bound -0.031); docs/performance.md says what
     "forward" measured. The CPU ignores it. An nla addition."""

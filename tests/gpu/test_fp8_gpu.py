@@ -16,10 +16,11 @@ can differ from the CPU's by an ulp and an element at a rounding tie lands on th
 divisions). Run AC's first call (2026-12-02) quantised on the CPU, and the backward case failed at two widths
 (an error of 0.035 against its bound of 0.019 at K = M = 4096).
 
-The device's accumulator is not float32's either: `bench/fp8_accumulation.py` (run AC) measured the largest
-error beyond the bf16 rounding at 6e-6 to 3.4e-5 of an entry's sum of absolute terms with `_scaled_mm`'s
-fast accumulation off (what nla uses), and 2.8e-4 to 4.1e-4 with it on; the CPU's float32 sum gives about
-1e-8. ACCUMULATION = 2^-13 (1.2e-4) sits between the two, so a kernel that accumulated as fast mode does fails.
+The device's accumulator is not float32's either: run AC (bench/RESULTS.md, "The device's FP8 accumulation")
+measured the largest error beyond the bf16 rounding at 6e-6 to 3.4e-5 of an entry's sum of absolute terms
+with `_scaled_mm`'s fast accumulation off (what nla uses), and 2.8e-4 to 4.1e-4 with it on; the CPU's float32
+sum gives about 1e-8. ACCUMULATION = 2^-13 (1.2e-4) sits between the two, so a kernel that accumulated as
+fast mode does fails.
 """
 
 from __future__ import annotations

@@ -52,19 +52,15 @@ def test_stand_in_of_a_full_rollout_keeps_its_length(toy_tokenizer):
 def test_the_benchmarks_step_is_the_trainers(monkeypatch):
     """From the same state, the benchmark's step (its "after" path: the trainer's rollout, score and
     update phases on a synthetic RunState) and the trainer's `train_step` give the same numbers."""
-    import dataclasses
-
-    from nla_shell.io.config import TrainConfig
     from nla_shell.training import step
 
     monkeypatch.setattr(sys, "argv", ["bench_step.py", "--tiny", "--paths", "after"])
     args = bench_step.parse_args()
     args.new_tokens = 8
-    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
 
     def same_start():
         torch.manual_seed(0)
-        ctx = bench_step.Context(args, torch.device("cpu"), torch.float32, defaults)
+        ctx = bench_step.Context(args, torch.device("cpu"), torch.float32)
         requests = synthetic.make_requests(2, args.prompt_len, ctx.config.hidden_size, ctx.tokens,
                                            vocab=min(ctx.config.vocab_size, len(ctx.tokenizer)), seed=4)
         return ctx, requests
@@ -73,7 +69,7 @@ def test_the_benchmarks_step_is_the_trainers(monkeypatch):
     results, _ = bench_step.grpo_step(ctx, requests, 2, args, paths=["after"])
     bench = results["after"][1]
     ctx, requests = same_start()
-    record = step.train_step(bench_step.trainer_state(ctx, args, requests, 2), 0)
+    record = step.train_step(bench_step.trainer_state(ctx, requests, 2), 0)
     for key in ("loss", "grad_norm", "kl_mean", "clip_frac", "logp_diff_mean", "critic_loss", "critic_grad_norm"):
         assert bench[key] == record[key], key
     assert record["extraction_rate"] == 1.0  # every stand-in explanation was extracted and scored
@@ -131,48 +127,12 @@ def test_a_best_path_is_the_trainers_critic_rollouts_best(monkeypatch, capsys):
 
 def tiny_step(monkeypatch, paths: list[str], *, prompts: int) -> dict:
     """bench_step's grpo_step on the tiny models (critic on), `prompts` x 2, the given paths on the same rollouts."""
-    import dataclasses
-
-    from nla_shell.io.config import TrainConfig
-
     monkeypatch.setattr(sys, "argv", ["bench_step.py", "--tiny", "--critic", "on", "--paths", ",".join(paths)])
     args = bench_step.parse_args()
     args.new_tokens = 8
     torch.manual_seed(0)
-    ctx = bench_step.Context(args, torch.device("cpu"), torch.float32,
-                             {f.name: f.default for f in dataclasses.fields(TrainConfig)})
+    ctx = bench_step.Context(args, torch.device("cpu"), torch.float32)
     requests = synthetic.make_requests(prompts, args.prompt_len, ctx.config.hidden_size, ctx.tokens,
                                        vocab=min(ctx.config.vocab_size, len(ctx.tokenizer)), seed=4)
     results, _ = bench_step.grpo_step(ctx, requests, 2, args, paths=paths)
     return results
-
-
-def test_repeats_measure_every_path_again_in_the_reversed_order(monkeypatch, tmp_path, capsys):
-    """--repeats 3 runs the measured step three times, the paths in the given order, reversed, then given again;
-    each case keeps its first measurement and records all three; --repeats 0 is refused."""
-    monkeypatch.setattr(sys, "argv", ["bench_step.py", "--tiny", "--repeats", "0"])
-    with pytest.raises(SystemExit):
-        bench_step.parse_args()
-    assert "--repeats 0" in capsys.readouterr().err
-    orders = []
-    step = bench_step.grpo_step
-
-    def recording(ctx, requests, group, args, *, paths):
-        orders.append(list(paths))
-        return step(ctx, requests, group, args, paths=paths)
-
-    monkeypatch.setattr(bench_step, "grpo_step", recording)
-    out = tmp_path / "step.json"
-    monkeypatch.setattr(sys, "argv", ["bench_step.py", "--tiny", "--cases", "2x2", "--paths", "after,after+best",
-                                      "--repeats", "3", "--out", str(out)])
-    bench_step.main()
-    assert orders[-3:] == [["after", "after+best"], ["after+best", "after"], ["after", "after+best"]]  # after the warm-ups
-    import json
-
-    record = json.loads(out.read_text())
-    assert not record["errors"]
-    for case in record["cases"]:
-        assert len(case["repeats"]) == len(case["step_s_repeats"]) == 3
-        assert case["repeats"][0] == {name: p["s"] for name, p in case["phases"].items()}
-        assert case["step_s_repeats"][0] == pytest.approx(case["step_s"])
-    assert capsys.readouterr().out.count("[repeats] 2x2 critic on") == 2

@@ -6,7 +6,7 @@ transformers' SDPA path materialises it as a boolean [n, 1, R, P + R] mask and, 
 repeats every key and value head to each query head (`repeat_kv`: two copies per layer), so SDPA runs a
 masked kernel on the repeated heads. Where no prompt is padded (right-padded responses are harmless:
 a real query never sees a later key), the same arithmetic is `causal_lower_right(R, P + R)` on the
-grouped heads as they are, which needs neither mask nor copies (bench/bench_attention.py times both).
+grouped heads as they are, which needs neither mask nor copies (run AH in bench/RESULTS.md timed both).
 
 `lower_right_causal(lm)` turns that on for a `with` block: the model's attention implementation is
 ATTENTION, registered with transformers' attention and mask interfaces, which is plain SDPA (its mask

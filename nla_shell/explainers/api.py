@@ -34,7 +34,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
-from nla_shell.explainers import ExplainerError
+from nla_shell.explainers.base import ExplainerError
 from nla_shell.explainers.cache import Reply
 from nla_shell.io.config import ConfigError
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import re
 from typing import NamedTuple, Sequence
 
-from nla_shell.explainers import Site
+from nla_shell.explainers.base import Site
 
 WORDS = 6
 """Words of the context quoted in the explanation."""

@@ -16,7 +16,7 @@ import os
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Sequence
 
-from nla_shell.explainers import Site
+from nla_shell.explainers.base import Site
 from nla_shell.io.data import DataError
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Protocol, Sequence
 
-from nla_shell.explainers import ExplainerError, Site
+from nla_shell.explainers.base import ExplainerError, Site
 from nla_shell.explainers.cache import Reply, ReplyCache, cache_key
 from nla_shell.explainers.prompt import PROMPT_VERSION, api_summaries, instruction_prompt, parse_reply
 from nla_shell.io.progress import say_line

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
-from nla_shell.explainers import Site
+from nla_shell.explainers.base import Site
 from nla_shell.io.data import DataError
 from nla_shell.toy.corpus import describe, word_classes
 

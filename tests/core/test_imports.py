@@ -165,3 +165,46 @@ def test_source_imports_only_torch_stdlib_and_itself():
             if root not in allowed:
                 bad.append(f"{f.relative_to(REPO_ROOT)}:{lineno}: {root}")
     assert not bad, bad
+
+
+def _module_imports(root: Path) -> dict[str, set[str]]:
+    """Every nla_core / nla_shell module -> the package modules it imports, at module level or inside functions."""
+    files = {".".join(p.relative_to(root).with_suffix("").parts).removesuffix(".__init__"): p
+             for package in ("nla_core", "nla_shell") for p in (root / package).rglob("*.py")}
+    graph: dict[str, set[str]] = {name: set() for name in files}
+    for name, path in files.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join([*parts, *([base] if base else [])])
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in files else base for a in node.names]
+            else:
+                continue
+            graph[name] |= {t for t in targets if t in files and t != name}
+    return graph
+
+
+def test_no_two_modules_import_each_other_even_lazily():
+    """The import graph of nla_core and nla_shell (function-level imports included) has no cycle."""
+    graph = _module_imports(Path(__file__).resolve().parents[2])
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def cycle_from(node: str, path: list[str]) -> list[str] | None:
+        state[node] = 1
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return [*path[path.index(nxt):], nxt] if nxt in path else [node, nxt]
+            if nxt not in state and (found := cycle_from(nxt, [*path, nxt])):
+                return found
+        state[node] = 2
+        return None
+
+    for start in sorted(graph):
+        if start not in state:
+            assert (found := cycle_from(start, [start])) is None, " -> ".join(found)
+    assert graph["nla_shell.explainers"] >= {"nla_shell.explainers.base", "nla_shell.explainers.context"}

@@ -259,20 +259,31 @@ def linear_parts(run_dir: str, out: str | None) -> dict[str, Any]:
     mean = x_train.mean(0)
     total = ((x_eval - mean) ** 2).sum(1).mean()
 
-    def one_hot(keys: list[str | None], vocab: dict[str, int]) -> Any:
-        m = np.zeros((len(keys), len(vocab) + 1))
-        m[np.arange(len(keys)), [vocab.get(k, len(vocab)) if k is not None else len(vocab) for k in keys]] = 1
-        return m
+    def class_index(name: str, offset: int) -> tuple[Any, Any, int]:
+        """Each row's class of part `name` (train, eval), offset into the joint columns; rare or absent: one column."""
+        counts = collections.Counter(k for k in parts_train[name] if k is not None)
+        vocab = {k: i for i, k in enumerate(k for k, c in counts.items() if c >= 2)}
+        index = [np.array([vocab.get(k, len(vocab)) if k is not None else len(vocab) for k in parts[name]]) + offset
+                 for parts in (parts_train, parts_eval)]
+        return index[0], index[1], len(vocab) + 1
 
     def class_mean_fve(names: Sequence[str]) -> float:
-        blocks = []
+        """Ridge regression on the parts' one-hot columns, built from class indices (F^T F by counting, no dense F)."""
+        blocks, width = [], 0
         for name in names:
-            counts = collections.Counter(k for k in parts_train[name] if k is not None)
-            vocab = {k: i for i, k in enumerate(k for k, c in counts.items() if c >= 2)}
-            blocks.append((one_hot(parts_train[name], vocab), one_hot(parts_eval[name], vocab)))
-        f_train, f_eval = np.hstack([b[0] for b in blocks]), np.hstack([b[1] for b in blocks])
-        w = np.linalg.solve(f_train.T @ f_train + np.eye(f_train.shape[1]), f_train.T @ (x_train - mean))
-        return float(1 - ((x_eval - mean - f_eval @ w) ** 2).sum(1).mean() / total)
+            train, held_out, n = class_index(name, width)
+            blocks.append((train, held_out))
+            width += n
+        gram = np.eye(width)
+        for a, _ in blocks:
+            for b, _ in blocks:
+                np.add.at(gram, (a, b), 1.0)
+        rhs = np.zeros((width, x_train.shape[1]))
+        for a, _ in blocks:
+            np.add.at(rhs, a, x_train - mean)
+        w = np.linalg.solve(gram, rhs)
+        predicted = sum(w[held_out] for _, held_out in blocks)
+        return float(1 - ((x_eval - mean - predicted) ** 2).sum(1).mean() / total)
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     scale = x_train.std(0) + 1e-6

@@ -62,8 +62,9 @@ def test_a_drifted_entry_stops_datagen_in_one_line_before_anything_is_written(ti
     corpus = fixtures.write_toy_corpus(tmp_path / "corpus.jsonl", n_docs=12)
     cfg = fixtures.datagen_config(tiny_av_dir, corpus, tmp_path / "out")
     capsys.readouterr()
-    assert cli.main(["datagen", *(f"{k}={v}" for k, v in vars(cfg).items() if v is not None and k not in
-                                  ("av_template", "ar_template"))]) == 2
+    items = (f"{k}={','.join(v) if isinstance(v, tuple) else v}" for k, v in vars(cfg).items()
+             if v is not None and k not in ("av_template", "ar_template"))
+    assert cli.main(["datagen", *items]) == 2
     (error,) = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
     assert str(fresh_injection_cache) in error and "maps '¶' to token 3" in error and "delete that entry" in error
     assert not (tmp_path / "out").exists()

@@ -190,6 +190,15 @@ def curves(runs: list[dict[str, Any]], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def _emit(result: dict[str, Any], out: str | None) -> dict[str, Any]:
+    """Print `result` as JSON, and write it to `out` when given."""
+    text = json.dumps(result, indent=1)
+    print(text)
+    if out is not None:
+        Path(out).write_text(text + "\n")
+    return result
+
+
 def label_parts(run_dirs: list[str], out: str | None) -> dict[str, Any]:
     """Which parts of the context label (`explainer=context`) the AV gets right on the held-out rows, after SFT and
     after RL, over every run: the play (topic), the speaker (rows whose gold names one), the last word of the
@@ -223,11 +232,7 @@ def label_parts(run_dirs: list[str], out: str | None) -> dict[str, Any]:
         result[stage] = {key: statistics.fmean(v) if v else None for key, v in counts.items()}
         result[stage]["rows"] = len(counts["parsed"])
     result["plays_among_gold"] = len(plays)
-    text = json.dumps(result, indent=1)
-    print(text)
-    if out is not None:
-        Path(out).write_text(text + "\n")
-    return result
+    return _emit(result, out)
 
 
 def linear_parts(run_dir: str, out: str | None) -> dict[str, Any]:
@@ -259,10 +264,14 @@ def linear_parts(run_dir: str, out: str | None) -> dict[str, Any]:
     mean = x_train.mean(0)
     total = ((x_eval - mean) ** 2).sum(1).mean()
 
+    def classes(name: str, min_count: int) -> dict[str, int]:
+        """The values of part `name` seen at least min_count times in training, numbered."""
+        counts = collections.Counter(k for k in parts_train[name] if k is not None)
+        return {k: i for i, k in enumerate(k for k, c in counts.items() if c >= min_count)}
+
     def class_index(name: str, offset: int) -> tuple[Any, Any, int]:
         """Each row's class of part `name` (train, eval), offset into the joint columns; rare or absent: one column."""
-        counts = collections.Counter(k for k in parts_train[name] if k is not None)
-        vocab = {k: i for i, k in enumerate(k for k, c in counts.items() if c >= 2)}
+        vocab = classes(name, 2)
         index = [np.array([vocab.get(k, len(vocab)) if k is not None else len(vocab) for k in parts[name]]) + offset
                  for parts in (parts_train, parts_eval)]
         return index[0], index[1], len(vocab) + 1
@@ -289,8 +298,7 @@ def linear_parts(run_dir: str, out: str | None) -> dict[str, Any]:
     scale = x_train.std(0) + 1e-6
 
     def probe(name: str) -> dict[str, Any] | None:
-        counts = collections.Counter(k for k in parts_train[name] if k is not None)
-        vocab = {k: i for i, k in enumerate(k for k, c in counts.items() if c >= 5)}
+        vocab = classes(name, 5)
         if len(vocab) < 2:  # the labels leave this part out (context_parts=ending, say)
             return None
         rows = {split: [i for i, k in enumerate(keys) if k in vocab]
@@ -318,11 +326,7 @@ def linear_parts(run_dir: str, out: str | None) -> dict[str, Any]:
                             ("last word", "play", "speaker"))},
         "probe": {name: probe(name) for name in part_of},
     }
-    text = json.dumps(result, indent=1)
-    print(text)
-    if out is not None:
-        Path(out).write_text(text + "\n")
-    return result
+    return _emit(result, out)
 
 
 def main() -> None:

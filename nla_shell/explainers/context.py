@@ -28,15 +28,14 @@ from nla_shell.explainers.base import Site
 
 WORDS = 6
 """Words of the context quoted in the explanation."""
-PART_NAMES = ("topic", "speaker", "ending")
-"""The parts a label can hold: the document's topic, the speaker, the quoted last words."""
-PARTS = PART_NAMES
-"""The parts and their order in `describe`'s label unless told otherwise."""
+PARTS = ("topic", "speaker", "ending")
+"""Every part a label can hold, in `describe`'s default order: the document's topic, the speaker, the quoted
+last words."""
 _SPEAKER = re.compile(r"^([A-Z][A-Za-z'.-]*(?: (?:[A-Z][A-Za-z'.-]*|&|of))*): ", re.MULTILINE)
 
 
 def describe(site: Site, *, words: int = WORDS, parts: Sequence[str] = PARTS) -> str:
-    """The explanation of one site: `parts` (names from PART_NAMES) in order, "; "-joined (module docstring)."""
+    """The explanation of one site: `parts` (names from PARTS) in order, "; "-joined (module docstring)."""
     speakers = _SPEAKER.findall(site.context)
     written = {
         "ending": f'it ends "{" ".join(site.context.split()[-words:])}"',

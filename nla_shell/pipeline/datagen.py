@@ -202,7 +202,7 @@ class DatagenConfig:
                  "choose api (an LLM API), local (a local HF model), jsonl (your labels), context (a heuristic for "
                  "real text), rule (the toy language only) or none (rl split only); or write_sites=FILE to list the sites to label")
         require(bool(self.context_parts) and len(set(self.context_parts)) == len(self.context_parts)
-                and set(self.context_parts) <= set(context_label.PART_NAMES), "context_parts", self.context_parts,
+                and set(self.context_parts) <= set(context_label.PARTS), "context_parts", self.context_parts,
                 "name each of topic, speaker, ending at most once, at least one (e.g. topic,speaker,ending)")
         if self.explainer == "jsonl":
             require(self.explanations is not None, "explanations", None, "give the JSONL path (explainer=jsonl)")

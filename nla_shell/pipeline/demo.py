@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Literal, Mapping, Sequence
 import numpy as np
 import torch
 
+from nla_shell.explainers import context as context_label
 from nla_shell.toy import corpus as toy_corpus
 from nla_shell.io.config import ConfigError, TrainConfig, load_dataclass, normalize_fields
 from nla_shell.io.progress import progress_bar
@@ -98,7 +99,7 @@ class DemoConfig:
     """Extraction block K; None: 1 for the toy, two thirds of the depth for a real model (20 of SmolLM2's 30)."""
     positions_per_doc: int = 6
     """Positions sampled per document."""
-    context_parts: tuple[str, ...] = ("topic", "speaker", "ending")
+    context_parts: tuple[str, ...] = context_label.PARTS
     """With model: the labels' parts in order (datagen's context_parts): the play, the speaker, the quoted last
     words. `ending` alone keeps the gold AR's FVE (the play and speaker explain under 1 % of the vector) and
     drops the parts the AV can only guess (docs/demo.md)."""
@@ -429,15 +430,15 @@ def run_stages(cfg: DemoConfig, run_dir: Path) -> dict[str, Any]:
     rl_cfg = rl_config(cfg, data.paths, data.rows, av, ar, run_dir / "rl")
     with _timed("RL", times):
         rl_dir = train(rl_cfg)
-    rl_adapter = rl_dir / f"step_{cfg.rl_steps:06d}" / "adapter"
+    rl_adapter, rl_ar = rl_dir / f"step_{cfg.rl_steps:06d}" / "adapter", after_rl_ar(rl_cfg, ar)
     with _timed("eval after RL", times):
-        evals["after_rl"] = run_eval("after_rl", rl_adapter, controls=True, scorer=after_rl_ar(rl_cfg, ar))
+        evals["after_rl"] = run_eval("after_rl", rl_adapter, controls=True, scorer=rl_ar)
     with _timed("plot", times):
         curves = _plot(rl_dir)
 
     times["total"] = time.perf_counter() - t_start
     report = build_report(cfg, run_dir, evals, times=times, rl_dir=rl_dir, curves=curves,
-                          checkpoints={"ar": ar, "av": av, "rl": rl_adapter, "ar_after_rl": after_rl_ar(rl_cfg, ar)},
+                          checkpoints={"ar": ar, "av": av, "rl": rl_adapter, "ar_after_rl": rl_ar},
                           target=target)
     text = format_report(report)
     print("\n" + text, flush=True)

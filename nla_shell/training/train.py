@@ -207,11 +207,13 @@ def save_shards(state: RunState, step_done: int) -> Path:
 
 
 def sidecar_for(state: RunState, role: str) -> dict[str, Any]:
-    """The nla_meta.yaml a checkpoint's AV ("av") or AR ("ar") carries."""
+    """The nla_meta.yaml a checkpoint's AV ("av") or AR ("ar") carries, with the run's predict-the-mean baselines
+    (a co-trained AR's fve_nrm divides by those of the activations it trained on, as an SFT'd AR's does)."""
     cfg = state.cfg
+    baselines = nla_core.Baselines(meannorm=torch.tensor(state.meannorm), rawvar=torch.tensor(state.rawvar))
     return model_sidecar(state.nla, role=role, stage="rl", base_checkpoint=str(base_model_dir(cfg.av_ckpt)),
                          injection_style=state.injector.style, injection_norm=state.injector.injection_norm,
-                         trained_on=[str(Path(cfg.rl_parquet).resolve())])
+                         trained_on=[str(Path(cfg.rl_parquet).resolve())], baselines=baselines)
 
 
 def held_out(state: RunState, step: int, step_logger) -> dict[str, float]:

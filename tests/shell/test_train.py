@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 
 import fixtures
@@ -65,6 +66,10 @@ def test_interrupted_then_resumed_run_logs_the_same_metrics(nla_run_inputs, tmp_
     assert any(not math.isnan(line["critic_loss"] or math.nan) for line in a)
     # Every phase under its own key, measured: the critic's backward and step are not the score phase's.
     rawvar = json.loads((whole / "summary.json").read_text())["baselines"]["rawvar"]
+    # The co-trained AR carries the baseline its fve_nrm divides by (nla eval reads it from the sidecar).
+    for role in ("critic", "adapter"):
+        meta = yaml.safe_load((latest_checkpoint(whole) / role / "nla_meta.yaml").read_text())
+        assert meta["baselines"]["rawvar"] == pytest.approx(rawvar)
     for line in fixtures.read_metrics(whole):
         assert line["time_critic"] > 0 and line["time_score"] > 0
         phases = sum(line[k] for k in ("time_rollout", "time_score", "time_critic", "time_update", "time_sync"))

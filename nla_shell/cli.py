@@ -272,6 +272,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     args, unknown = parser.parse_known_args(argv)
+    if hasattr(args, "overrides"):
+        # argparse takes one run of positionals: `a=1 --seed 0 b=2` leaves b=2 over. Overrides go anywhere.
+        args.overrides += [item for item in unknown if "=" in item and not item.startswith("-")]
+        unknown = [item for item in unknown if item not in args.overrides]
     if unknown:
         parser.subcommand_parsers[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     from nla_shell.training.stopped import OutOfGPUMemory, RunSpoiledError, RunStopped  # no torch: `nla plot` starts light

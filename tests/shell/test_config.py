@@ -215,3 +215,20 @@ def test_the_loader_serves_other_commands_dataclasses():
     assert cfg == EvalConfig(ckpt="x", n=7)
     with pytest.raises(ConfigError, match="did you mean 'split'"):
         load_dataclass(EvalConfig, {"ckpt": "x", "splt": "train"})
+
+
+def test_key_value_overrides_may_sit_between_flags(tmp_path, capsys, monkeypatch):
+    """argparse takes one run of positionals; `nla CMD a=1 --flag v b=2` must still apply b=2 (a bench line
+    `EXTRA="k=v" ... --seed 0 k2=v2` once failed on it). Both overrides reach the config: the second is refused
+    by its own check, in one line, before anything is written."""
+    from nla_shell import cli
+
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["demo", "--tiny", "lora_r=4", "--seed", "0", "n_layers=2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("nla demo: error: config key 'n_layers' = 2 is invalid") and "\n" not in err
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(SystemExit) as stopped:  # a stray word is still no override
+        cli.main(["demo", "--tiny", "lora_r=4", "--seed", "0", "stray"])
+    assert stopped.value.code == 2
+    assert "unrecognized arguments: stray" in capsys.readouterr().err

@@ -18,8 +18,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
+import torch
 from torch import nn
 
 __all__ = [
@@ -173,9 +174,33 @@ def truncate_blocks(model: nn.Module, keep: int) -> None:
         lm.config.layer_types = lm.config.layer_types[:keep]
 
 
-def lora_targets(model_or_config: Any) -> list[str]:
-    """Module names the actor's LoRA adapts in this family."""
-    return list(family_of(model_or_config).lora_targets)
+def lora_targets(model_or_config: Any, requested: Sequence[str] = ()) -> list[str]:
+    """Module names a LoRA adapts: `requested` (PEFT's target_modules, e.g. the MLP's as well as attention's),
+    each checked to name a linear layer of `model_or_config` (then a model); none: this family's attention
+    projections.
+
+    Raises ValueError naming the config key `lora_targets` and the model's linear-layer names for a name that
+    matches none.
+    """
+    if not requested:
+        return list(family_of(model_or_config).lora_targets)
+    linear = sorted({name.rsplit(".", 1)[-1] for name, module in model_or_config.named_modules()
+                     if isinstance(module, nn.Linear) and "." in name})
+    missing = [name for name in requested if name not in linear]
+    if missing:
+        raise ValueError(f"config key 'lora_targets' names {', '.join(missing)}, not a linear layer of this model; "
+                         f"use some of {','.join(linear)}")
+    return list(requested)
+
+
+def require_lora_targets(model_dir: str | Path, requested: Sequence[str]) -> None:
+    """lora_targets checked against the model's skeleton (meta tensors: nothing loaded), before a run writes."""
+    if requested:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+        lora_targets(skeleton, requested)
 
 
 # --------------------------------------------------------------------------- numerics

@@ -97,9 +97,12 @@ class TrainConfig:
     """LoRA alpha (of a fresh LoRA)."""
     use_rslora: bool = True
     """rsLoRA scaling alpha/sqrt(r) instead of alpha/r (at r=128 plain LoRA scales by 0.125; of a fresh LoRA)."""
+    lora_targets: tuple[str, ...] = ()
+    """Module names a fresh LoRA adapts (PEFT's target_modules; an nla addition); empty: the family's q, k, v, o,
+    as the reference's. A continued SFT adapter keeps its own."""
     sft_adapter: Literal["continue", "merge"] = "continue"
     """When av_ckpt is an `nla sft` adapter dir: "continue" trains that adapter on (its own r and
-    alpha; lora_r/lora_alpha/use_rslora are then unused and not part of the run identity; the KL
+    alpha and targets; lora_r/lora_alpha/use_rslora/lora_targets are then unused and not part of the run identity; the KL
     reference is the SFT policy); "merge" merges it into the base and trains a fresh
     lora_r/lora_alpha/use_rslora LoRA on top (the reference's path, which starts RL from a merged
     SFT checkpoint; KL reference: the merged SFT model). nla's default deviates from the reference

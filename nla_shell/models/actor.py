@@ -14,7 +14,7 @@ import contextlib
 import functools
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import torch
 from torch import nn
@@ -180,6 +180,7 @@ def load_actor(
     gradient_checkpointing: bool = False,
     merge_sft_adapter: bool = False,
     quant: str = "none",
+    lora_targets: Sequence[str] = (),
 ) -> nn.Module:
     """The trainable actor: a PEFT model whose "default" adapter is trained.
 
@@ -190,6 +191,7 @@ def load_actor(
     fresh LoRA trained on top (the reference policy: the merged SFT model, adapter disabled).
     resume_adapter, when given, replaces the trained adapter's weights.
     quant ("4bit" / "8bit") loads the frozen base quantised onto `device` (nla_shell.quant).
+    lora_targets: the modules a fresh LoRA adapts (families.lora_targets; none: the family's attention).
     """
     from peft import PeftModel, get_peft_model
 
@@ -214,7 +216,8 @@ def load_actor(
         actor = PeftModel.from_pretrained(base, resume_adapter, is_trainable=True)
     else:
         actor = get_peft_model(
-            base, lora_config(lora_r, lora_alpha, use_rslora=use_rslora, targets=families.lora_targets(base))
+            base, lora_config(lora_r, lora_alpha, use_rslora=use_rslora,
+                              targets=families.lora_targets(base, lora_targets))
         )
     if gradient_checkpointing:
         lm = inner_lm(actor)

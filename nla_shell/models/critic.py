@@ -85,7 +85,7 @@ class ARModel(nn.Module):
         """
         from peft import inject_adapter_in_model
 
-        targets = list(targets or families.lora_targets(self.lm))
+        targets = families.lora_targets(self.lm, targets or ())
         inject_adapter_in_model(lora_config(r, alpha, use_rslora=use_rslora, targets=targets), self.lm)
         self.lora = ARLora(r=r, alpha=alpha, use_rslora=use_rslora, targets=tuple(targets),
                            base_model=str(Path(base_model).resolve()), quant=quant)

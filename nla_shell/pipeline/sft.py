@@ -82,6 +82,10 @@ class SFTConfig:
     """LoRA alpha (the AV's; the AR's with ar_lora)."""
     use_rslora: bool = True
     """rsLoRA scaling alpha/sqrt(r) (the AV's LoRA; the AR's with ar_lora)."""
+    lora_targets: tuple[str, ...] = ()
+    """Module names the LoRA adapts (PEFT's target_modules; an nla addition to upstream's SFT), e.g.
+    q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj for a Llama's attention and MLP. Empty: the
+    family's attention projections (q, k, v, o), as upstream's and the reference's LoRA."""
     max_tokens: int = 256
     """Longest AV response / AR input in tokens; longer rows are dropped (and counted)."""
     eval_parquet: str | None = None
@@ -253,6 +257,7 @@ def _setup(cfg: SFTConfig) -> _Run:
             f"config key 'model' = {cfg.model!r} is a LoRA adapter dir; give the full target LM it was trained on "
             "(SFT starts the adapter itself; to continue a run, rerun it with the same save_dir)"
         )
+    families.require_lora_targets(model_dir, cfg.lora_targets)
     tokenizer = families.load_tokenizer(model_dir)
     nla = load_sidecar(cfg.sidecar or cfg.parquet)
     check_tokenizer(nla, tokenizer)
@@ -353,7 +358,7 @@ def _build_model(cfg: SFTConfig, model_dir: Path, nla: nla_core.NLAConfig, resum
     if cfg.mode == "av":
         model = load_actor(
             model_dir, lora_r=cfg.lora_r, lora_alpha=cfg.lora_alpha, use_rslora=cfg.use_rslora,
-            resume_adapter=resume_from, dtype=dtype, device=device, quant=cfg.quant,
+            resume_adapter=resume_from, dtype=dtype, device=device, quant=cfg.quant, lora_targets=cfg.lora_targets,
         )
         injector = Injector(
             model, marker_id=nla.injection_token_id, left_id=nla.injection_left_neighbor_id,
@@ -366,7 +371,7 @@ def _build_model(cfg: SFTConfig, model_dir: Path, nla: nla_core.NLAConfig, resum
                                     create_head=True, dtype=dtype, device=device, quant=cfg.quant)
     if cfg.ar_lora:
         model.add_lora(r=cfg.lora_r, alpha=cfg.lora_alpha, use_rslora=cfg.use_rslora, base_model=model_dir,
-                       quant=cfg.quant)
+                       quant=cfg.quant, targets=cfg.lora_targets)
     return model, None
 
 

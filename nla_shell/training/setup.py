@@ -131,7 +131,7 @@ def say_actor_start(cfg: TrainConfig, actor, *, continues_sft: bool) -> None:
     adapter = actor.peft_config["default"]
     if continues_sft:
         say(f"[actor] continuing the SFT adapter {cfg.av_ckpt} (r={adapter.r}, alpha={adapter.lora_alpha}, "
-            f"rsLoRA={adapter.use_rslora}); lora_r/lora_alpha/use_rslora are unused and left out of the run identity. "
+            f"rsLoRA={adapter.use_rslora}); lora_r/lora_alpha/use_rslora/lora_targets are unused and left out of the run identity. "
             "sft_adapter=merge trains a fresh LoRA on the merged SFT model instead (the reference's path)")
     else:
         say(f"[actor] merged the SFT adapter {cfg.av_ckpt} into the base; training a fresh LoRA r={adapter.r}, "
@@ -291,6 +291,8 @@ def setup(cfg: TrainConfig, rank: RankInfo, device: torch.device, dtype: torch.d
     if critic.lm.config.hidden_size != nla.d_model:
         raise ValueError(f"ar_ckpt has hidden size {critic.lm.config.hidden_size}, the sidecar's d_model is {nla.d_model}")
     continues_sft = is_adapter_dir(cfg.av_ckpt) and cfg.sft_adapter == "continue"
+    if not continues_sft:  # a fresh LoRA's modules, checked before the run dir is claimed
+        families.require_lora_targets(base_model_dir(cfg.av_ckpt), cfg.lora_targets)
     # Rank 0 claims the directory and picks the checkpoint; every rank resumes from that one.
     resume_from = distributed.on_main(lambda: claim_run_dir(cfg, continues_sft=continues_sft))
 
@@ -343,7 +345,7 @@ def claim_run_dir(cfg: TrainConfig, *, continues_sft: bool) -> Path | None:
     """Claim save_dir for this config (rank 0, under the run lock); the checkpoint to resume from, if any."""
     save_dir = Path(cfg.save_dir)
     # A continued SFT adapter keeps its own rank and alpha: the lora_* keys decide nothing then.
-    mutable_keys = RESUME_MUTABLE_KEYS | ({"lora_r", "lora_alpha", "use_rslora"} if continues_sft else set())
+    mutable_keys = RESUME_MUTABLE_KEYS | ({"lora_r", "lora_alpha", "use_rslora", "lora_targets"} if continues_sft else set())
     ckpt.claim_save_dir(save_dir, config_to_dict(cfg), overwrite=cfg.overwrite, resume=cfg.resume,
                         mutable_keys=mutable_keys, defaults=config_defaults(TrainConfig), num_steps=cfg.num_steps)
     ckpt.remove_stale_entries(save_dir)  # under the lock: no other run's save is in flight
@@ -371,6 +373,7 @@ def load_models(cfg: TrainConfig, nla: nla_core.NLAConfig, critic: ARModel, resu
         gradient_checkpointing=cfg.gradient_checkpointing,
         merge_sft_adapter=cfg.sft_adapter == "merge",
         quant=cfg.quant,
+        lora_targets=cfg.lora_targets,
     )
     if cfg.bf16_autocast:
         BackboneAutocast(actor, torch.bfloat16)  # for the actor's lifetime: engines see it too

@@ -171,3 +171,40 @@ def test_sft_refuses_an_adapter_as_the_base_model(tmp_path, toy_sft, toy_dataset
     av, _ = toy_sft
     with pytest.raises(ConfigError, match="is a LoRA adapter dir"):
         sft(fixtures.sft_config("av", av, toy_datasets, tmp_path / "again"))
+
+
+MLP_AND_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def test_lora_targets_reach_the_adapter_and_rl_samples_with_every_one(tmp_path, tiny_av_dir, toy_datasets, toy_sft):
+    """lora_targets (PEFT's target_modules) put the AV's LoRA on the MLP too; RL continues that adapter, and the
+    native engine samples with all of it: its log-probs match the trainer's, so no adapted module is left out."""
+    cfg = fixtures.sft_config("av", tiny_av_dir, toy_datasets, tmp_path / "av", lora_targets=MLP_AND_ATTENTION)
+    av = sft(cfg)
+    adapter = json.loads((av / "adapter_config.json").read_text())
+    assert sorted(adapter["target_modules"]) == sorted(MLP_AND_ATTENTION)
+    saved = load_file(str(av / "adapter_model.safetensors"))
+    assert any("mlp.down_proj.lora_B" in k and v.abs().sum() > 0 for k, v in saved.items())
+    _, ar = toy_sft
+    argv = ["train", f"av_ckpt={av}", f"ar_ckpt={ar}", f"rl_parquet={toy_datasets / 'rl.parquet'}",
+            f"save_dir={tmp_path / 'rl'}", "num_steps=1", "batch_prompts=2", "group_size=2", "max_new_tokens=6",
+            "eval_every=0", "device=cpu", "logger=jsonl", "engine=native"]
+    assert cli.main(argv) == 0
+    (line,) = fixtures.read_metrics(tmp_path / "rl")
+    assert line["logp_diff_max"] < 1e-3
+    # The same check catches an engine that leaves the MLP's LoRA out: half the adapter dropped moves the log-probs.
+    saved_rl = load_file(str(tmp_path / "rl" / "step_000001" / "adapter" / "adapter_model.safetensors"))
+    assert {k for k in saved_rl if "mlp" in k} == {k for k in saved if "mlp" in k}
+
+
+def test_a_lora_target_that_names_no_linear_layer_is_refused_in_one_line(tmp_path, tiny_av_dir, toy_datasets,
+                                                                        capsys):
+    argv = ["sft", "--mode", "av", "--model", str(tiny_av_dir), "--parquet", str(toy_datasets / "av_sft.parquet"),
+            "--save-dir", str(tmp_path / "av"), "--num-steps", "2", "--batch-size", "4", "--device", "cpu",
+            "lora_targets=q_proj,mlp"]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert err.startswith("nla sft: error: config key 'lora_targets' names mlp, not a linear layer"), err
+    assert "gate_proj" in err and "use some of" in err
+    assert not (tmp_path / "av").exists()

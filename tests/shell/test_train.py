@@ -386,3 +386,13 @@ def test_vllm_engine_without_vllm_says_how_to_install_it(nla_run_inputs, tmp_pat
     save_dir = tmp_path / "run"
     _fails_cleanly(capsys, fixtures.train_argv(nla_run_inputs, save_dir, engine="vllm"), "pip install 'nla[vllm]'")
     assert not save_dir.exists()
+
+
+def test_a_fresh_lora_on_a_module_the_model_lacks_is_refused_before_the_run_dir(nla_run_inputs, tmp_path, capsys):
+    """lora_targets of a fresh LoRA (sft_adapter=merge) are checked against the model before anything is written."""
+    save_dir = tmp_path / "run"
+    argv = fixtures.train_argv(nla_run_inputs, save_dir, sft_adapter="merge", lora_targets="q_proj,mlp")
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "config key 'lora_targets' names mlp, not a linear layer" in err, err
+    assert not save_dir.exists()

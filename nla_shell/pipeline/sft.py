@@ -230,6 +230,8 @@ class _Run:
     mse_scale: float | None
     baselines: nla_core.Baselines
     """Predict-the-mean baselines of the training activations (the training FVE's, and the sidecar's)."""
+    selection: tuple[str, bool]
+    """The held-out figure the run selects its checkpoint on, and whether higher is better (sft_eval.selection_key)."""
 
 
 def _run_sft(cfg: SFTConfig, stop: StopSignals) -> Path:
@@ -320,7 +322,8 @@ def _setup(cfg: SFTConfig) -> _Run:
     eval_ar = sft_eval.round_trip_ar(cfg.eval_ar, mse_scale=mse_scale, dtype=dtype, device=device, mode=cfg.mode)
     return _Run(cfg=cfg, save_dir=save_dir, tokenizer=tokenizer, nla=nla, examples=examples, num_steps=num_steps,
                 model=model, injector=injector, optimizer=optimizer, order=order, start_step=start_step, save=save,
-                heldout=heldout, eval_ar=eval_ar, stopping=stopping, mse_scale=mse_scale, baselines=baselines)
+                heldout=heldout, eval_ar=eval_ar, stopping=stopping, mse_scale=mse_scale, baselines=baselines,
+                selection=sft_eval.selection_key(cfg.mode, has_ar=eval_ar is not None))
 
 
 def _load_examples(cfg: SFTConfig, nla: nla_core.NLAConfig, tokenizer) -> tuple[list[Any], list[Any]]:
@@ -454,7 +457,7 @@ def _evaluate(run: _Run, steps_done: int, record: dict[str, float]) -> float:
                                     ar=run.eval_ar, template=template, mse_scale=run.mse_scale,
                                     max_new_tokens=cfg.eval_max_new_tokens,
                                     max_tokens=TrainConfig.max_explanation_tokens, seed=cfg.seed)
-    key, higher = sft_eval.selection_key(cfg.mode, has_ar=run.eval_ar is not None)
+    key, higher = run.selection
     score = held[key] if higher else -held[key]
     run.stopping = run.stopping.update(score, steps_done)
     record.update(held, time_eval=time.perf_counter() - t0)
@@ -467,8 +470,7 @@ def _progress_line(run: _Run, step: int, record: dict[str, float]) -> None:
     line = (f"[sft {cfg.mode}] step {step:04d}/{run.num_steps} | loss {record['loss']:.4f}{fve} | "
             f"grad {record['grad_norm']:.3f} | lr {record['lr']:.2e} | {record['time_step']:.2f}s")
     if any(k.startswith("heldout/") for k in record):
-        key, higher = sft_eval.selection_key(cfg.mode, has_ar=run.eval_ar is not None)
-        line += " | " + sft_eval.describe(record, run.stopping, key, higher)
+        line += " | " + sft_eval.describe(record, run.stopping, *run.selection)
     say_line(line)
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -98,10 +98,19 @@ def evaluate_ar(ar: ARModel, tokenizer, heldout: HeldOut, *, template: str, mse_
     """heldout/fve (and mse_mean, extraction_rate) of the AR on the gold explanations."""
     was_training = ar.training
     ar.eval()
-    scores = score_explanations(ar, tokenizer, heldout.explanations, heldout.golds, template=template,
+    metrics = reconstruction_metrics(ar, tokenizer, heldout, heldout.explanations, template=template,
+                                     mse_scale=mse_scale, max_tokens=max_tokens, micro_batch=micro_batch)
+    ar.train(was_training)
+    return metrics
+
+
+def reconstruction_metrics(ar: ARModel, tokenizer, heldout: HeldOut, explanations: Sequence[str | None], *,
+                           template: str, mse_scale: float | None, max_tokens: int,
+                           micro_batch: int) -> dict[str, float]:
+    """heldout/fve, mse_mean and extraction_rate of the AR's reconstructions from `explanations` (one per row)."""
+    scores = score_explanations(ar, tokenizer, explanations, heldout.golds, template=template,
                                 mse_scale=mse_scale, reward_kind="neg_log", max_tokens=max_tokens,
                                 micro_batch=micro_batch)
-    ar.train(was_training)
     mse_mean = finite_mean(scores.mse)
     return {"heldout/fve": nla_core.fve(mse_mean, heldout.rawvar), "heldout/mse_mean": mse_mean,
             "heldout/extraction_rate": float(scores.valid.float().mean())}
@@ -140,11 +149,9 @@ def evaluate_av(actor: torch.nn.Module, injector: Injector, tokenizer, heldout: 
             engine = HFRolloutEngine(actor, injector, tokenizer)
             explanations = sample_explanations(engine, heldout.prompt_ids, heldout.golds,
                                                max_new_tokens=max_new_tokens, chunk=max(micro_batch, 64))
-        scores = score_explanations(ar, tokenizer, explanations, heldout.golds, template=template,
-                                    mse_scale=mse_scale, reward_kind="neg_log", max_tokens=max_tokens,
-                                    micro_batch=max(micro_batch, 64))
-        metrics["heldout/fve"] = nla_core.fve(finite_mean(scores.mse), heldout.rawvar)
-        metrics["heldout/extraction_rate"] = float(scores.valid.float().mean())
+        metrics.update(reconstruction_metrics(ar, tokenizer, heldout, explanations, template=template,
+                                              mse_scale=mse_scale, max_tokens=max_tokens,
+                                              micro_batch=max(micro_batch, 64)))
     actor.train(was_training)
     return metrics
 

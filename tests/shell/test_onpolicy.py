@@ -190,9 +190,10 @@ def test_continued_sft_adapter_is_announced_and_its_lora_keys_leave_the_run_iden
     common = dict(eval_every=0, max_rows=None)
     assert cli.main(_train_args(inputs, tmp_path / "run", num_steps=1, **common)) == 0
     out = capsys.readouterr().out
-    assert "continuing the SFT adapter" in out and "lora_r/lora_alpha/use_rslora are unused" in out
-    # The adapter keeps its own rank: another lora_r is no different run, so it resumes.
-    assert cli.main(_train_args(inputs, tmp_path / "run", num_steps=2, lora_r=16, **common)) == 0
+    assert "continuing the SFT adapter" in out and "lora_r/lora_alpha/use_rslora/lora_targets are unused" in out
+    # The adapter keeps its own rank and modules: another lora_r or lora_targets is no different run, so it resumes.
+    assert cli.main(_train_args(inputs, tmp_path / "run", num_steps=2, lora_r=16, lora_targets="q_proj",
+                                **common)) == 0
     assert "[resume]" in capsys.readouterr().out
     assert [line["step"] for line in fixtures.read_metrics(tmp_path / "run")] == [0, 1]
 

@@ -202,7 +202,9 @@ def _emit(result: dict[str, Any], out: str | None) -> dict[str, Any]:
 def label_parts(run_dirs: list[str], out: str | None) -> dict[str, Any]:
     """Which parts of the context label (`explainer=context`) the AV gets right on the held-out rows, after SFT and
     after RL, over every run: the play (topic), the speaker (rows whose gold names one), the last word of the
-    quoted ending, and the share of the ending's words it writes; `parsed` is the share in the label's layout."""
+    quoted ending, and the share of the ending's words it writes; `parsed` is the share in the label's layout.
+    `mse_by_last_word`: on the parsed rows the AR scored, the mean MSE of the AV's explanation and of the gold one,
+    split by whether the AV's last word is right (where the gap to the gold AR lies)."""
     from nla_shell.explainers.context import parse
 
     def last_word(ending: str) -> str:
@@ -213,6 +215,7 @@ def label_parts(run_dirs: list[str], out: str | None) -> dict[str, Any]:
     plays: set[str | None] = set()
     for stage in ("after_sft", "after_rl"):
         counts: dict[str, list[float]] = {"parsed": [], "play": [], "speaker": [], "last_word": [], "ending_words": []}
+        mses: dict[bool, list[tuple[float, float]]] = {True: [], False: []}
         for run_dir in map(Path, run_dirs):
             for sample in _samples(run_dir / "eval" / stage):
                 gold, written = parse(sample["gold_explanation"]), parse(sample.get("explanation"))
@@ -225,12 +228,19 @@ def label_parts(run_dirs: list[str], out: str | None) -> dict[str, Any]:
                     counts["play"].append(gold.topic == written.topic)
                 if gold.speaker is not None:
                     counts["speaker"].append(gold.speaker == written.speaker)
-                counts["last_word"].append(last_word(gold.ending) == last_word(written.ending))
+                right = last_word(gold.ending) == last_word(written.ending)
+                counts["last_word"].append(right)
+                if sample.get("mse") is not None and sample.get("gold_mse") is not None:
+                    mses[right].append((sample["mse"], sample["gold_mse"]))
                 gold_words = {w.lower() for w in gold.ending.split()}
                 counts["ending_words"].append(len(gold_words & {w.lower() for w in written.ending.split()})
                                               / max(1, len(gold_words)))
         result[stage] = {key: statistics.fmean(v) if v else None for key, v in counts.items()}
         result[stage]["rows"] = len(counts["parsed"])
+        result[stage]["mse_by_last_word"] = {
+            "right" if right else "wrong": {"rows": len(pairs), "av": statistics.fmean(p[0] for p in pairs),
+                                            "gold": statistics.fmean(p[1] for p in pairs)}
+            for right, pairs in mses.items() if pairs}
     result["plays_among_gold"] = len(plays)
     return _emit(result, out)
 

@@ -104,7 +104,7 @@ class TrainConfig:
     """When av_ckpt is an `nla sft` adapter dir: "continue" trains that adapter on (its own r and
     alpha and targets; lora_r/lora_alpha/use_rslora/lora_targets are then unused and not part of the run identity; the KL
     reference is the SFT policy); "merge" merges it into the base and trains a fresh
-    lora_r/lora_alpha/use_rslora LoRA on top (the reference's path, which starts RL from a merged
+    lora_r/lora_alpha/use_rslora/lora_targets LoRA on top (the reference's path, which starts RL from a merged
     SFT checkpoint; KL reference: the merged SFT model). nla's default deviates from the reference
     on purpose: EasyNLA measured ~12 pp FVE lost by a fresh zero-init LoRA. Ignored for a full checkpoint."""
     gradient_checkpointing: bool = False

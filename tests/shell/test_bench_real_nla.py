@@ -16,19 +16,21 @@ GOLD = ['Hamlet; HAMLET speaking; it ends "to be or not to be"', 'Hamlet; it end
         'King Lear; LEAR speaking; it ends "blow, winds, and crack"']
 
 
-def _run(tmp_path: Path, name: str, written: list[str | None]) -> Path:
+def _run(tmp_path: Path, name: str, written: list[str | None], mse: list[float | None] = (None,) * 3) -> Path:
     run = tmp_path / name
     for stage in ("after_sft", "after_rl"):
         (run / "eval" / stage).mkdir(parents=True)
-        lines = [json.dumps({"gold_explanation": g, "explanation": w}) for g, w in zip(GOLD, written)]
+        lines = [json.dumps({"gold_explanation": g, "explanation": w, "mse": m, "gold_mse": 0.1})
+                 for g, w, m in zip(GOLD, written, mse)]
         (run / "eval" / stage / "eval_samples.jsonl").write_text("\n".join(lines) + "\n")
     return run
 
 
 def test_label_parts_counts_each_part_over_every_run(tmp_path):
     one = _run(tmp_path, "s0", ['Hamlet; OPHELIA speaking; it ends "not to BE"', None,
-                                'Macbeth; LEAR speaking; it ends "winds and crack!"'])
-    two = _run(tmp_path, "s1", ["free text, no label", 'Hamlet; it ends "silence"', 'King Lear; it ends "x"'])
+                                'Macbeth; LEAR speaking; it ends "winds and crack!"'], mse=[0.2, None, 0.4])
+    two = _run(tmp_path, "s1", ["free text, no label", 'Hamlet; it ends "silence"', 'King Lear; it ends "x"'],
+               mse=[None, None, 0.9])
     out = real_nla.label_parts([str(one), str(two)], str(tmp_path / "parts.json"))
     stage = out["after_rl"]
     assert stage["rows"] == 6 and stage["parsed"] == pytest.approx(4 / 6)
@@ -37,6 +39,9 @@ def test_label_parts_counts_each_part_over_every_run(tmp_path):
     assert stage["speaker"] == pytest.approx(1 / 3)  # gold names a speaker on rows 1 and 3 (LEAR twice)
     assert stage["last_word"] == pytest.approx(3 / 4)  # be/be, crack/crack!, silence./silence; not crack/x
     assert out["plays_among_gold"] == 2
+    # Scored parsed rows: be/be 0.2 and crack/crack! 0.4 right, crack/x 0.9 wrong; silence (no mse) left out.
+    assert stage["mse_by_last_word"] == {"right": {"rows": 2, "av": pytest.approx(0.3), "gold": pytest.approx(0.1)},
+                                         "wrong": {"rows": 1, "av": 0.9, "gold": 0.1}}
     assert json.loads((tmp_path / "parts.json").read_text()) == out
 
 

@@ -123,6 +123,51 @@ def layer_masks(lm: torch.nn.Module, allowed: torch.Tensor, query_slots: torch.T
     return {kind: windowed(window) for kind, window in dict(zip(layer_types, windows)).items()}
 
 
+def prefill_prompts(
+    lm: torch.nn.Module, injector: Injector, ids: torch.Tensor, attn: torch.Tensor, vectors: torch.Tensor
+) -> tuple[DynamicCache, torch.Tensor, torch.Tensor]:
+    """One injected forward over B left-padded prompts (the injection acts at each prompt's marker).
+
+    Real tokens sit at positions 0, 1, ...; padding queries attend to themselves only, so no
+    softmax row is empty and the cache holds finite values everywhere.
+
+    Args: ids, attn: [B, W] left-padded; vectors: [B, D] float32.
+    Returns: (the prompts' KV cache [B, Hkv, W, Dh] per layer, [B, V] logits of the first generated
+    token, [B] slot of each prompt's first real token).
+    """
+    width = ids.shape[1]
+    first_key = width - attn.sum(dim=1)  # [B] slot of the first real token
+    slots = torch.arange(width, device=ids.device)
+    causal = slots[None, :] <= slots[:, None]  # [W(q), W(k)]
+    real_key = slots[None, :] >= first_key[:, None]  # [B, W(k)]
+    mask = (causal[None] & real_key[:, None, :]) | torch.eye(width, dtype=torch.bool, device=ids.device)[None]
+    positions = (slots[None, :] - first_key[:, None]).clamp_min(0)  # real tokens at 0, 1, ...
+    prompt_cache = DynamicCache()  # no config: every layer keeps every position (no window eviction)
+    with injector.inject(ids, vectors):
+        hidden = families.backbone(lm)(
+            input_ids=ids,
+            attention_mask=layer_masks(lm, mask, slots, slots),
+            position_ids=positions,
+            past_key_values=prompt_cache,
+            use_cache=True,
+        ).last_hidden_state
+    return prompt_cache, final_logits(lm, hidden[:, -1]), first_key
+
+
+def static_cache(lm: torch.nn.Module, n_rows: int, length: int, layer: type[StaticLayer] = StaticLayer) -> Cache:
+    """A cache of `layer`s (StaticLayer or a subclass), one per decoder block, allocated now:
+    per layer [n_rows, Hkv, length, Dh] zeros in the model's dtype, on its device. Full-length
+    layers for sliding-window blocks too: slots stay positions, masks apply windows."""
+    config = lm.config
+    cache = Cache(layers=[layer(max_cache_len=length) for _ in families.decoder_blocks(lm)])
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    device = next(lm.parameters()).device
+    cache.early_initialization(
+        batch_size=n_rows, num_heads=config.num_key_value_heads, head_dim=head_dim, dtype=lm.dtype, device=device
+    )
+    return cache
+
+
 def sample_with_noise(logits: torch.Tensor, noise: torch.Tensor) -> SampledTokens:
     """Temperature-1 full-vocabulary sample given pre-drawn Exp(1) noise, with float32 log-probs.
 
@@ -343,23 +388,7 @@ class NativeRolloutEngine:
         Returns: [B * G, V] logits of each row's first generated token.
         """
         n_prompts, width = ids.shape
-        first_key = width - attn.sum(dim=1)  # [B] slot of the first real token
-        slots = torch.arange(width, device=ids.device)
-        causal = slots[None, :] <= slots[:, None]  # [W(q), W(k)]
-        real_key = slots[None, :] >= first_key[:, None]  # [B, W(k)]
-        # Padding queries attend to themselves only, so no softmax row is empty (NaN-free cache).
-        mask = (causal[None] & real_key[:, None, :]) | torch.eye(width, dtype=torch.bool, device=ids.device)[None]
-        positions = (slots[None, :] - first_key[:, None]).clamp_min(0)  # real tokens at 0, 1, ...
-        prompt_cache = DynamicCache()  # no config: every layer keeps every position (no window eviction)
-        with self.injector.inject(ids, vectors):
-            hidden = families.backbone(lm)(
-                input_ids=ids,
-                attention_mask=layer_masks(lm, mask, slots, slots),
-                position_ids=positions,
-                past_key_values=prompt_cache,
-                use_cache=True,
-            ).last_hidden_state
-        logits = final_logits(lm, hidden[:, -1])  # [B, V]
+        prompt_cache, logits, first_key = prefill_prompts(lm, self.injector, ids, attn, vectors)
 
         # Each prompt's KV is copied into the rows of its G samples (prompt-major rows). Slots
         # past the prompt are zeroed: a masked slot still enters probs @ V (as 0 * value), so
@@ -430,16 +459,10 @@ class NativeRolloutEngine:
             return self._states[key]
         while len(self._states) >= self.max_shapes:
             self._states.pop(next(iter(self._states)))
-        config, device = lm.config, self.device
-        # Full-length layers for sliding-window blocks too: slots stay positions, masks apply windows.
-        cache = Cache(layers=[StaticLayer(max_cache_len=width + max_new_tokens) for _ in families.decoder_blocks(lm)])
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        cache.early_initialization(
-            batch_size=n_rows, num_heads=config.num_key_value_heads, head_dim=head_dim, dtype=lm.dtype, device=device
-        )
+        device = self.device
         long = dict(dtype=torch.long, device=device)
         state = _DecodeState(
-            cache=cache,
+            cache=static_cache(lm, n_rows, width + max_new_tokens),
             tokens=torch.full((n_rows, 1), self.pad_id, **long),
             positions=torch.zeros((n_rows, 1), **long),
             first_key=torch.zeros(n_rows, **long),

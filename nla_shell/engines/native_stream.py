@@ -209,7 +209,8 @@ class SlotDecoder:
         state.out_tokens.index_fill_(0, slots, engine.pad_id)
         state.out_logp.index_fill_(0, slots, 0.0)
         noise = torch.empty((len(free), state.noise.shape[1]), dtype=torch.float32, device=engine.device)
-        first = sample_with_noise(logits.repeat_interleave(rows, dim=0), self._noise(noise, state.greedy[slots], generator))
+        noise = self._noise(noise, state.greedy[slots], generator)
+        first = sample_with_noise(logits.repeat_interleave(rows, dim=0), noise)
         state.out_tokens[:, 0].index_copy_(0, slots, first.tokens)
         state.out_logp[:, 0].index_copy_(0, slots, first.logp)
         state.tokens.index_copy_(0, slots, first.tokens)
@@ -299,7 +300,8 @@ class SlotDecoder:
         return _SlotState(
             tokens=torch.full((n,), pad, **long), positions=torch.zeros(n, **long), write_col=torch.zeros(n, **long),
             first_key=torch.zeros(n, **long), out_col=torch.zeros(n, **long), active=torch.zeros(n, **long),
-            finished=torch.ones(n, dtype=torch.bool, device=device), greedy=torch.ones(n, dtype=torch.bool, device=device),
+            finished=torch.ones(n, dtype=torch.bool, device=device),
+            greedy=torch.ones(n, dtype=torch.bool, device=device),
             eos=torch.tensor(self.engine.eos_ids, **long),
             noise=torch.ones((n, lm.get_output_embeddings().out_features), dtype=torch.float32, device=device),
             out_tokens=torch.full((n, self.max_new_tokens), pad, **long),

@@ -93,7 +93,9 @@ class SlotScheduler:
                                                 f"{self.decoder.n_slots} decode slots (max_batch)"))
             return
         try:
-            vectors = job.vectors if job.vectors is not None else self.reader.capture([job.token_ids], [job.positions])[0]
+            vectors = job.vectors
+            if vectors is None:
+                vectors = self.reader.capture([job.token_ids], [job.positions])[0]
         except Exception as err:  # noqa: BLE001 - this request fails; the server keeps serving
             job.future.set_exception(err)
             return

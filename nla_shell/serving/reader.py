@@ -184,7 +184,8 @@ class NLAReader:
                                         max_new_tokens=max_new_tokens)[: len(requests) * samples]
         return self.site_results(vectors, rollouts, samples=samples)
 
-    def site_results(self, vectors: torch.Tensor, rollouts: Sequence[Rollout], *, samples: int) -> list[SiteExplanation]:
+    def site_results(self, vectors: torch.Tensor, rollouts: Sequence[Rollout], *,
+                     samples: int) -> list[SiteExplanation]:
         """The sites' explanations from their rollouts (site-major: vectors[i]'s `samples` first), scored by one AR
         pass; each site keeps its best. `explain` ends here, and `nla serve`'s continuous batching calls it per
         request as its rows finish."""

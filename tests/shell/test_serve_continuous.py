@@ -1,10 +1,12 @@
 """`nla serve` with continuous_batching (engine=native) on the two-concept toy NLA, on CPU: a real uvicorn server on a
 free loopback port. Under concurrent clients its greedy answers are those of the batched path (the key off); an
-engine that raises fails the requests in flight and the server goes on; the key is refused off engine=native."""
+engine that raises fails the requests in flight and the server goes on; a job cancelled while it waits for slots
+never reaches the engine; a worker that dies fails only what it held; the key is refused off engine=native."""
 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -16,8 +18,9 @@ pytest.importorskip("uvicorn")
 
 from nla_shell import cli  # noqa: E402
 from nla_shell.serving.app import build_app  # noqa: E402
+from nla_shell.serving.batcher import Batcher, Decoding, Job, WorkerDied  # noqa: E402
 from nla_shell.serving.reader import load_reader  # noqa: E402
-from serve_harness import running  # noqa: E402
+from serve_harness import Crash, running  # noqa: E402
 from test_serve import TEXT, eval_vectors, serve_config  # noqa: E402, F401 - eval_vectors: a fixture
 
 CLIENTS, REQUESTS_PER_CLIENT, TIME_CAP_S = 6, 5, 240
@@ -111,3 +114,69 @@ def test_continuous_batching_off_the_native_engine_is_refused_in_one_line(capsys
     assert cli.main(["serve", "--av", "a", "--ar", "b", "--model", "m", "--continuous-batching", "engine=native",
                      "max_batch=2", "max_samples=3"]) == 2
     assert "config key 'max_samples'" in capsys.readouterr().err
+
+
+@pytest.fixture
+def gated(native_reader, monkeypatch):
+    """A continuous batcher (2 slots) on the toy NLA whose decode steps wait for `gate` (opened after the test at the
+    latest); `entered` is set at the first step, `admitted` lists the sites of every admission."""
+    batcher = Batcher(native_reader, max_sites=2, wait_s=0.0, continuous=True, max_new_tokens=8)
+    decoder = batcher._scheduler.decoder
+    gate, entered, admitted = threading.Event(), threading.Event(), []
+    step, admit = decoder.step, decoder.admit
+
+    def gated_step(*args, **kwargs):
+        entered.set()
+        assert gate.wait(timeout=30), "the test never opened the gate"
+        return step(*args, **kwargs)
+
+    def recorded_admit(requests, **kwargs):
+        admitted.append(len(requests))
+        return admit(requests, **kwargs)
+
+    monkeypatch.setattr(decoder, "step", gated_step)
+    monkeypatch.setattr(decoder, "admit", recorded_admit)
+    yield batcher, gate, entered, admitted
+    gate.set()
+    batcher.close()
+
+
+def vectors_job(vectors: torch.Tensor) -> Job:
+    return Job(Decoding(samples=1, greedy=True, max_new_tokens=8), vectors=vectors)
+
+
+def test_a_job_cancelled_while_it_waits_for_slots_never_reaches_the_engine(gated, native_reader, eval_vectors):
+    batcher, gate, entered, admitted = gated
+    running = vectors_job(eval_vectors[:2])  # both slots
+    batcher.submit(running)
+    assert entered.wait(timeout=30)
+    waiting, later = vectors_job(eval_vectors[2:3]), vectors_job(eval_vectors[3:4])
+    batcher.submit(waiting)
+    assert waiting.future.cancel() and batcher.waiting == 0  # no slot was free: it had not started
+    batcher.submit(later)
+    gate.set()
+    alone = native_reader.explain(eval_vectors[:4], samples=1, greedy=True, max_new_tokens=8)
+    assert [s.explanation for s in running.future.result(timeout=30)] == [s.explanation for s in alone[:2]]
+    assert [s.explanation for s in later.future.result(timeout=30)] == [alone[3].explanation]
+    assert admitted == [2, 1] and batcher.stats["dropped_jobs"] == 1 and batcher.stats["jobs"] == 2
+
+
+def test_a_worker_that_dies_mid_decode_fails_the_jobs_it_held_and_a_new_worker_serves_the_next(
+        gated, native_reader, eval_vectors, monkeypatch):
+    batcher, gate, entered, _ = gated
+    decoder = batcher._scheduler.decoder
+    step = decoder.step
+
+    def crash(*args, **kwargs):
+        monkeypatch.setattr(decoder, "step", step)  # once
+        raise Crash("the engine's thread state is gone")
+
+    monkeypatch.setattr(decoder, "step", crash)
+    gate.set()
+    held = batcher.submit(vectors_job(eval_vectors[:2]))
+    with pytest.raises(WorkerDied, match="the worker stopped on Crash: the engine's thread state is gone"):
+        held.result(timeout=30)
+    served = batcher.submit(vectors_job(eval_vectors[:1])).result(timeout=30)
+    alone = native_reader.explain(eval_vectors[:1], samples=1, greedy=True, max_new_tokens=8)
+    assert [s.explanation for s in served] == [alone[0].explanation] and batcher.stats["worker_restarts"] == 1
+    assert decoder.free == decoder.n_slots

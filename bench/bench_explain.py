@@ -27,8 +27,9 @@ What is timed, for every engine of --engines on the same N vectors (--sites):
   --continuous  (--server-engine native) the server leg with `continuous_batching=true`: --batch
             decode slots kept busy, sites admitted between decode steps as others end
             (nla_shell.serving.continuous); the case records `continuous: true`. The AR then scores
-            per request, and --close-explanations closes the texts before that scoring, since the
-            slot decoder does not go through the engine's generate.
+            the requests completed at each decode step together, and --close-explanations closes
+            the texts before that scoring, since the slot decoder does not go through the engine's
+            generate.
   corpus    (with server, timed before it) `nla explain --parquet` mode (`explain_corpus`) on the
             same reader over a parquet of the same N vectors: sites/s and generated tokens/s.
 
@@ -391,8 +392,8 @@ def time_server(reader, vectors: torch.Tensor, args: argparse.Namespace, engine:
 @contextlib.contextmanager
 def slot_reader(reader) -> Iterator[None]:
     """The reader as the continuous server needs it, for the block: its own native engine (the slot decoder does not
-    call generate, so TimedEngine is set aside) and, with --close-explanations, each request's texts closed before
-    the AR scores them (NLAReader.site_results, where the continuous server scores)."""
+    call generate, so TimedEngine is set aside) and, with --close-explanations, the texts closed before the AR scores
+    them (NLAReader.site_results, where the continuous server scores)."""
     timed = reader.engine
     reader.engine = timed.engine
     if timed.close_with is not None:

@@ -5,8 +5,9 @@ takes to a `SlotScheduler`, which captures a text's activations, queues the job'
 every `advance` admits waiting sites into the free slots of a `SlotDecoder`
 (nla_shell.engines.native_stream: one prefill per admission, the injection at each prompt's
 marker), runs one decode step, and collects the rows that ended (EOS or their max_new_tokens).
-A job is answered when all its sites x samples have ended: the AR scores them in one pass
-(`NLAReader.site_results`, the scoring `explain` does) and its future gets the results.
+A job is answered when all its sites x samples have ended: the AR scores the jobs completed at
+one step in one pass (`NLAReader.site_results`, the scoring `explain` does) and each future gets
+its results.
 
 Every job keeps its own decoding settings (samples, greedy, max_new_tokens) in the slots it
 holds, so jobs with different settings decode together. Sites are admitted in arrival order;
@@ -115,13 +116,16 @@ class SlotScheduler:
         except Exception as err:  # noqa: BLE001 - the requests in flight fail; the server keeps serving
             self.fail_all(err)
             return
+        complete = []
         for row in ended:
             job_id, site = row.key
             flight = self._jobs[job_id]
             flight.rollouts[site * flight.samples + row.sample] = row.rollout
             flight.left -= 1
             if flight.left == 0:
-                self._answer(job_id)
+                complete.append(self._jobs.pop(job_id))
+        for samples in dict.fromkeys(flight.samples for flight in complete):
+            self._answer([flight for flight in complete if flight.samples == samples])
 
     def fail_all(self, err: BaseException) -> None:
         """Fail every started job with `err` and free every slot."""
@@ -169,13 +173,19 @@ class SlotScheduler:
                 self._waiting.popleft()
         return samples, sites
 
-    def _answer(self, job_id: int) -> None:
-        """The job's rows all ended: one AR pass over them, and its future gets the sites' results."""
-        flight = self._jobs.pop(job_id)
+    def _answer(self, flights: list[_InFlight]) -> None:
+        """Jobs (of one samples setting) whose rows all ended at this step: one AR pass over them all, and each future
+        gets its sites' results. A scoring failure fails these jobs only."""
         try:
-            results = self.reader.site_results(flight.vectors, flight.rollouts, samples=flight.samples)
-        except Exception as err:  # noqa: BLE001 - this request fails; the server keeps serving
-            flight.job.future.set_exception(err)
+            results = self.reader.site_results(torch.cat([flight.vectors for flight in flights]),
+                                               [r for flight in flights for r in flight.rollouts],
+                                               samples=flights[0].samples)
+        except Exception as err:  # noqa: BLE001 - these requests fail; the server keeps serving
+            for flight in flights:
+                flight.job.future.set_exception(err)
             return
-        flight.job.future.set_result(results)  # started (running): set_result cannot meet a cancelled future
-        self.stats.update(sites=self.stats["sites"] + len(flight.vectors), jobs=self.stats["jobs"] + 1)
+        start = 0
+        for flight in flights:  # started (running): set_result cannot meet a cancelled future
+            flight.job.future.set_result(results[start : start + len(flight.vectors)])
+            start += len(flight.vectors)
+        self.stats.update(sites=self.stats["sites"] + start, jobs=self.stats["jobs"] + len(flights))

@@ -63,7 +63,7 @@ def test_explain_bench_server_leg_with_base64_vectors(tmp_path):
 
 def test_explain_bench_server_leg_with_continuous_batching(tmp_path):
     """--continuous: the native server leg with continuous_batching; every site answered once, and with
-    --close-explanations the texts closed before the AR scores them per request (not through generate)."""
+    --close-explanations the texts closed before the AR scores them (not through generate)."""
     out = tmp_path / "explain.json"
     subprocess.run([sys.executable, str(ROOT / "bench" / "bench_explain.py"), "--tiny", "--make-8b",
                     str(tmp_path / "run"), "--engines", "native", "--server-engine", "native", "--continuous",

@@ -16,8 +16,9 @@ mid-decode. `SlotDecoder` keeps `slots` rows, each with its own state:
 prompt's KV copied into the slots of its samples); `step` decodes one token for every slot and
 returns the rows that ended (EOS, or their own max_new_tokens), whose slots are free again.
 The weights, LoRA policy (merged into scratch weights or not), decode attention, sampler and
-EOS ids are the engine's (`running` enters them), so greedy rows decode exactly what
-`generate` decodes for the same prompt and vector, whenever they join.
+EOS ids are the engine's (`running` enters them), so greedy rows decode what `generate`
+decodes for the same prompt and vector, whenever they join: token for token on CPU in float32
+(the tests); on a GPU in bf16 other batch shapes may round differently, as they may in `generate`.
 
 CUDA graphs (optional, `cuda_graphs=True` on a CUDA actor): what is captured is one decode step
 (`_step`) per attention window (the cache columns read, rounded up to the engine's kv_bucket),

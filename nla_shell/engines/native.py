@@ -183,12 +183,12 @@ def sample_with_noise(logits: torch.Tensor, noise: torch.Tensor) -> SampledToken
     return SampledTokens(tokens, logp_all.gather(-1, tokens.unsqueeze(-1)).squeeze(-1))
 
 
-def _is_eos(tokens: torch.Tensor, eos: torch.Tensor) -> torch.Tensor:
+def is_eos(tokens: torch.Tensor, eos: torch.Tensor) -> torch.Tensor:
     """[N] bool: tokens [N] that are any of eos [E] (a broadcast compare: no host sync, graph-capturable)."""
     return (tokens[:, None] == eos[None, :]).any(dim=-1)
 
 
-def _round_up(x: int, multiple: int) -> int:
+def round_up(x: int, multiple: int) -> int:
     return -(-x // multiple) * multiple
 
 
@@ -298,7 +298,7 @@ class NativeRolloutEngine:
         lm.eval()
         rollouts: list[Rollout] = []
         try:
-            with torch.no_grad(), self._decode_attention(lm), self._policy():
+            with torch.no_grad(), self.decode_attention(lm), self.policy():
                 self._drop_stale_graphs(lm)
                 for start in range(0, len(requests), per_chunk):
                     rollouts += self._generate_chunk(
@@ -329,7 +329,7 @@ class NativeRolloutEngine:
         device = self.device
         n_rows = len(requests) * group_size
         ids, attn = left_pad([r.prompt_ids for r in requests], self.pad_id, device)
-        width = _round_up(ids.shape[1], self.prompt_bucket)
+        width = round_up(ids.shape[1], self.prompt_bucket)
         ids = F.pad(ids, (width - ids.shape[1], 0), value=self.pad_id)
         attn = F.pad(attn, (width - attn.shape[1], 0), value=0)
         vectors = torch.stack([r.activation for r in requests]).to(device, torch.float32)
@@ -344,7 +344,7 @@ class NativeRolloutEngine:
         first = sample_with_noise(first_logits, state.noise)
         state.out_tokens[:, 0] = first.tokens
         state.out_logp[:, 0] = first.logp
-        state.finished.copy_(_is_eos(first.tokens, state.eos))
+        state.finished.copy_(is_eos(first.tokens, state.eos))
         state.tokens[:, 0] = first.tokens
         t2 = self._clock()
         columns = self._decode(state, width, max_new_tokens, generator)
@@ -410,7 +410,7 @@ class NativeRolloutEngine:
         for step in range(1, max_new_tokens):
             if step % check_every == 0 and bool(state.finished.all()):
                 return step
-            window = self._window(width + step, length)
+            window = self.decode_window(width + step, length)
             self._draw_noise(state.noise, generator)
             graph = state.graphs.get((window, self.merge_lora)) if self.cuda_graphs else None
             if graph is not None:
@@ -441,14 +441,14 @@ class NativeRolloutEngine:
         logp = sampled.logp.masked_fill(state.finished, 0.0)
         state.out_tokens.index_copy_(1, state.column, tokens[:, None])
         state.out_logp.index_copy_(1, state.column, logp[:, None])
-        state.finished.logical_or_(_is_eos(tokens, state.eos))
+        state.finished.logical_or_(is_eos(tokens, state.eos))
         state.tokens.copy_(tokens[:, None])
         state.positions.add_(1)
         state.column.add_(1)
 
-    def _window(self, needed: int, length: int) -> int:
+    def decode_window(self, needed: int, length: int) -> int:
         """Cache slots a step reads: `needed` rounded up to the bucket, at most the static length."""
-        return length if self.kv_bucket is None else min(length, _round_up(needed, self.kv_bucket))
+        return length if self.kv_bucket is None else min(length, round_up(needed, self.kv_bucket))
 
     # ------------------------------------------------------------------ state, graphs
 
@@ -483,7 +483,7 @@ class NativeRolloutEngine:
         write (tokens, cache slots past the prompt, counters) is overwritten before use.
         """
         length = width + max_new_tokens
-        windows = sorted({self._window(width + step, length) for step in range(1, max_new_tokens)})
+        windows = sorted({self.decode_window(width + step, length) for step in range(1, max_new_tokens)})
         missing = [w for w in windows if (w, self.merge_lora) not in state.graphs]
         if not missing:
             return
@@ -530,7 +530,8 @@ class NativeRolloutEngine:
     # ------------------------------------------------------------------ policy and attention
 
     @contextlib.contextmanager
-    def _decode_attention(self, lm: torch.nn.Module) -> Iterator[None]:
+    def decode_attention(self, lm: torch.nn.Module) -> Iterator[None]:
+        """The decode steps' grouped attention on `lm` (restored after)."""
         previous = lm.config._attn_implementation
         lm.set_attn_implementation(DECODE_ATTENTION)
         try:
@@ -539,7 +540,7 @@ class NativeRolloutEngine:
             lm.set_attn_implementation(previous)
 
     @contextlib.contextmanager
-    def _policy(self) -> Iterator[None]:
+    def policy(self) -> Iterator[None]:
         """The actor's current policy: LoRA branch as is, or merged into scratch weights.
 
         Merging writes W + delta into a scratch tensor per LoRA layer (kept across calls, so

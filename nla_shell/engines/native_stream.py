@@ -46,7 +46,7 @@ from nla_shell import families
 from nla_shell.engines.base import Rollout, RolloutRequest
 from nla_shell.engines.hf import eos_lengths, left_pad
 from nla_shell.engines.native import (
-    NativeRolloutEngine, _is_eos, _round_up, final_logits, layer_masks, prefill_prompts, sample_with_noise,
+    NativeRolloutEngine, is_eos, round_up, final_logits, layer_masks, prefill_prompts, sample_with_noise,
     static_cache,
 )
 from nla_shell.models import inner_lm
@@ -130,7 +130,7 @@ class SlotDecoder:
         if self.cuda_graphs and engine.device.type != "cuda":
             raise ValueError("cuda_graphs=True needs the actor on a CUDA device")
         self.check_every = check_every if engine.device.type == "cuda" else 1
-        self.length = _round_up(max_prompt_len, engine.prompt_bucket) + max_new_tokens
+        self.length = round_up(max_prompt_len, engine.prompt_bucket) + max_new_tokens
         lm = inner_lm(engine.actor)
         self.cache = static_cache(lm, slots, self.length, layer=SlotLayer)
         self.state = self._new_state(lm)
@@ -157,7 +157,7 @@ class SlotDecoder:
         was_training = lm.training
         lm.eval()
         try:
-            with torch.no_grad(), engine._decode_attention(lm), engine._policy():
+            with torch.no_grad(), engine.decode_attention(lm), engine.policy():
                 key = tuple(p.data_ptr() for p in lm.parameters())
                 if key != self._weights_key:  # graphs read parameters by address
                     self.graphs.clear()
@@ -186,7 +186,7 @@ class SlotDecoder:
             raise ValueError(f"admit: max_new_tokens {budgets} outside 1..{self.max_new_tokens}")
         engine, lm, state = self.engine, inner_lm(self.engine.actor), self.state
         ids, attn = left_pad([r.prompt_ids for r in requests], engine.pad_id, engine.device)
-        width = _round_up(ids.shape[1], engine.prompt_bucket)
+        width = round_up(ids.shape[1], engine.prompt_bucket)
         if width + max(budgets) > self.length:
             raise ValueError(f"admit: prompt width {width} + max_new_tokens {max(budgets)} exceeds the cache's "
                              f"{self.length} columns")
@@ -215,7 +215,7 @@ class SlotDecoder:
         state.out_tokens[:, 0].index_copy_(0, slots, first.tokens)
         state.out_logp[:, 0].index_copy_(0, slots, first.logp)
         state.tokens.index_copy_(0, slots, first.tokens)
-        state.finished.index_copy_(0, slots, _is_eos(first.tokens, state.eos))
+        state.finished.index_copy_(0, slots, is_eos(first.tokens, state.eos))
         for i, slot in enumerate(free):
             request = i // rows
             self.rows[slot] = _Row(keys[request], i % rows, requests[request], width, budgets[request])
@@ -228,7 +228,7 @@ class SlotDecoder:
         if not self.rows:
             raise RuntimeError("step: no row is active; admit some first")
         needed = max(row.width + row.generated for row in self.rows.values())  # columns read, the newest included
-        window = self.engine._window(needed, self.length)
+        window = self.engine.decode_window(needed, self.length)
         self._noise(self.state.noise, self.state.greedy, generator)
         graph = self.graphs.get(window) if self.cuda_graphs else None
         if graph is not None:
@@ -261,7 +261,7 @@ class SlotDecoder:
         logp = sampled.logp.masked_fill(state.finished, 0.0)
         state.out_tokens.scatter_(1, state.out_col[:, None], tokens[:, None])
         state.out_logp.scatter_(1, state.out_col[:, None], logp[:, None])
-        state.finished.logical_or_(_is_eos(tokens, state.eos))
+        state.finished.logical_or_(is_eos(tokens, state.eos))
         state.tokens.copy_(tokens)
         for counter in (state.positions, state.write_col, state.out_col):
             counter.add_(state.active)  # a free slot stays at column 0 (its writes land where admission overwrites)
@@ -316,7 +316,7 @@ class SlotDecoder:
 
     def _capture_all(self) -> None:
         """One graph per attention window, captured with every slot free (their writes go to column 0)."""
-        windows = sorted({self.engine._window(needed, self.length) for needed in range(1, self.length + 1)})
+        windows = sorted({self.engine.decode_window(needed, self.length) for needed in range(1, self.length + 1)})
         missing = [w for w in windows if w not in self.graphs]
         if not missing:
             return

@@ -24,6 +24,12 @@ What is timed, for every engine of --engines on the same N vectors (--sites):
             its rate over the corpus leg's (same engine, batch size and vectors). The server
             batches per engine call, so a closed loop of clients fills the engine's batches only
             with about twice --batch sites in flight (clients x vectors per request).
+  --continuous  (--server-engine native) the server leg with `continuous_batching=true`: --batch
+            decode slots kept busy, sites admitted between decode steps as others end
+            (nla_shell.serving.continuous); the case records `continuous: true`. The AR then scores
+            the requests completed at each decode step together, and --close-explanations closes
+            the texts before that scoring, since the slot decoder does not go through the engine's
+            generate.
   corpus    (with server, timed before it) `nla explain --parquet` mode (`explain_corpus`) on the
             same reader over a parquet of the same N vectors: sites/s and generated tokens/s.
 
@@ -45,6 +51,12 @@ load beside the corpus rate; about 3-4 minutes with the random 8B run built in /
         --engines native --server-engine native --close-explanations --sites 1024 --batch 256 \
         --clients 16,32 --out $OUT/explain_8b_native_closed.json
 
+The same with the server's continuous batching (server_over_corpus is the issue's >= 0.9 criterion):
+
+    PYTHONUNBUFFERED=1 python3 bench/bench_explain.py --make-8b /tmp/nla8b --label qwen3-8b-random-closed \
+        --engines native --server-engine native --continuous --close-explanations --sites 1024 --batch 256 \
+        --clients 16,32 --out $OUT/explain_8b_native_closed_continuous.json
+
 With vLLM installed (bench/README.md; without it the vllm rows are skipped):
 
     source /tmp/vllm_env.sh && PYTHONUNBUFFERED=1 python3 bench/bench_explain.py --make-8b /tmp/nla8b \\
@@ -62,6 +74,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import contextlib
 import importlib.util
 import itertools
 import json
@@ -74,6 +87,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Iterator
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
@@ -111,6 +125,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="concurrent HTTP clients, a comma list: one server case each (default 16; tiny 3)")
     parser.add_argument("--batch-max-wait-ms", type=float, default=50.0,
                         help="server leg: nla serve's --batch-max-wait-ms (0: a batch gathers for --batch-wait-ms only)")
+    parser.add_argument("--continuous", action="store_true",
+                        help="server leg: nla serve's continuous_batching (needs --server-engine native)")
     parser.add_argument("--close-explanations", action="store_true",
                         help="close the <explanation> tag at max tokens where a rollout has none (see above)")
     parser.add_argument("--vectors-per-request", type=int, default=None, help="vectors per POST (default 16; tiny 2)")
@@ -131,6 +147,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.vectors_per_request = args.vectors_per_request or (2 if tiny else 16)
     if args.server_engine and args.server_engine not in args.engines:
         args.engines.append(args.server_engine)  # the server leg runs on that engine's offline reader
+    if args.continuous and args.server_engine != "native":
+        parser.error("--continuous: continuous batching is nla serve's engine=native mode; add --server-engine native")
     if bad := [e for e in args.engines if e not in ("hf", "native", "vllm")]:
         parser.error(f"--engines: unknown {bad}; use hf, native, vllm")
     if sum(x is not None for x in (args.make_8b, args.run, args.av)) > 1:
@@ -233,12 +251,14 @@ class TimedEngine:
         self.engine.greedy = value
 
     def generate(self, requests, **kwargs):
-        import dataclasses
-
         seconds, rollouts = syn.timed(lambda: self.engine.generate(requests, **kwargs), self.device)
         self.seconds += seconds
-        if self.close_with is None:
-            return rollouts
+        return rollouts if self.close_with is None else self.closed_rollouts(rollouts)
+
+    def closed_rollouts(self, rollouts):
+        """The rollouts with their texts through closed_explanation (counted in `closed`)."""
+        import dataclasses
+
         closed = [closed_explanation(r.text, r.response_len, self.close_with) for r in rollouts]
         self.closed += sum(text != r.text for text, r in zip(closed, rollouts))
         return [dataclasses.replace(r, text=text) for r, text in zip(rollouts, closed)]
@@ -283,7 +303,7 @@ def time_server(reader, vectors: torch.Tensor, args: argparse.Namespace, engine:
     cfg = ServeConfig(av=args.av, ar=args.ar, sidecar=args.sidecar, engine=engine, model=args.av, port=0,
                       max_batch=args.batch, max_sites=k, max_new_tokens=args.new_tokens,
                       max_new_tokens_limit=max(args.new_tokens, 256), device=args.device,
-                      batch_max_wait_ms=args.batch_max_wait_ms)
+                      batch_max_wait_ms=args.batch_max_wait_ms, max_samples=1, continuous_batching=args.continuous)
     app = build_app(reader, cfg)
     sock = bind("127.0.0.1", 0)
     server = uvicorn_server(app)
@@ -357,9 +377,9 @@ def time_server(reader, vectors: torch.Tensor, args: argparse.Namespace, engine:
         app.state.batcher.close()
         sock.close()
     latencies.sort()
-    batcher = {key: after[key] - before[key] for key in ("batches", "sites", "jobs")}
+    batcher = {key: after[key] - before[key] for key in ("batches", "sites", "jobs", "decode_steps") if key in after}
     return {"seconds": seconds, "sites_per_s": sum(answered) / seconds, "requests": len(bodies),
-            "encoding": args.server_encoding,
+            "encoding": args.server_encoding, "continuous": args.continuous,
             "clients": clients, "vectors_per_request": k, "sites_in_flight": clients * k,
             "batch_max_wait_ms": args.batch_max_wait_ms, "peak_gib": peak, "failed_requests": failures,
             "sites_answered_once": sum(a == 1 for a in answered),
@@ -367,6 +387,35 @@ def time_server(reader, vectors: torch.Tensor, args: argparse.Namespace, engine:
             "p50_ms": 1000 * statistics.median(latencies), "p99_ms": 1000 * percentile(latencies, 0.99),
             "batcher": {**batcher, "largest_batch_sites": after["largest_batch_sites"],
                         "mean_batch_sites": batcher["sites"] / max(batcher["batches"], 1)}}
+
+
+@contextlib.contextmanager
+def slot_reader(reader) -> Iterator[None]:
+    """The reader as the continuous server needs it, for the block: its own native engine (the slot decoder does not
+    call generate, so TimedEngine is set aside) and, with --close-explanations, the texts closed before the AR scores
+    them (NLAReader.site_results, where the continuous server scores)."""
+    timed = reader.engine
+    reader.engine = timed.engine
+    if timed.close_with is not None:
+        score = reader.site_results
+        reader.site_results = lambda vectors, rollouts, *, samples: score(vectors, timed.closed_rollouts(rollouts),
+                                                                          samples=samples)
+    try:
+        yield
+    finally:
+        reader.engine = timed
+        reader.__dict__.pop("site_results", None)
+
+
+def served(reader, vectors: torch.Tensor, args: argparse.Namespace, engine: str, device: torch.device,
+           clients: int) -> dict:
+    """time_server, inside slot_reader's block with --continuous; `closed_by_bench` counts the rollouts closed for
+    the AR in the leg (its warm-up request included)."""
+    timed = reader.engine
+    closed = timed.closed
+    with slot_reader(reader) if args.continuous else contextlib.nullcontext():
+        case = time_server(reader, vectors, args, engine, device, clients)
+    return {**case, "closed_by_bench": timed.closed - closed}
 
 
 def percentile(sorted_values: list[float], q: float) -> float:
@@ -413,7 +462,7 @@ def run_engine(engine: str, vectors: torch.Tensor, vectors_parquet: Path, args, 
     legs = [("offline", lambda: time_offline(reader, vectors, args, device))]
     if engine == args.server_engine:  # the corpus rate first: each server case is compared with it
         legs += [("corpus", lambda: time_corpus(reader, vectors_parquet, args, engine, workdir, device))]
-        legs += [("server", lambda c=c: time_server(reader, vectors, args, engine, device, c)) for c in args.clients]
+        legs += [("server", lambda c=c: served(reader, vectors, args, engine, device, c)) for c in args.clients]
     corpus_rate = math.nan
     for mode, leg in legs:
         print(f"[{engine}] {mode}", flush=True)

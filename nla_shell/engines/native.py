@@ -123,6 +123,51 @@ def layer_masks(lm: torch.nn.Module, allowed: torch.Tensor, query_slots: torch.T
     return {kind: windowed(window) for kind, window in dict(zip(layer_types, windows)).items()}
 
 
+def prefill_prompts(
+    lm: torch.nn.Module, injector: Injector, ids: torch.Tensor, attn: torch.Tensor, vectors: torch.Tensor
+) -> tuple[DynamicCache, torch.Tensor, torch.Tensor]:
+    """One injected forward over B left-padded prompts (the injection acts at each prompt's marker).
+
+    Real tokens sit at positions 0, 1, ...; padding queries attend to themselves only, so no
+    softmax row is empty and the cache holds finite values everywhere.
+
+    Args: ids, attn: [B, W] left-padded; vectors: [B, D] float32.
+    Returns: (the prompts' KV cache [B, Hkv, W, Dh] per layer, [B, V] logits of the first generated
+    token, [B] slot of each prompt's first real token).
+    """
+    width = ids.shape[1]
+    first_key = width - attn.sum(dim=1)  # [B] slot of the first real token
+    slots = torch.arange(width, device=ids.device)
+    causal = slots[None, :] <= slots[:, None]  # [W(q), W(k)]
+    real_key = slots[None, :] >= first_key[:, None]  # [B, W(k)]
+    mask = (causal[None] & real_key[:, None, :]) | torch.eye(width, dtype=torch.bool, device=ids.device)[None]
+    positions = (slots[None, :] - first_key[:, None]).clamp_min(0)  # real tokens at 0, 1, ...
+    prompt_cache = DynamicCache()  # no config: every layer keeps every position (no window eviction)
+    with injector.inject(ids, vectors):
+        hidden = families.backbone(lm)(
+            input_ids=ids,
+            attention_mask=layer_masks(lm, mask, slots, slots),
+            position_ids=positions,
+            past_key_values=prompt_cache,
+            use_cache=True,
+        ).last_hidden_state
+    return prompt_cache, final_logits(lm, hidden[:, -1]), first_key
+
+
+def static_cache(lm: torch.nn.Module, n_rows: int, length: int, layer: type[StaticLayer] = StaticLayer) -> Cache:
+    """A cache of `layer`s (StaticLayer or a subclass), one per decoder block, allocated now:
+    per layer [n_rows, Hkv, length, Dh] zeros in the model's dtype, on its device. Full-length
+    layers for sliding-window blocks too: slots stay positions, masks apply windows."""
+    config = lm.config
+    cache = Cache(layers=[layer(max_cache_len=length) for _ in families.decoder_blocks(lm)])
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    device = next(lm.parameters()).device
+    cache.early_initialization(
+        batch_size=n_rows, num_heads=config.num_key_value_heads, head_dim=head_dim, dtype=lm.dtype, device=device
+    )
+    return cache
+
+
 def sample_with_noise(logits: torch.Tensor, noise: torch.Tensor) -> SampledTokens:
     """Temperature-1 full-vocabulary sample given pre-drawn Exp(1) noise, with float32 log-probs.
 
@@ -138,12 +183,12 @@ def sample_with_noise(logits: torch.Tensor, noise: torch.Tensor) -> SampledToken
     return SampledTokens(tokens, logp_all.gather(-1, tokens.unsqueeze(-1)).squeeze(-1))
 
 
-def _is_eos(tokens: torch.Tensor, eos: torch.Tensor) -> torch.Tensor:
+def is_eos(tokens: torch.Tensor, eos: torch.Tensor) -> torch.Tensor:
     """[N] bool: tokens [N] that are any of eos [E] (a broadcast compare: no host sync, graph-capturable)."""
     return (tokens[:, None] == eos[None, :]).any(dim=-1)
 
 
-def _round_up(x: int, multiple: int) -> int:
+def round_up(x: int, multiple: int) -> int:
     return -(-x // multiple) * multiple
 
 
@@ -253,7 +298,7 @@ class NativeRolloutEngine:
         lm.eval()
         rollouts: list[Rollout] = []
         try:
-            with torch.no_grad(), self._decode_attention(lm), self._policy():
+            with torch.no_grad(), self.decode_attention(lm), self.policy():
                 self._drop_stale_graphs(lm)
                 for start in range(0, len(requests), per_chunk):
                     rollouts += self._generate_chunk(
@@ -284,7 +329,7 @@ class NativeRolloutEngine:
         device = self.device
         n_rows = len(requests) * group_size
         ids, attn = left_pad([r.prompt_ids for r in requests], self.pad_id, device)
-        width = _round_up(ids.shape[1], self.prompt_bucket)
+        width = round_up(ids.shape[1], self.prompt_bucket)
         ids = F.pad(ids, (width - ids.shape[1], 0), value=self.pad_id)
         attn = F.pad(attn, (width - attn.shape[1], 0), value=0)
         vectors = torch.stack([r.activation for r in requests]).to(device, torch.float32)
@@ -299,7 +344,7 @@ class NativeRolloutEngine:
         first = sample_with_noise(first_logits, state.noise)
         state.out_tokens[:, 0] = first.tokens
         state.out_logp[:, 0] = first.logp
-        state.finished.copy_(_is_eos(first.tokens, state.eos))
+        state.finished.copy_(is_eos(first.tokens, state.eos))
         state.tokens[:, 0] = first.tokens
         t2 = self._clock()
         columns = self._decode(state, width, max_new_tokens, generator)
@@ -343,23 +388,7 @@ class NativeRolloutEngine:
         Returns: [B * G, V] logits of each row's first generated token.
         """
         n_prompts, width = ids.shape
-        first_key = width - attn.sum(dim=1)  # [B] slot of the first real token
-        slots = torch.arange(width, device=ids.device)
-        causal = slots[None, :] <= slots[:, None]  # [W(q), W(k)]
-        real_key = slots[None, :] >= first_key[:, None]  # [B, W(k)]
-        # Padding queries attend to themselves only, so no softmax row is empty (NaN-free cache).
-        mask = (causal[None] & real_key[:, None, :]) | torch.eye(width, dtype=torch.bool, device=ids.device)[None]
-        positions = (slots[None, :] - first_key[:, None]).clamp_min(0)  # real tokens at 0, 1, ...
-        prompt_cache = DynamicCache()  # no config: every layer keeps every position (no window eviction)
-        with self.injector.inject(ids, vectors):
-            hidden = families.backbone(lm)(
-                input_ids=ids,
-                attention_mask=layer_masks(lm, mask, slots, slots),
-                position_ids=positions,
-                past_key_values=prompt_cache,
-                use_cache=True,
-            ).last_hidden_state
-        logits = final_logits(lm, hidden[:, -1])  # [B, V]
+        prompt_cache, logits, first_key = prefill_prompts(lm, self.injector, ids, attn, vectors)
 
         # Each prompt's KV is copied into the rows of its G samples (prompt-major rows). Slots
         # past the prompt are zeroed: a masked slot still enters probs @ V (as 0 * value), so
@@ -381,7 +410,7 @@ class NativeRolloutEngine:
         for step in range(1, max_new_tokens):
             if step % check_every == 0 and bool(state.finished.all()):
                 return step
-            window = self._window(width + step, length)
+            window = self.decode_window(width + step, length)
             self._draw_noise(state.noise, generator)
             graph = state.graphs.get((window, self.merge_lora)) if self.cuda_graphs else None
             if graph is not None:
@@ -412,14 +441,14 @@ class NativeRolloutEngine:
         logp = sampled.logp.masked_fill(state.finished, 0.0)
         state.out_tokens.index_copy_(1, state.column, tokens[:, None])
         state.out_logp.index_copy_(1, state.column, logp[:, None])
-        state.finished.logical_or_(_is_eos(tokens, state.eos))
+        state.finished.logical_or_(is_eos(tokens, state.eos))
         state.tokens.copy_(tokens[:, None])
         state.positions.add_(1)
         state.column.add_(1)
 
-    def _window(self, needed: int, length: int) -> int:
+    def decode_window(self, needed: int, length: int) -> int:
         """Cache slots a step reads: `needed` rounded up to the bucket, at most the static length."""
-        return length if self.kv_bucket is None else min(length, _round_up(needed, self.kv_bucket))
+        return length if self.kv_bucket is None else min(length, round_up(needed, self.kv_bucket))
 
     # ------------------------------------------------------------------ state, graphs
 
@@ -430,16 +459,10 @@ class NativeRolloutEngine:
             return self._states[key]
         while len(self._states) >= self.max_shapes:
             self._states.pop(next(iter(self._states)))
-        config, device = lm.config, self.device
-        # Full-length layers for sliding-window blocks too: slots stay positions, masks apply windows.
-        cache = Cache(layers=[StaticLayer(max_cache_len=width + max_new_tokens) for _ in families.decoder_blocks(lm)])
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        cache.early_initialization(
-            batch_size=n_rows, num_heads=config.num_key_value_heads, head_dim=head_dim, dtype=lm.dtype, device=device
-        )
+        device = self.device
         long = dict(dtype=torch.long, device=device)
         state = _DecodeState(
-            cache=cache,
+            cache=static_cache(lm, n_rows, width + max_new_tokens),
             tokens=torch.full((n_rows, 1), self.pad_id, **long),
             positions=torch.zeros((n_rows, 1), **long),
             first_key=torch.zeros(n_rows, **long),
@@ -460,7 +483,7 @@ class NativeRolloutEngine:
         write (tokens, cache slots past the prompt, counters) is overwritten before use.
         """
         length = width + max_new_tokens
-        windows = sorted({self._window(width + step, length) for step in range(1, max_new_tokens)})
+        windows = sorted({self.decode_window(width + step, length) for step in range(1, max_new_tokens)})
         missing = [w for w in windows if (w, self.merge_lora) not in state.graphs]
         if not missing:
             return
@@ -507,7 +530,8 @@ class NativeRolloutEngine:
     # ------------------------------------------------------------------ policy and attention
 
     @contextlib.contextmanager
-    def _decode_attention(self, lm: torch.nn.Module) -> Iterator[None]:
+    def decode_attention(self, lm: torch.nn.Module) -> Iterator[None]:
+        """The decode steps' grouped attention on `lm` (restored after)."""
         previous = lm.config._attn_implementation
         lm.set_attn_implementation(DECODE_ATTENTION)
         try:
@@ -516,7 +540,7 @@ class NativeRolloutEngine:
             lm.set_attn_implementation(previous)
 
     @contextlib.contextmanager
-    def _policy(self) -> Iterator[None]:
+    def policy(self) -> Iterator[None]:
         """The actor's current policy: LoRA branch as is, or merged into scratch weights.
 
         Merging writes W + delta into a scratch tensor per LoRA layer (kept across calls, so

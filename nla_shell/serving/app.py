@@ -278,7 +278,8 @@ def build_app(reader: NLAReader, cfg: ServeConfig) -> FastAPI:
     size, checked before any endpoint runs)."""
     app = FastAPI(title="nla serve", version="1", description="Natural Language Autoencoder: explain activations.")
     app.state.batcher = Batcher(reader, max_sites=cfg.max_batch, wait_s=cfg.batch_wait_ms / 1000,
-                                max_wait_s=cfg.batch_max_wait_ms / 1000, max_queue=cfg.max_queue)
+                                max_wait_s=cfg.batch_max_wait_ms / 1000, max_queue=cfg.max_queue,
+                                continuous=cfg.continuous_batching, max_new_tokens=cfg.max_new_tokens_limit)
     app.add_middleware(Guard, api_key=cfg.resolved_api_key(), max_body_bytes=int(cfg.max_body_mb * 1_000_000),
                        busy=app.state.batcher.refusal)
 
@@ -310,7 +311,8 @@ def build_app(reader: NLAReader, cfg: ServeConfig) -> FastAPI:
         limits = {key: getattr(cfg, key) for key in (
             "max_batch", "max_sites", "max_text_chars", "max_text_tokens", "max_new_tokens", "max_new_tokens_limit",
             "max_samples", "max_body_mb", "max_queue", "request_timeout_s")}
-        batching = {**app.state.batcher.stats, "waiting": app.state.batcher.waiting}
+        batching = {**app.state.batcher.stats, "waiting": app.state.batcher.waiting,
+                    "continuous": cfg.continuous_batching}
         return {**reader.info(), "limits": limits, "batching": batching}
 
     @app.post("/v1/explain", response_model=ExplainResponse, openapi_extra=body_schema(ExplainRequest.model_json_schema()))

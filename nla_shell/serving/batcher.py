@@ -16,9 +16,13 @@ one else. An engine that raises fails that batch's futures and the worker goes o
 that dies (anything escaping the loop) fails the jobs it held and those waiting, and a new
 worker takes its place.
 
-Batching is per engine call, not per decode step: a batch runs to its end before the next
-starts (no admission of new sequences between decode steps). On an engine with CUDA graphs
-(native on a GPU) every call is padded to `max_sites` prompts, one batch shape for all.
+By default batching is per engine call, not per decode step: a batch runs to its end before
+the next starts (no admission of new sequences between decode steps). On an engine with CUDA
+graphs (native on a GPU) every call is padded to `max_sites` prompts, one batch shape for all.
+With `continuous=True` (engine=native only) the worker instead keeps `max_sites` decode slots
+busy (nla_shell.serving.continuous): it takes a waiting job whenever slots are free for it,
+feeds its sites into them between decode steps, and answers each job once all its sites have
+ended and been scored; a job waits in the queue (cancellable, counted by `waiting`) until then.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from typing import Sequence
 
 import torch
 
+from nla_shell.serving.continuous import SlotScheduler
 from nla_shell.serving.reader import NLAReader
 
 
@@ -72,7 +77,7 @@ class Batcher:
     shows them)."""
 
     def __init__(self, reader: NLAReader, *, max_sites: int, wait_s: float, max_wait_s: float | None = None,
-                 max_queue: int | None = None) -> None:
+                 max_queue: int | None = None, continuous: bool = False, max_new_tokens: int = 256) -> None:
         self.reader, self.max_sites, self.wait_s = reader, max_sites, wait_s
         self.max_wait_s = wait_s if max_wait_s is None else max(max_wait_s, wait_s)
         self.max_queue = max_queue
@@ -81,6 +86,9 @@ class Batcher:
         self.pad_to = max_sites if getattr(reader.engine, "cuda_graphs", False) else None
         self.stats = {"batches": 0, "sites": 0, "jobs": 0, "largest_batch_sites": 0, "dropped_jobs": 0,
                       "refused_jobs": 0, "worker_restarts": 0}
+        # continuous: max_sites decode slots (rows: sites x samples), each as long as max_new_tokens at most
+        self._scheduler = SlotScheduler(reader, slots=max_sites, max_new_tokens=max_new_tokens,
+                                        stats=self.stats) if continuous else None
         self._queue: queue.Queue[Job | None] = queue.Queue()
         self._submit_lock = threading.Lock()
         self._closing = False
@@ -124,6 +132,9 @@ class Batcher:
     def _run(self) -> None:
         held: list[Job] = []
         try:
+            if self._scheduler is not None:
+                self._run_continuously(held)
+                return
             while True:
                 first = self._queue.get()
                 if first is None:
@@ -134,7 +145,46 @@ class Batcher:
                     self._explain(group)
                 held = []
         except BaseException as err:  # noqa: BLE001 - whatever killed the worker, its clients hear of it
+            if self._scheduler is not None:
+                held = held + self._scheduler.held()  # a job in both is failed once (_worker_died skips done ones)
+                self._scheduler.reset()
             self._worker_died(held, err)
+
+    def _run_continuously(self, held: list[Job]) -> None:
+        """The worker with continuous batching: between decode steps, take waiting jobs while slots are free for
+        them; leave the decoder's session when no job is in flight, and wait for the next. `held` lists the jobs
+        taken and not yet handed to the scheduler."""
+        scheduler = self._scheduler
+        while True:
+            first = self._queue.get()
+            if first is None:
+                return
+            closing = False
+            with scheduler.running():
+                job: Job | None = first
+                while True:
+                    if job is not None:
+                        held[:] = [job]
+                        if self._take(job):
+                            scheduler.add(job)
+                        held.clear()
+                    job = None
+                    if not closing and scheduler.room > 0:
+                        job, closing = self._next_waiting()
+                    if job is None:
+                        if not scheduler.busy:
+                            break
+                        scheduler.advance()
+            if closing:
+                return
+
+    def _next_waiting(self) -> tuple[Job | None, bool]:
+        """(a waiting job or None, whether the batcher is closing): without waiting."""
+        try:
+            job = self._queue.get_nowait()
+        except queue.Empty:
+            return None, False
+        return job, job is None
 
     def _worker_died(self, held: list[Job], err: BaseException) -> None:
         """Fail the jobs the dead worker held and those waiting (500), then start a new worker."""

@@ -132,6 +132,11 @@ class ServeConfig(ReaderSettings):
     request_timeout_s: float = 120.0
     """A request not answered within this many seconds gets 504 (its sites are dropped if not yet started); the
     server goes on."""
+    continuous_batching: bool = False
+    """engine=native: keep max_batch decode slots (sites x samples) busy, admitting waiting requests' sites between
+    decode steps as others finish (nla_shell.serving.continuous), instead of one engine call per gathered batch
+    (batch_wait_ms and batch_max_wait_ms then do not apply). Off by default: its answers are checked against the
+    batched path on CPU only (greedy answers equal), and its rate on a GPU is not yet measured."""
 
     def __post_init__(self) -> None:
         normalize_fields(self)
@@ -146,6 +151,12 @@ class ServeConfig(ReaderSettings):
         require(self.max_queue >= 1, "max_queue", self.max_queue, "use an integer >= 1")
         require(self.max_new_tokens <= self.max_new_tokens_limit, "max_new_tokens", self.max_new_tokens,
                 f"use at most max_new_tokens_limit = {self.max_new_tokens_limit}")
+        if self.continuous_batching:
+            require(self.engine == "native", "continuous_batching", True,
+                    f"applies to engine=native only (engine is {self.engine}); set engine=native or drop it")
+            require(self.max_samples <= self.max_batch, "max_samples", self.max_samples,
+                    f"with continuous_batching a site's samples take one slot each: use at most max_batch = "
+                    f"{self.max_batch}")
         require(self.api_key is None or self.api_key.strip() != "", "api_key", self.api_key,
                 "give a non-empty token, or leave it unset")
 

@@ -21,7 +21,7 @@ import torch
 
 import nla_core
 from nla_shell import families
-from nla_shell.engines.base import RolloutEngine, RolloutRequest
+from nla_shell.engines.base import Rollout, RolloutEngine, RolloutRequest
 from nla_shell.io.config import VLLMQuantization
 from nla_shell.io.data import DataError, av_prompt_messages, build_prompt_ids, check_tokenizer
 from nla_shell.io.paths import require_file, require_model
@@ -182,6 +182,13 @@ class NLAReader:
         padding = requests[:1] * max((pad_to or 0) - len(requests), 0)
         rollouts = self.engine.generate(requests + padding, group_size=samples,
                                         max_new_tokens=max_new_tokens)[: len(requests) * samples]
+        return self.site_results(vectors, rollouts, samples=samples)
+
+    def site_results(self, vectors: torch.Tensor, rollouts: Sequence[Rollout], *,
+                     samples: int) -> list[SiteExplanation]:
+        """The sites' explanations from their rollouts (site-major: vectors[i]'s `samples` first), scored by one AR
+        pass; each site keeps its best. `explain` ends here, and `nla serve`'s continuous batching calls it per
+        request as its rows finish."""
         texts = [nla_core.extract_explanation(r.text) for r in rollouts]
         golds = vectors.float().repeat_interleave(samples, dim=0)
         preds, mses = self._score(texts, golds)

@@ -59,3 +59,19 @@ def test_explain_bench_server_leg_with_base64_vectors(tmp_path):
     (server,) = [c for c in record["cases"] if c["mode"] == "server"]
     assert server["encoding"] == "base64" and server["failed_requests"] == []
     assert server["sites_answered_once"] == 6 and server["batcher"]["sites"] == 6
+
+
+def test_explain_bench_server_leg_with_continuous_batching(tmp_path):
+    """--continuous: the native server leg with continuous_batching; every site answered once, and with
+    --close-explanations the texts closed before the AR scores them (not through generate)."""
+    out = tmp_path / "explain.json"
+    subprocess.run([sys.executable, str(ROOT / "bench" / "bench_explain.py"), "--tiny", "--make-8b",
+                    str(tmp_path / "run"), "--engines", "native", "--server-engine", "native", "--continuous",
+                    "--close-explanations", "--sites", "6", "--clients", "2", "--out", str(out)],
+                   check=True, capture_output=True, text=True, timeout=300)
+    record = json.loads(out.read_text())
+    assert record["errors"] == []
+    (server,) = [c for c in record["cases"] if c["mode"] == "server"]
+    assert server["continuous"] and server["engine"] == "native" and server["failed_requests"] == []
+    assert server["sites_answered_once"] == 6 and server["batcher"]["sites"] == 6
+    assert server["batcher"]["decode_steps"] > 0 and server["closed_by_bench"] >= 6

@@ -25,7 +25,8 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException
 
-from nla_shell.serving.batcher import Batcher, Decoding, Job, QueueFull
+from nla_shell.serving.batcher import Batcher, QueueFull
+from nla_shell.serving.jobs import Decoding, Job
 from nla_shell.serving.config import ServeConfig
 from nla_shell.serving.guard import Guard, busy_response, error_response
 from nla_shell.serving.reader import NLAReader, SiteExplanation

@@ -31,37 +31,12 @@ import queue
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass, field
-from typing import Sequence
 
 import torch
 
 from nla_shell.serving.continuous import SlotScheduler
+from nla_shell.serving.jobs import Decoding, Job
 from nla_shell.serving.reader import NLAReader
-
-
-@dataclass(frozen=True)
-class Decoding:
-    """The settings a batch shares."""
-
-    samples: int
-    greedy: bool
-    max_new_tokens: int
-
-
-@dataclass
-class Job:
-    """One request's sites: `vectors` [n, D], or a text's `token_ids` and the `positions` to read."""
-
-    decoding: Decoding
-    vectors: torch.Tensor | None = None
-    token_ids: Sequence[int] | None = None
-    positions: Sequence[int] = ()
-    future: Future = field(default_factory=Future)
-
-    @property
-    def n_sites(self) -> int:
-        return len(self.vectors) if self.vectors is not None else len(self.positions)
 
 
 class QueueFull(Exception):

@@ -20,17 +20,15 @@ import contextlib
 import itertools
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterator
+from typing import Iterator
 
 import torch
 
 from nla_shell.engines.base import Rollout, RolloutRequest
 from nla_shell.engines.native import NativeRolloutEngine
 from nla_shell.engines.native_stream import FinishedRow, SlotDecoder
+from nla_shell.serving.jobs import Job
 from nla_shell.serving.reader import NLAReader
-
-if TYPE_CHECKING:
-    from nla_shell.serving.batcher import Job
 
 
 @dataclass

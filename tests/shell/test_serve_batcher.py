@@ -9,7 +9,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from nla_shell.serving.batcher import Batcher, Decoding, Job, QueueFull, WorkerDied
+from nla_shell.serving.batcher import Batcher, QueueFull, WorkerDied
+from nla_shell.serving.jobs import Decoding, Job
 from serve_harness import Crash, StandInReader
 
 GREEDY = Decoding(samples=1, greedy=True, max_new_tokens=4)

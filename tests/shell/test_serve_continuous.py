@@ -18,7 +18,8 @@ pytest.importorskip("uvicorn")
 
 from nla_shell import cli  # noqa: E402
 from nla_shell.serving.app import build_app  # noqa: E402
-from nla_shell.serving.batcher import Batcher, Decoding, Job, WorkerDied  # noqa: E402
+from nla_shell.serving.batcher import Batcher, WorkerDied  # noqa: E402
+from nla_shell.serving.jobs import Decoding, Job  # noqa: E402
 from nla_shell.serving.reader import load_reader  # noqa: E402
 from serve_harness import Crash, running  # noqa: E402
 from test_serve import TEXT, eval_vectors, serve_config  # noqa: E402, F401 - eval_vectors: a fixture

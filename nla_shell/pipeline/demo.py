@@ -123,6 +123,11 @@ class DemoConfig:
     """AV LoRA rank (alpha = rank, rsLoRA)."""
     lora_targets: tuple[str, ...] = ()
     """Modules the AV's LoRA adapts (nla sft's lora_targets); empty: the family's attention projections."""
+    injection_style: Literal["residual_add", "embedding_replace"] | None = None
+    """How the AV takes the vector (nla sft's injection_style; RL and the evals follow the AV's sidecar): None, the
+    data's (residual_add, the reference's add at block 1's output); embedding_replace is kitft's."""
+    injection_scale: str | None = None
+    """With embedding_replace: the injected L2 norm ("sqrt_d_model", "raw" or a number); None: the data's."""
     sft_eval_every: int = 0
     """SFT steps between held-out evaluations on eval.parquet (the AR: FVE on gold; the AV: the round trip through
     the SFT'd AR); each SFT stage then stops on a plateau (sft_patience) and hands on its best checkpoint, with
@@ -499,7 +504,8 @@ def av_warm_start(cfg: DemoConfig, target: Path, data_paths: Mapping[str, Path],
         settings.update(eval_ar=str(ar), eval_max_new_tokens=cfg.max_new_tokens)
     return sft(SFTConfig(mode="av", parquet=str(data_paths["av_sft"]), save_dir=str(run_dir / "av_sft"),
                          batch_size=cfg.av_batch, micro_batch=cfg.av_batch, lr=cfg.av_lr, lora_r=cfg.lora_r,
-                         lora_alpha=cfg.lora_r, lora_targets=cfg.lora_targets, **settings))
+                         lora_alpha=cfg.lora_r, lora_targets=cfg.lora_targets, injection_style=cfg.injection_style,
+                         injection_scale=cfg.injection_scale, **settings))
 
 
 def _plot(rl_dir: Path) -> Path | None:

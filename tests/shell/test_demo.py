@@ -7,6 +7,7 @@ import platform
 from pathlib import Path
 
 import torch
+import yaml
 
 from nla_shell import cli
 
@@ -226,3 +227,15 @@ def test_a_demo_with_a_co_trained_ar_scores_after_rl_with_it(tmp_path, capsys):
     scored_by = {stage: json.loads((run_dir / "eval" / stage / "eval_summary.json").read_text())["provenance"]["ar"]["path"]
                  for stage in ("after_sft", "after_rl")}
     assert scored_by == {"after_sft": str(Path(report["checkpoints"]["ar"]).resolve()), "after_rl": str(critic.resolve())}
+
+
+def test_the_demos_injection_style_reaches_the_av_and_rl_follows_it(tmp_path):
+    """injection_style / injection_scale go to the AV's SFT; RL continues that AV with them (its sidecar says so)."""
+    run_dir = tmp_path / "dm"
+    assert cli.main(["demo", "--tiny", "--run-dir", str(run_dir), "injection_style=embedding_replace",
+                     "injection_scale=2.5"]) == 0
+    for adapter in (run_dir / "av_sft" / "step_000002", run_dir / "rl" / "step_000002" / "adapter"):
+        meta = yaml.safe_load((adapter / "nla_meta.yaml").read_text())
+        assert meta["injection_style"] == "embedding_replace" and meta["extraction"]["injection_scale"] == 2.5
+    data = yaml.safe_load((run_dir / "data" / "rl.parquet.nla_meta.yaml").read_text())
+    assert data.get("injection_style", "residual_add") == "residual_add"  # the data keep theirs: the AV's differ

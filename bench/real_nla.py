@@ -79,7 +79,7 @@ def _samples(eval_dir: Path) -> list[dict[str, Any]]:
 def assemble(*, engine: str, seed: int, sft_run: str, rl_dir: str, after_rl: str, out: str) -> None:
     import shutil
 
-    from nla_shell.pipeline.demo import held_out_samples, rl_step_seconds
+    from nla_shell.pipeline.demo_report import held_out_samples, rl_step_seconds
 
     demo_dir, out_dir = Path(sft_run), Path(out)
     gold, sft, rl = (_summary(demo_dir / "eval" / "gold"), _summary(demo_dir / "eval" / "after_sft"),

@@ -30,6 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from nla_shell.pipeline import demo as demo_mod  # noqa: E402
+from nla_shell.pipeline import demo_report  # noqa: E402
 from nla_shell.stats import MeanSE, mean_se  # noqa: E402
 
 BASE = "demo"
@@ -64,7 +65,7 @@ def demo_inputs(run_dir: Path) -> dict[str, Any]:
 def summary(metrics: dict[str, Any], rl_dir: Path) -> dict[str, Any]:
     """The after-RL numbers the table compares, and the seconds per RL step."""
     out = {key: metrics.get(metric) for key, metric in SUMMARY_KEYS.items()}
-    out["seconds_per_rl_step"] = demo_mod.rl_step_seconds(rl_dir)
+    out["seconds_per_rl_step"] = demo_report.rl_step_seconds(rl_dir)
     return out
 
 

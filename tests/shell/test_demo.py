@@ -164,7 +164,7 @@ def test_setup_installs_the_pinned_dependency_set():
     import re
     from pathlib import Path
 
-    from nla_shell.pipeline.demo import REPORTED_PACKAGES
+    from nla_shell.pipeline.demo_report import REPORTED_PACKAGES
 
     repo = Path(__file__).resolve().parents[2]
     installs = [line for line in (repo / "scripts/setup.sh").read_text().splitlines() if "pip install" in line]

@@ -45,10 +45,10 @@ from transformers.cache_utils import StaticLayer
 from nla_shell import families
 from nla_shell.engines.base import Rollout, RolloutRequest
 from nla_shell.engines.hf import eos_lengths, left_pad
-from nla_shell.engines.native import (
-    NativeRolloutEngine, is_eos, round_up, final_logits, layer_masks, prefill_prompts, sample_with_noise,
-    static_cache,
+from nla_shell.engines.decode_ops import (
+    final_logits, is_eos, layer_masks, prefill_prompts, round_up, sample_with_noise, static_cache,
 )
+from nla_shell.engines.native import NativeRolloutEngine
 from nla_shell.models import inner_lm
 
 

@@ -15,7 +15,8 @@ from nla_shell.toy import builders as toy
 from nla_shell.io.data import build_prompt_ids, load_rows
 from nla_shell.io.sidecars import load_sidecar
 from nla_shell.engines.base import RolloutEngine, RolloutRequest
-from nla_shell.engines.native import NativeRolloutEngine, sample_with_noise
+from nla_shell.engines.decode_ops import sample_with_noise
+from nla_shell.engines.native import NativeRolloutEngine
 from nla_shell.models import Injector, inner_lm, load_actor, response_logprobs
 from nla_shell.training.update import response_batch
 

@@ -88,7 +88,7 @@ def path_kind(path: str) -> str:
 
 
 def parse_args() -> argparse.Namespace:
-    from nla_shell.io.config import VLLMQuantization
+    from nla_shell.training.config import VLLMQuantization
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="bench/step.json", help="JSON written after every case")
@@ -149,7 +149,8 @@ def parse_args() -> argparse.Namespace:
 def fp8_phases(parser: argparse.ArgumentParser, text: str, *, needed: bool) -> tuple[str, ...]:
     """--fp8 as TrainConfig's fp8 (checked as `nla train` checks it); where `needed` (an FP8 path runs), at least
     one phase beside backward."""
-    from nla_shell.io.config import ConfigError, TrainConfig, load_dataclass
+    from nla_shell.io.config import ConfigError, load_dataclass
+    from nla_shell.training.config import TrainConfig
 
     required = {"av_ckpt": "-", "ar_ckpt": "-", "rl_parquet": "-", "save_dir": "-"}
     try:
@@ -165,7 +166,7 @@ class Context:
     """The models, optimisers and engine of one benchmark run, built as the trainer builds them."""
 
     def __init__(self, args, device: torch.device, dtype: torch.dtype) -> None:
-        from nla_shell.io.config import TrainConfig
+        from nla_shell.training.config import TrainConfig
         from nla_shell.training import setup
 
         self.device = device
@@ -507,7 +508,7 @@ def write_profile_table(prof, path: Path, device: torch.device, *, rows: int = 3
 
 def main() -> None:
     """The context (models, optimisers, engine), then every case (`measure_case`); the JSON after each."""
-    from nla_shell.io.config import TrainConfig
+    from nla_shell.training.config import TrainConfig
     from nla_shell.models import trainable_parameters
 
     args = parse_args()

@@ -27,7 +27,7 @@ def installed_version() -> str:
 
 
 def _train(args: argparse.Namespace) -> None:
-    from nla_shell.io.config import TrainConfig
+    from nla_shell.training.config import TrainConfig
     from nla_shell.training.train import train
 
     items = _config_items(TrainConfig, args)
@@ -172,7 +172,7 @@ def _demo(args: argparse.Namespace) -> None:
 
 
 CONFIG_COMMANDS: dict[str, tuple[Callable[[argparse.Namespace], None], str, str, str]] = {
-    "train": (_train, "nla_shell.io.config", "TrainConfig",
+    "train": (_train, "nla_shell.training.config", "TrainConfig",
               "GRPO-train the activation verbaliser (AV) against the reconstructor (AR)"),
     "datagen": (_datagen, "nla_shell.pipeline.datagen", "DatagenConfig",
                 "capture activations at block K of a model over a corpus: rl/av_sft/ar_sft/eval parquets"),

@@ -47,7 +47,7 @@ import torch
 from torch import nn
 
 import nla_core
-from nla_shell.io.config import FP8FastAccum
+from nla_shell.training.config import FP8FastAccum
 
 SCALED_MM_MULTIPLE = 16
 """`torch._scaled_mm` on SM90 needs K (in-features) and M (out-features) multiples of 16."""

@@ -37,7 +37,8 @@ import torch
 
 from nla_shell.explainers import context as context_label
 from nla_shell.toy import corpus as toy_corpus
-from nla_shell.io.config import ConfigError, TrainConfig, load_dataclass, normalize_fields
+from nla_shell.io.config import ConfigError, load_dataclass, normalize_fields
+from nla_shell.training.config import TrainConfig
 from nla_shell.io.progress import progress_bar
 from nla_shell.pipeline import demo_report
 from nla_shell.toy.builders import DEFAULT_AV_TEMPLATE, build_tiny_qwen3, save_av_checkpoint, train_tokenizer

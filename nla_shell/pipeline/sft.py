@@ -26,7 +26,8 @@ import torch
 import nla_core
 from nla_shell import families
 from nla_shell.training import checkpoint as ckpt
-from nla_shell.io.config import ConfigError, TrainConfig, config_to_dict, normalize_fields
+from nla_shell.io.config import ConfigError, config_to_dict, normalize_fields
+from nla_shell.training.config import TrainConfig
 from nla_shell.io.data import DataError, build_prompt_ids, check_tokenizer, stream_rows
 from nla_shell.io.sidecars import MODEL_SIDECAR, injection_settings, load_sidecar, model_sidecar, write_sidecar
 from nla_shell.io.logging import make_logger

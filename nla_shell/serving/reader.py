@@ -22,7 +22,7 @@ import torch
 import nla_core
 from nla_shell import families
 from nla_shell.engines.base import Rollout, RolloutEngine, RolloutRequest
-from nla_shell.io.config import VLLMQuantization
+from nla_shell.training.config import VLLMQuantization
 from nla_shell.io.data import DataError, av_prompt_messages, build_prompt_ids, check_tokenizer
 from nla_shell.io.paths import require_file, require_model
 from nla_shell.io.sidecars import MODEL_SIDECAR, injection_settings, load_sidecar, read_sidecar

@@ -37,7 +37,8 @@ import numpy as np
 import torch
 import yaml
 
-from nla_shell.io.config import RESUME_MUTABLE_KEYS, ConfigError
+from nla_shell.io.config import ConfigError
+from nla_shell.training.config import RESUME_MUTABLE_KEYS
 from nla_shell.io.files import write_text_atomically
 from nla_shell.training.runlock import LOCK_NAME
 

@@ -18,9 +18,8 @@ from safetensors.torch import load_file
 import nla_core
 from nla_shell import families
 from nla_shell.engines.base import RolloutEngine
-from nla_shell.io.config import (
-    RESUME_MUTABLE_KEYS, ConfigError, TrainConfig, config_defaults, config_to_dict, save_config,
-)
+from nla_shell.io.config import ConfigError, config_defaults, config_to_dict, save_config
+from nla_shell.training.config import RESUME_MUTABLE_KEYS, TrainConfig
 from nla_shell.io.data import (
     DataError, RLRow, build_prompt_ids, check_tokenizer, load_eval_rows, load_rows, parquet_num_rows, row_windows,
 )

@@ -32,7 +32,8 @@ from safetensors.torch import save_file
 import nla_core
 from nla_shell import families
 from nla_shell.engines.base import RolloutEngine, sample_explanations
-from nla_shell.io.config import ConfigError, TrainConfig
+from nla_shell.io.config import ConfigError
+from nla_shell.training.config import TrainConfig
 from nla_shell.io.files import write_text_atomically
 from nla_shell.io.logging import NullLogger, read_metrics
 from nla_shell.io.paths import require_file, require_model

@@ -31,7 +31,8 @@ from nla_shell.training.checkpoint import (
 )
 from nla_shell.training.runlock import LOCK_NAME, RunDirBusy, RunDirLock
 from nla_shell.training.runtime import seed_everything
-from nla_shell.io.config import ConfigError, TrainConfig, config_to_dict
+from nla_shell.io.config import ConfigError, config_to_dict
+from nla_shell.training.config import TrainConfig
 
 
 def write_files(*names):

@@ -10,15 +10,9 @@ import pytest
 import yaml
 
 from nla_shell.io.config import (
-    ConfigError,
-    TrainConfig,
-    config_to_dict,
-    field_docs,
-    load_config,
-    load_dataclass,
-    normalize_fields,
-    save_config,
+    ConfigError, config_to_dict, field_docs, load_config, load_dataclass, normalize_fields, save_config,
 )
+from nla_shell.training.config import TrainConfig
 
 REQUIRED = ["av_ckpt=av", "ar_ckpt=ar", "rl_parquet=rl.parquet", "save_dir=run"]
 
@@ -36,7 +30,7 @@ REFERENCE_DEFAULTS = {
 
 
 def make(*overrides: str) -> TrainConfig:
-    return load_config(None, [*REQUIRED, *overrides])
+    return load_config(None, [*REQUIRED, *overrides], cls=TrainConfig)
 
 
 DELIBERATE_DEVIATIONS = {"vllm_sync_every": (20, 1), "logp_micro_batch": (2, "auto")}
@@ -84,7 +78,7 @@ def test_yaml_values_are_coerced_and_overrides_win(tmp_path):
         "av_ckpt: av\nar_ckpt: ar\nrl_parquet: rl.parquet\nsave_dir: run\n"
         "lr: 5e-6\nmax_grad_norm: 2\nlogger: [console, jsonl]\nnum_steps: 7\n"
     )
-    cfg = load_config(path, ["num_steps=9"])
+    cfg = load_config(path, ["num_steps=9"], cls=TrainConfig)
     assert cfg.lr == 5e-6 and cfg.max_grad_norm == 2.0 and type(cfg.max_grad_norm) is float
     assert cfg.logger == ("console", "jsonl") and cfg.num_steps == 9
 
@@ -101,7 +95,7 @@ def test_unknown_yaml_key_is_an_error(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text("lerning_rate: 1.0\n")
     with pytest.raises(ConfigError, match="'lerning_rate'"):
-        load_config(path, REQUIRED)
+        load_config(path, REQUIRED, cls=TrainConfig)
 
 
 @pytest.mark.parametrize(
@@ -129,7 +123,7 @@ def test_yaml_wrong_type_is_not_silently_converted(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text("wandb_name: 2024\nuse_rslora: 1\n")
     with pytest.raises(ConfigError, match="'use_rslora'|'wandb_name'"):
-        load_config(path, REQUIRED)
+        load_config(path, REQUIRED, cls=TrainConfig)
 
 
 def test_temperature_other_than_one_is_refused():
@@ -167,7 +161,7 @@ def test_eval_rows_must_not_overlap_the_training_window():
 
 def test_missing_required_keys_are_named():
     with pytest.raises(ConfigError, match="'ar_ckpt'.*'save_dir'") as error:
-        load_config(None, ["av_ckpt=av", "rl_parquet=rl.parquet"])
+        load_config(None, ["av_ckpt=av", "rl_parquet=rl.parquet"], cls=TrainConfig)
     assert "--ar-ckpt VALUE --save-dir VALUE" in str(error.value)  # the README's flag form, too
 
 
@@ -177,7 +171,7 @@ def test_malformed_override_and_non_mapping_yaml(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text("- a\n- b\n")
     with pytest.raises(ConfigError, match="mapping"):
-        load_config(path, REQUIRED)
+        load_config(path, REQUIRED, cls=TrainConfig)
 
 
 def test_direct_construction_is_type_checked_too():
@@ -192,7 +186,7 @@ def test_resolved_config_round_trips_through_yaml(tmp_path):
                "clip_eps_high=0.28", "sidecar=meta.yaml", "tis=token_mask")
     path = tmp_path / "config.yaml"
     save_config(cfg, path)
-    assert load_config(path) == cfg
+    assert load_config(path, cls=TrainConfig) == cfg
     saved = yaml.safe_load(path.read_text())
     assert list(saved) == [f.name for f in dataclasses.fields(TrainConfig)]
     assert saved == config_to_dict(cfg) and saved["logger"] == ["console", "jsonl"]

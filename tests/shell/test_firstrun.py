@@ -13,7 +13,7 @@ import pytest
 
 import fixtures
 from nla_shell import cli
-from nla_shell.io.config import TrainConfig
+from nla_shell.training.config import TrainConfig
 from nla_shell.io import progress
 from nla_shell.io.progress import ProgressLines, progress_bar
 from nla_shell.pipeline.evaluate import markdown_table

@@ -18,7 +18,8 @@ from torch import nn
 import fixtures
 import nla_core
 from nla_shell import cli, families
-from nla_shell.io.config import ConfigError, TrainConfig, load_dataclass
+from nla_shell.io.config import ConfigError, load_dataclass
+from nla_shell.training.config import TrainConfig
 from nla_shell.io.sidecars import load_sidecar
 from nla_shell.models import ARModel, FP8Linears, ar_predict, fp8_matmuls, inner_lm, reference_policy
 from nla_shell.models.fp8 import OUT_DTYPE

@@ -15,7 +15,8 @@ from safetensors.torch import load_file
 import fixtures
 import nla_core
 from nla_shell import cli
-from nla_shell.io.config import ConfigError, TrainConfig, load_dataclass
+from nla_shell.io.config import ConfigError, load_dataclass
+from nla_shell.training.config import TrainConfig
 from nla_shell.training import sampling, scoring, setup as trainer_setup, step as step_module
 
 NEW_KEYS = ("policy_loss", "aggregation", "advantage_scale", "token_mask", "dynamic_sampling",

@@ -122,7 +122,7 @@ def test_auto_micro_batches_are_printed_saved_and_kept_on_resume(nla_run_inputs,
 def test_auto_fits_the_largest_power_of_two_in_half_the_free_memory():
     from types import SimpleNamespace
 
-    from nla_shell.io.config import TrainConfig
+    from nla_shell.training.config import TrainConfig
     from nla_shell.training.memory import resolve_micro_batches, sequence_bytes
 
     cfg = TrainConfig(av_ckpt="a", ar_ckpt="b", rl_parquet="r.parquet", save_dir="s")

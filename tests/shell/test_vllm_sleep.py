@@ -27,7 +27,8 @@ from nla_shell.engines import vllm_steering as steer
 from nla_shell.engines.base import RolloutRequest, held_awake
 from nla_shell.engines.vllm import VLLMRolloutEngine
 from nla_shell.engines.weight_sync import merged_weight_buckets
-from nla_shell.io.config import ConfigError, TrainConfig
+from nla_shell.io.config import ConfigError
+from nla_shell.training.config import TrainConfig
 
 MARKER, LEFT, RIGHT = 7, 5, 6
 

@@ -13,6 +13,8 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import torch
 
+from nla_shell.training.checkpoint import checkpoint_step
+
 SAMPLES_SHOWN = 12
 """Held-out explanations the report prints verbatim, after SFT and after RL."""
 
@@ -37,7 +39,7 @@ def sft_summary(checkpoint: Path) -> dict[str, Any]:
     records = [json.loads(line) for line in (checkpoint.parent / "metrics.jsonl").read_text().splitlines()]
     curve = {key: [[r["step"] + 1, r[key]] for r in records if r.get(key) is not None]
              for key in ("heldout/fve", "heldout/nll", "heldout/nll_gap")}
-    return {"steps_run": len(records), "step_used": int(checkpoint.name.split("_")[-1]),
+    return {"steps_run": len(records), "step_used": checkpoint_step(checkpoint),
             "heldout": {key: points for key, points in curve.items() if points}}
 
 

@@ -30,7 +30,7 @@ from nla_shell.models import (
     is_adapter_dir, load_actor, require_fp8, trainable_parameters,
 )
 from nla_shell.training import checkpoint as ckpt
-from nla_shell.training import distributed, sampling, sharding
+from nla_shell.training import distributed, run_identity, sampling, sharding
 from nla_shell.training.canary import CanaryWatch
 from nla_shell.training.distributed import RankInfo
 from nla_shell.training.memory import resolve_micro_batches
@@ -345,7 +345,7 @@ def claim_run_dir(cfg: TrainConfig, *, continues_sft: bool) -> Path | None:
     save_dir = Path(cfg.save_dir)
     # A continued SFT adapter keeps its own rank and alpha: the lora_* keys decide nothing then.
     mutable_keys = RESUME_MUTABLE_KEYS | ({"lora_r", "lora_alpha", "use_rslora", "lora_targets"} if continues_sft else set())
-    ckpt.claim_save_dir(save_dir, config_to_dict(cfg), overwrite=cfg.overwrite, resume=cfg.resume,
+    run_identity.claim_save_dir(save_dir, config_to_dict(cfg), overwrite=cfg.overwrite, resume=cfg.resume,
                         mutable_keys=mutable_keys, defaults=config_defaults(TrainConfig), num_steps=cfg.num_steps)
     ckpt.remove_stale_entries(save_dir)  # under the lock: no other run's save is in flight
     if cfg.resume != "auto":
@@ -491,7 +491,7 @@ def choose_micro_batches(cfg: TrainConfig, rank: RankInfo, actor, resume_from: P
         free_bytes = -int(distributed.all_reduce_max([-torch.cuda.mem_get_info(device)[0]])[0])
     cfg, chosen = resolve_micro_batches(
         cfg, inner_lm(actor).config, free_bytes=free_bytes, tokens=tokens, dtype_bytes=torch.finfo(dtype).bits // 8,
-        resumed=ckpt.saved_config(resume_from) if resume_from else None,
+        resumed=run_identity.saved_config(resume_from) if resume_from else None,
     )
     if chosen is not None:
         say(chosen)

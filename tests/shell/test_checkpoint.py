@@ -17,7 +17,6 @@ import fixtures
 from nla_shell.training.checkpoint import (
     CheckpointError,
     checkpoint_problem,
-    claim_save_dir,
     latest_checkpoint,
     latest_verified_checkpoint,
     load_training_state,
@@ -29,6 +28,7 @@ from nla_shell.training.checkpoint import (
     save_training_state,
     set_rng_state,
 )
+from nla_shell.training.run_identity import claim_save_dir
 from nla_shell.training.runlock import LOCK_NAME, RunDirBusy, RunDirLock
 from nla_shell.training.runtime import seed_everything
 from nla_shell.io.config import ConfigError, config_to_dict

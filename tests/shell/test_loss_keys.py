@@ -288,7 +288,7 @@ def test_a_run_saved_before_the_new_keys_resumes_at_their_defaults(tmp_path):
     import yaml
 
     from nla_shell.io.config import config_defaults, config_to_dict
-    from nla_shell.training.checkpoint import claim_save_dir
+    from nla_shell.training.run_identity import claim_save_dir
 
     base = dict(av_ckpt="a", ar_ckpt="b", rl_parquet="c", save_dir=str(tmp_path))
     now = config_to_dict(load_dataclass(TrainConfig, base))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import math
 import unicodedata
+from typing import Any
 
 import torch
 
@@ -33,6 +34,14 @@ def finite_mean(x: torch.Tensor) -> float:
     """Mean of the finite entries of x (NaN marks failed samples); NaN when there are none."""
     finite = x[torch.isfinite(x)]
     return float(finite.mean()) if finite.numel() else math.nan
+
+
+def finite_or_none(value: Any) -> Any:
+    """JSON-safe: ints stay, non-finite floats become None."""
+    if isinstance(value, int):
+        return value
+    value = float(value)
+    return value if math.isfinite(value) else None
 
 
 def fve_metrics(mse: torch.Tensor, reward: torch.Tensor, valid: torch.Tensor, *, rawvar: float, meannorm: float,

@@ -44,10 +44,9 @@ from nla_shell.io.data import DataError, RLRow, build_prompt_ids, check_tokenize
 from nla_shell.io.paths import require_file, require_model
 from nla_shell.io.progress import progress_bar
 from nla_shell.io.sidecars import MODEL_SIDECAR, find_sidecar, injection_settings, load_sidecar, read_sidecar
-from nla_shell.metrics import finite_mean, fve_metrics, token_lengths
-from nla_shell.models import ARModel, Injector, base_model_dir, load_actor, pad_right
-from nla_shell.pipeline.datagen import capture_activations
-from nla_shell.pipeline.splice import splice_kl
+from nla_shell.metrics import finite_mean, finite_or_none, fve_metrics, token_lengths
+from nla_shell.models import ARModel, Injector, base_model_dir, load_actor
+from nla_shell.pipeline.splice import splice_kl_metrics
 from nla_shell.training.scoring import Scores, ar_predictions, score_explanations
 from nla_shell.training.checkpoint import file_sha256
 from nla_shell.training.runtime import resolve_device
@@ -56,11 +55,6 @@ OPTIONAL_COLUMNS = ("position", "context", "explanation")
 """Read when present: they label the samples; `explanation` enables the gold-AR score, `context` splice-KL."""
 OUTPUT_FILES = ("eval_samples.jsonl", "eval_table.md", "eval_controls.md", "eval_summary.json")
 """What `nla eval` writes into out_dir (and, with overwrite, replaces)."""
-MIN_RESIDUAL_COSINE = 0.99
-"""Splice-KL (and `nla explain`) refuse a model whose residuals at the data's sites differ more than this from
-the parquet's: a different LM of the same width would otherwise be explained and scored without a word."""
-RESIDUAL_CHECK_ROWS = 8
-"""Training rows `nla explain` re-reads with its --model to check it is the LM they came from."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -192,7 +186,7 @@ def evaluate(cfg: EvalConfig) -> EvalResult:
                                                    **score_kwargs)
         metrics.update(fve_metrics(gold.mse, gold.reward, gold.valid, rawvar=rawvar, meannorm=meannorm, prefix="gold/"))
         for sample, mse in zip(samples, gold.mse.tolist()):
-            sample.update(gold_mse=_finite_or_none(mse), gold_fve=_finite_or_none(nla_core.fve(mse, rawvar)))
+            sample.update(gold_mse=finite_or_none(mse), gold_fve=finite_or_none(nla_core.fve(mse, rawvar)))
 
     # --- the AV's explanations (their lengths, FVE(k)) and the shuffled-vector control -------
     if cfg.av is not None:
@@ -208,7 +202,8 @@ def evaluate(cfg: EvalConfig) -> EvalResult:
         predictions = {name: ar_predictions(critic, s.ar_inputs, pad_id=tokenizer.pad_token_id,
                                             micro_batch=cfg.micro_batch) for name, s in scored.items()}
         splice_metrics, per_row = splice_kl_metrics(
-            cfg, rows, golds, predictions, mean_u=nla_core.normalize_activation(golds.double(), mse_scale).mean(0),
+            rows, golds, predictions, model=cfg.model, source=cfg.parquet, seed=cfg.seed, micro_batch=cfg.micro_batch,
+            mean_u=nla_core.normalize_activation(golds.double(), mse_scale).mean(0),
             layer=nla.extraction_layer_index, d_model=nla.d_model, mse_scale=mse_scale, device=device, dtype=dtype,
         )
         metrics.update(splice_metrics)
@@ -295,8 +290,8 @@ def score_av(
     metrics.update(length_curve(critic, tokenizer, explanations, lengths, golds, ks=cfg.length_ks, rawvar=rawvar,
                                 score_kwargs=score_kwargs))
     for sample, text, n, reward, mse in zip(samples, explanations, lengths, av.reward.tolist(), av.mse.tolist()):
-        sample.update(explanation=text, explanation_tokens=n, reward=reward, mse=_finite_or_none(mse),
-                      fve=_finite_or_none(nla_core.fve(mse, rawvar)))
+        sample.update(explanation=text, explanation_tokens=n, reward=reward, mse=finite_or_none(mse),
+                      fve=finite_or_none(nla_core.fve(mse, rawvar)))
 
     # --- control: the AV reads another row's vector; scored against the true row ------------
     if cfg.shuffled_control and len(rows) > 1:
@@ -309,7 +304,7 @@ def score_av(
                                    prefix="shuffled/"))
         for sample, j, text, mse in zip(samples, source.tolist(), shuffled_texts, shuffled.mse.tolist()):
             sample.update(shuffled_from=j, shuffled_explanation=text,
-                          shuffled_fve=_finite_or_none(nla_core.fve(mse, rawvar)))
+                          shuffled_fve=finite_or_none(nla_core.fve(mse, rawvar)))
     injector.remove()
     return metrics, av
 
@@ -363,102 +358,6 @@ def length_curve(critic: ARModel, tokenizer, explanations: Sequence[str | None],
         metrics[f"length/fve_k{k}"] = nla_core.fve(finite_mean(cut.mse), rawvar)
         metrics[f"length/truncated_frac_k{k}"] = float((known > k).mean())
     return metrics
-
-
-def splice_kl_metrics(
-    cfg: EvalConfig,
-    rows: Sequence[RLRow],
-    golds: torch.Tensor,
-    predictions: dict[str, torch.Tensor],
-    *,
-    mean_u: torch.Tensor,
-    layer: int,
-    d_model: int,
-    mse_scale: float | None,
-    device: torch.device,
-    dtype: torch.dtype,
-) -> tuple[dict[str, float], list[dict[str, float]]]:
-    """Splice-KL of each reconstruction and of its two references, on rows whose context re-encodes to the site.
-
-    Spliced: denormalize(normalize(pred)) for "av" and "gold"; "random": random_at_same_error
-    of the AV's (else the gold's) reconstruction; "mean": denormalize(mean_u). splice/kl_{name}
-    is the mean KL in nats over the rows whose context re-encodes to the site and whose AV (else
-    gold) explanation scored (splice/n_rows of them); splice/kl_av_over_random
-    how many times the AV's error hurts more than a random one of the same size.
-    Returns (metrics, per-row {name: kl} for every row, empty where not spliced).
-    """
-    target_tokenizer = families.load_tokenizer(cfg.model)
-    model = families.load_causal_lm(cfg.model, dtype=dtype).to(device).eval()
-    if model.config.hidden_size != d_model or layer >= model.config.num_hidden_layers:
-        raise DataError(f"model: {cfg.model} (hidden size {model.config.hidden_size}, {model.config.num_hidden_layers} "
-                        f"blocks) cannot be the LM of this data (d_model {d_model}, layer {layer}); pass the datagen model")
-    contexts = [target_tokenizer.encode(r.extras["context"], add_special_tokens=False) for r in rows]
-    primary = "av" if "av" in predictions else "gold" if "gold" in predictions else None
-    # A context whose re-encoding is not the tokens datagen read would splice at another site.
-    keep = [i for i, (r, ids) in enumerate(zip(rows, contexts))
-            if ids and r.extras.get("position") in (None, len(ids) - 1)
-            and (primary is None or bool(torch.isfinite(predictions[primary][i]).all()))]
-    if not keep:
-        return {"splice/n_rows": 0}, [{} for _ in rows]
-    gold = golds[keep].double()
-    # A reconstruction that failed where the primary one scored (gold text too long, say) splices gold itself
-    # and is reported as NaN for that row.
-    failed = {name: ~torch.isfinite(p[keep]).all(-1) for name, p in predictions.items()}
-    replacements = {name: nla_core.denormalize_activation(
-        nla_core.normalize_activation(torch.where(failed[name].unsqueeze(-1), gold, p[keep].double()), mse_scale),
-        gold, scale=mse_scale) for name, p in predictions.items()}
-    noise = torch.randn(gold.shape, generator=torch.Generator().manual_seed(cfg.seed), dtype=torch.float64)
-    if primary is not None:
-        replacements["random"] = nla_core.random_at_same_error(gold, replacements[primary], noise, scale=mse_scale)
-    replacements["mean"] = nla_core.denormalize_activation(mean_u.expand_as(gold), gold, scale=mse_scale)
-    pad_id = target_tokenizer.pad_token_id if target_tokenizer.pad_token_id is not None else 0  # masked: any id
-    result = splice_kl(model, [contexts[i] for i in keep], {k: v.float() for k, v in replacements.items()},
-                       layer=layer, pad_id=pad_id, micro_batch=cfg.micro_batch)
-    cosine = require_residuals_match(result.resid, gold, model=cfg.model, source=cfg.parquet, layer=layer)
-    kls = {name: torch.where(failed[name], math.nan, kl) if name in failed else kl for name, kl in result.kl.items()}
-    metrics = {"splice/n_rows": len(keep), "splice/resid_cosine_min": float(cosine.min()),
-               **{f"splice/kl_{name}": finite_mean(kl) for name, kl in kls.items()}}
-    if "av" in result.kl:
-        metrics["splice/kl_av_over_random"] = metrics["splice/kl_av"] / max(metrics["splice/kl_random"], 1e-12)
-    per_row: list[dict[str, float]] = [{} for _ in rows]
-    for j, i in enumerate(keep):
-        per_row[i] = {name: _finite_or_none(float(kl[j])) for name, kl in kls.items()}
-    return metrics, per_row
-
-
-def require_residuals_match(resid: torch.Tensor, gold: torch.Tensor, *, model: str, source: str | Path,
-                            layer: int) -> torch.Tensor:
-    """The cosine of each residual the model computes at a site ([N, D]) with the data's activation there;
-    a DataError when their median is below MIN_RESIDUAL_COSINE: `model` is not the LM `source` was read from."""
-    cosine = torch.nn.functional.cosine_similarity(resid.double(), gold.double(), dim=-1)
-    if float(cosine.median()) < MIN_RESIDUAL_COSINE:
-        raise DataError(f"model: {model} does not reproduce the activations of {source} at layer {layer} "
-                        f"(median cosine {float(cosine.median()):.3f}); pass the model datagen read")
-    return cosine
-
-
-def check_model_reads_training_data(model: torch.nn.Module, tokenizer, sidecar: Mapping[str, Any],
-                                    nla: nla_core.NLAConfig, *, model_name: str, device: torch.device) -> str | None:
-    """A DataError (require_residuals_match) unless `model` reproduces the activations of the first parquet
-    the model `sidecar` lists under `trained_on` that is still there; returns that parquet, or None when no
-    listed parquet is left to check against."""
-    for parquet in sidecar.get("trained_on") or []:
-        if not Path(parquet).is_file():
-            continue
-        rows = list(stream_rows(parquet, nla, stop=RESIDUAL_CHECK_ROWS, extra_columns=["position", "context"],
-                                key="trained_on"))
-        contexts = [tokenizer.encode(r.extras["context"], add_special_tokens=False) for r in rows]
-        # As in splice-KL: only a context that re-encodes to its site is a like-for-like comparison.
-        keep = [i for i, ids in enumerate(contexts) if ids and rows[i].extras.get("position") in (None, len(ids) - 1)]
-        if not keep:
-            continue
-        ids, mask = pad_right([contexts[i] for i in keep], tokenizer.pad_token_id or 0, device)
-        resid = capture_activations(model, ids, mask, nla.extraction_layer_index)
-        sites = resid[torch.arange(len(keep), device=resid.device), mask.sum(1) - 1].cpu()
-        require_residuals_match(sites, torch.stack([rows[i].activation for i in keep]), model=model_name,
-                                source=parquet, layer=nla.extraction_layer_index)
-        return parquet
-    return None
 
 
 CONTROL_ROWS: tuple[tuple[str, str | None], ...] = (
@@ -534,7 +433,7 @@ def write_reports(out_dir: Path, samples: Sequence[dict[str, Any]], metrics: dic
             f.write(json.dumps(sample, ensure_ascii=False) + "\n")
     (out_dir / "eval_table.md").write_text(markdown_table(samples[:table_rows]), encoding="utf-8")
     (out_dir / "eval_controls.md").write_text(controls, encoding="utf-8")
-    summary = {**{k: _finite_or_none(v) for k, v in metrics.items()}, "provenance": provenance}
+    summary = {**{k: finite_or_none(v) for k, v in metrics.items()}, "provenance": provenance}
     (out_dir / "eval_summary.json").write_text(json.dumps(summary, indent=2, ensure_ascii=False), encoding="utf-8")
 
 
@@ -559,11 +458,3 @@ def markdown_table(samples: Sequence[dict[str, Any]], *, context_chars: int = 40
                 cells.append("—" if value is None else str(value))
         lines.append("| " + " | ".join(c.replace("|", "\\|").replace("\n", " ") for c in cells) + " |")
     return "\n".join(lines) + "\n"
-
-
-def _finite_or_none(value: Any) -> Any:
-    """JSON-safe: ints stay, non-finite floats become None."""
-    if isinstance(value, int):
-        return value
-    value = float(value)
-    return value if math.isfinite(value) else None

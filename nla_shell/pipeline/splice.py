@@ -1,4 +1,5 @@
-"""Splice-KL: run the target LM with a vector put in its residual stream, compare next-token distributions.
+"""Splice-KL: run the target LM with a vector put in its residual stream, compare next-token distributions;
+and the check that a model reproduces the activations of the data it is to splice or explain.
 
 For each context (token ids ending at the explained position), the LM runs once as is and
 once per replacement: at the output of block `layer`, the residual of the last token is
@@ -10,13 +11,25 @@ position ids, so every row's last token sits at the same column.
 
 from __future__ import annotations
 
-from typing import Mapping, NamedTuple, Sequence
+import math
+from pathlib import Path
+from typing import Any, Mapping, NamedTuple, Sequence
 
 import torch
 
 import nla_core
-from nla_shell.engines.hf import left_pad
 from nla_shell import families
+from nla_shell.engines.hf import left_pad
+from nla_shell.io.data import DataError, RLRow, stream_rows
+from nla_shell.metrics import finite_mean, finite_or_none
+from nla_shell.models import pad_right
+from nla_shell.pipeline.datagen import capture_activations
+
+MIN_RESIDUAL_COSINE = 0.99
+"""Splice-KL (and `nla explain`) refuse a model whose residuals at the data's sites differ more than this from
+the parquet's: a different LM of the same width would otherwise be explained and scored without a word."""
+RESIDUAL_CHECK_ROWS = 8
+"""Training rows `nla explain` re-reads with its --model to check it is the LM they came from."""
 
 
 class SpliceKL(NamedTuple):
@@ -82,3 +95,104 @@ def splice_kl(
         kl={name: torch.cat(parts) if parts else torch.zeros(0) for name, parts in kl.items()},
         resid=torch.cat(resid) if resid else torch.zeros(0, width),
     )
+
+
+def splice_kl_metrics(
+    rows: Sequence[RLRow],
+    golds: torch.Tensor,
+    predictions: dict[str, torch.Tensor],
+    *,
+    model: str,
+    source: str | Path,
+    seed: int,
+    micro_batch: int,
+    mean_u: torch.Tensor,
+    layer: int,
+    d_model: int,
+    mse_scale: float | None,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> tuple[dict[str, float], list[dict[str, float]]]:
+    """Splice-KL of each reconstruction and of its two references, on rows whose context re-encodes to the site.
+
+    Spliced: denormalize(normalize(pred)) for "av" and "gold"; "random": random_at_same_error
+    of the AV's (else the gold's) reconstruction; "mean": denormalize(mean_u). splice/kl_{name}
+    is the mean KL in nats over the rows whose context re-encodes to the site and whose AV (else
+    gold) explanation scored (splice/n_rows of them); splice/kl_av_over_random
+    how many times the AV's error hurts more than a random one of the same size.
+    `model` is the target LM (its residuals at the sites must match the data's, read from `source`), `seed` the
+    random reference's, `micro_batch` the contexts per forward.
+    Returns (metrics, per-row {name: kl} for every row, empty where not spliced).
+    """
+    target_tokenizer = families.load_tokenizer(model)
+    lm = families.load_causal_lm(model, dtype=dtype).to(device).eval()
+    if lm.config.hidden_size != d_model or layer >= lm.config.num_hidden_layers:
+        raise DataError(f"model: {model} (hidden size {lm.config.hidden_size}, {lm.config.num_hidden_layers} "
+                        f"blocks) cannot be the LM of this data (d_model {d_model}, layer {layer}); pass the datagen model")
+    contexts = [target_tokenizer.encode(r.extras["context"], add_special_tokens=False) for r in rows]
+    primary = "av" if "av" in predictions else "gold" if "gold" in predictions else None
+    # A context whose re-encoding is not the tokens datagen read would splice at another site.
+    keep = [i for i, (r, ids) in enumerate(zip(rows, contexts))
+            if ids and r.extras.get("position") in (None, len(ids) - 1)
+            and (primary is None or bool(torch.isfinite(predictions[primary][i]).all()))]
+    if not keep:
+        return {"splice/n_rows": 0}, [{} for _ in rows]
+    gold = golds[keep].double()
+    # A reconstruction that failed where the primary one scored (gold text too long, say) splices gold itself
+    # and is reported as NaN for that row.
+    failed = {name: ~torch.isfinite(p[keep]).all(-1) for name, p in predictions.items()}
+    replacements = {name: nla_core.denormalize_activation(
+        nla_core.normalize_activation(torch.where(failed[name].unsqueeze(-1), gold, p[keep].double()), mse_scale),
+        gold, scale=mse_scale) for name, p in predictions.items()}
+    noise = torch.randn(gold.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    if primary is not None:
+        replacements["random"] = nla_core.random_at_same_error(gold, replacements[primary], noise, scale=mse_scale)
+    replacements["mean"] = nla_core.denormalize_activation(mean_u.expand_as(gold), gold, scale=mse_scale)
+    pad_id = target_tokenizer.pad_token_id if target_tokenizer.pad_token_id is not None else 0  # masked: any id
+    result = splice_kl(lm, [contexts[i] for i in keep], {k: v.float() for k, v in replacements.items()},
+                       layer=layer, pad_id=pad_id, micro_batch=micro_batch)
+    cosine = require_residuals_match(result.resid, gold, model=model, source=source, layer=layer)
+    kls = {name: torch.where(failed[name], math.nan, kl) if name in failed else kl for name, kl in result.kl.items()}
+    metrics = {"splice/n_rows": len(keep), "splice/resid_cosine_min": float(cosine.min()),
+               **{f"splice/kl_{name}": finite_mean(kl) for name, kl in kls.items()}}
+    if "av" in result.kl:
+        metrics["splice/kl_av_over_random"] = metrics["splice/kl_av"] / max(metrics["splice/kl_random"], 1e-12)
+    per_row: list[dict[str, float]] = [{} for _ in rows]
+    for j, i in enumerate(keep):
+        per_row[i] = {name: finite_or_none(float(kl[j])) for name, kl in kls.items()}
+    return metrics, per_row
+
+
+def require_residuals_match(resid: torch.Tensor, gold: torch.Tensor, *, model: str, source: str | Path,
+                            layer: int) -> torch.Tensor:
+    """The cosine of each residual the model computes at a site ([N, D]) with the data's activation there;
+    a DataError when their median is below MIN_RESIDUAL_COSINE: `model` is not the LM `source` was read from."""
+    cosine = torch.nn.functional.cosine_similarity(resid.double(), gold.double(), dim=-1)
+    if float(cosine.median()) < MIN_RESIDUAL_COSINE:
+        raise DataError(f"model: {model} does not reproduce the activations of {source} at layer {layer} "
+                        f"(median cosine {float(cosine.median()):.3f}); pass the model datagen read")
+    return cosine
+
+
+def check_model_reads_training_data(model: torch.nn.Module, tokenizer, sidecar: Mapping[str, Any],
+                                    nla: nla_core.NLAConfig, *, model_name: str, device: torch.device) -> str | None:
+    """A DataError (require_residuals_match) unless `model` reproduces the activations of the first parquet
+    the model `sidecar` lists under `trained_on` that is still there; returns that parquet, or None when no
+    listed parquet is left to check against."""
+    for parquet in sidecar.get("trained_on") or []:
+        if not Path(parquet).is_file():
+            continue
+        rows = list(stream_rows(parquet, nla, stop=RESIDUAL_CHECK_ROWS, extra_columns=["position", "context"],
+                                key="trained_on"))
+        contexts = [tokenizer.encode(r.extras["context"], add_special_tokens=False) for r in rows]
+        # As in splice-KL: only a context that re-encodes to its site is a like-for-like comparison.
+        keep = [i for i, ids in enumerate(contexts) if ids and rows[i].extras.get("position") in (None, len(ids) - 1)]
+        if not keep:
+            continue
+        ids, mask = pad_right([contexts[i] for i in keep], tokenizer.pad_token_id or 0, device)
+        resid = capture_activations(model, ids, mask, nla.extraction_layer_index)
+        sites = resid[torch.arange(len(keep), device=resid.device), mask.sum(1) - 1].cpu()
+        require_residuals_match(sites, torch.stack([rows[i].activation for i in keep]), model=model_name,
+                                source=parquet, layer=nla.extraction_layer_index)
+        return parquet
+    return None

@@ -43,6 +43,15 @@ class Rollout:
     prompt_index: int
     """Index of the request this sample belongs to (its GRPO group)."""
 
+    @classmethod
+    def from_ids(cls, prompt_ids: Sequence[int], gen_ids: torch.Tensor, behavior_logp: torch.Tensor, *, tokenizer: Any,
+                 prompt_index: int) -> "Rollout":
+        """A rollout from its prompt's ids and its generated ids [n] (EOS kept, nothing after) with their log-probs
+        [n]; the text is the generated ids decoded, special tokens skipped."""
+        return cls(full_ids=torch.cat([torch.as_tensor(prompt_ids, dtype=torch.long), gen_ids]),
+                   prompt_len=len(prompt_ids), behavior_logp=behavior_logp,
+                   text=tokenizer.decode(gen_ids, skip_special_tokens=True), prompt_index=prompt_index)
+
     @property
     def response_len(self) -> int:
         """Number of generated tokens (EOS included when sampled)."""

@@ -6,6 +6,8 @@ the device without a host sync, so CUDA graphs can capture the steps built from 
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
 import torch
 from transformers import AttentionInterface, DynamicCache
 from transformers.cache_utils import Cache, StaticLayer
@@ -157,5 +159,28 @@ def is_eos(tokens: torch.Tensor, eos: torch.Tensor) -> torch.Tensor:
     return (tokens[:, None] == eos[None, :]).any(dim=-1)
 
 
+def parameter_addresses(lm: torch.nn.Module) -> tuple[int, ...]:
+    """The storage address of every parameter: CUDA graphs read parameters by address, so graphs captured under
+    other addresses are stale."""
+    return tuple(p.data_ptr() for p in lm.parameters())
+
+
 def round_up(x: int, multiple: int) -> int:
     return -(-x // multiple) * multiple
+
+
+def capture_graph(step: Callable[[], None], *, pool: Any, before_capture: Callable[[], None] = lambda: None
+                  ) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of one decode `step`: two warm-up runs on a side stream first (lazy inits and autotuning happen
+    outside the capture), then `before_capture` (e.g. counters back in range), then the capture into `pool`."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    before_capture()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        step()
+    return graph

@@ -118,15 +118,8 @@ class HFRolloutEngine:
         rollouts = []
         for row, ((prompt_index, req), n) in enumerate(zip(flat, eos_lengths(generated, self.eos_ids), strict=True)):
             gen_ids = generated[row, :n].cpu()
-            rollouts.append(
-                Rollout(
-                    full_ids=torch.cat([torch.as_tensor(req.prompt_ids, dtype=torch.long), gen_ids]),
-                    prompt_len=len(req.prompt_ids),
-                    behavior_logp=logp[row, :n].cpu(),
-                    text=self.tokenizer.decode(gen_ids, skip_special_tokens=True),
-                    prompt_index=prompt_index,
-                )
-            )
+            rollouts.append(Rollout.from_ids(req.prompt_ids, gen_ids, logp[row, :n].cpu(), tokenizer=self.tokenizer,
+                                             prompt_index=prompt_index))
         return rollouts
 
     def _generation(self) -> dict:

@@ -43,7 +43,8 @@ from transformers.cache_utils import Cache
 from nla_shell import families
 from nla_shell.engines.base import Rollout, RolloutRequest
 from nla_shell.engines.decode_ops import (
-    DECODE_ATTENTION, final_logits, is_eos, layer_masks, prefill_prompts, round_up, sample_with_noise, static_cache,
+    DECODE_ATTENTION, capture_graph, final_logits, is_eos, layer_masks, parameter_addresses, prefill_prompts, round_up,
+    sample_with_noise, static_cache,
 )
 from nla_shell.engines.hf import eos_lengths, left_pad
 from nla_shell.models import Injector, eos_token_ids, inner_lm
@@ -150,18 +151,13 @@ class NativeRolloutEngine:
         generator = self._device_generator(generator)
         per_chunk = max(1, self.max_batch // group_size)
         lm = inner_lm(self.actor)
-        was_training = lm.training
-        lm.eval()
         rollouts: list[Rollout] = []
-        try:
-            with torch.no_grad(), self.decode_attention(lm), self.policy():
-                self._drop_stale_graphs(lm)
-                for start in range(0, len(requests), per_chunk):
-                    rollouts += self._generate_chunk(
-                        lm, requests[start : start + per_chunk], start, group_size, max_new_tokens, generator
-                    )
-        finally:
-            lm.train(was_training)
+        with self.decoding(lm):
+            self._drop_stale_graphs(lm)
+            for start in range(0, len(requests), per_chunk):
+                rollouts += self._generate_chunk(
+                    lm, requests[start : start + per_chunk], start, group_size, max_new_tokens, generator
+                )
         return rollouts
 
     def sync_weights(self, actor: torch.nn.Module) -> float:
@@ -218,15 +214,9 @@ class NativeRolloutEngine:
             req_index = row // group_size
             req = requests[req_index]
             gen_ids = tokens[row, :n]
-            rollouts.append(
-                Rollout(
-                    full_ids=torch.cat([torch.as_tensor(req.prompt_ids, dtype=torch.long), gen_ids]),
-                    prompt_len=len(req.prompt_ids),
-                    behavior_logp=logp[row, :n].clone(),  # not a view pinning the whole [N, T] buffer
-                    text=self.tokenizer.decode(gen_ids, skip_special_tokens=True),
-                    prompt_index=first_index + req_index,
-                )
-            )
+            # The log-probs cloned: not a view pinning the whole [N, T] buffer.
+            rollouts.append(Rollout.from_ids(req.prompt_ids, gen_ids, logp[row, :n].clone(), tokenizer=self.tokenizer,
+                                             prompt_index=first_index + req_index))
         return rollouts
 
     def _prefill(
@@ -348,17 +338,9 @@ class NativeRolloutEngine:
         try:
             for window in missing:
                 self._reset_for_capture(state, width)
-                side = torch.cuda.Stream()
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):
-                    for _ in range(2):  # lazy inits and autotuning happen outside the capture
-                        self._step_fn(state, window)
-                torch.cuda.current_stream().wait_stream(side)
-                self._reset_for_capture(state, width)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self._pool):
-                    self._step_fn(state, window)
-                state.graphs[(window, self.merge_lora)] = graph
+                state.graphs[(window, self.merge_lora)] = capture_graph(
+                    lambda: self._step_fn(state, window), pool=self._pool,
+                    before_capture=lambda: self._reset_for_capture(state, width))
         except Exception as err:  # noqa: BLE001 - any capture failure: decode eagerly, say why
             self.graph_error = f"{type(err).__name__}: {err}"
             warnings.warn(f"native engine: CUDA graph capture failed ({self.graph_error}); decoding eagerly", stacklevel=2)
@@ -377,13 +359,25 @@ class NativeRolloutEngine:
 
     def _drop_stale_graphs(self, lm: torch.nn.Module) -> None:
         """Graphs read parameters by address: rebuild them if any parameter storage moved."""
-        key = tuple(p.data_ptr() for p in lm.parameters())
+        key = parameter_addresses(lm)
         if key != self._weights_key:
             for state in self._states.values():
                 state.graphs.clear()
             self._weights_key = key
 
     # ------------------------------------------------------------------ policy and attention
+
+    @contextlib.contextmanager
+    def decoding(self, lm: torch.nn.Module) -> Iterator[None]:
+        """What every decode runs under: eval mode, no grad, the grouped decode attention and the current policy
+        (`lm`'s training mode restored after). The slot decoder of continuous batching enters it too."""
+        was_training = lm.training
+        lm.eval()
+        try:
+            with torch.no_grad(), self.decode_attention(lm), self.policy():
+                yield
+        finally:
+            lm.train(was_training)
 
     @contextlib.contextmanager
     def decode_attention(self, lm: torch.nn.Module) -> Iterator[None]:

@@ -46,7 +46,8 @@ from nla_shell import families
 from nla_shell.engines.base import Rollout, RolloutRequest
 from nla_shell.engines.hf import eos_lengths, left_pad
 from nla_shell.engines.decode_ops import (
-    final_logits, is_eos, layer_masks, prefill_prompts, round_up, sample_with_noise, static_cache,
+    capture_graph, final_logits, is_eos, layer_masks, parameter_addresses, prefill_prompts, round_up, sample_with_noise,
+    static_cache,
 )
 from nla_shell.engines.native import NativeRolloutEngine
 from nla_shell.models import inner_lm
@@ -153,20 +154,15 @@ class SlotDecoder:
     def running(self) -> Iterator[None]:
         """The engine's policy, decode attention, eval mode and no_grad, for a run of admit/step calls (graphs are
         captured on entry, while no row is active)."""
-        engine, lm = self.engine, inner_lm(self.engine.actor)
-        was_training = lm.training
-        lm.eval()
-        try:
-            with torch.no_grad(), engine.decode_attention(lm), engine.policy():
-                key = tuple(p.data_ptr() for p in lm.parameters())
-                if key != self._weights_key:  # graphs read parameters by address
-                    self.graphs.clear()
-                    self._weights_key = key
-                if self.cuda_graphs and not self.rows:
-                    self._capture_all()
-                yield
-        finally:
-            lm.train(was_training)
+        lm = inner_lm(self.engine.actor)
+        with self.engine.decoding(lm):
+            key = parameter_addresses(lm)
+            if key != self._weights_key:
+                self.graphs.clear()
+                self._weights_key = key
+            if self.cuda_graphs and not self.rows:
+                self._capture_all()
+            yield
 
     # ------------------------------------------------------------------ rows joining
 
@@ -282,10 +278,8 @@ class SlotDecoder:
         for i, slot in enumerate(slots):
             row = self.rows.pop(slot)
             n = min(eos_lengths(tokens[i : i + 1, : row.generated], self.engine.eos_ids)[0], row.budget)
-            gen_ids = tokens[i, :n]
-            rollout = Rollout(full_ids=torch.cat([torch.as_tensor(row.request.prompt_ids, dtype=torch.long), gen_ids]),
-                              prompt_len=len(row.request.prompt_ids), behavior_logp=logp[i, :n].clone(),
-                              text=self.engine.tokenizer.decode(gen_ids, skip_special_tokens=True), prompt_index=0)
+            rollout = Rollout.from_ids(row.request.prompt_ids, tokens[i, :n], logp[i, :n].clone(),
+                                       tokenizer=self.engine.tokenizer, prompt_index=0)
             finished.append(FinishedRow(row.key, row.sample, rollout))
         return finished
 
@@ -323,16 +317,7 @@ class SlotDecoder:
         pool = torch.cuda.graph_pool_handle()
         try:
             for window in missing:
-                side = torch.cuda.Stream()
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):
-                    for _ in range(2):  # lazy inits happen outside the capture
-                        self._step(window)
-                torch.cuda.current_stream().wait_stream(side)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    self._step(window)
-                self.graphs[window] = graph
+                self.graphs[window] = capture_graph(lambda: self._step(window), pool=pool)
         except Exception as err:  # noqa: BLE001 - any capture failure: decode eagerly, say why
             warnings.warn(f"slot decoder: CUDA graph capture failed ({type(err).__name__}: {err}); decoding eagerly",
                           stacklevel=2)

@@ -278,7 +278,7 @@ def _setup(cfg: SFTConfig) -> _Run:
     save_dir = Path(cfg.save_dir)
     config_dict = config_to_dict(cfg)
     run_identity.claim_save_dir(save_dir, config_dict, overwrite=cfg.overwrite, resume=cfg.resume,
-                        mutable_keys=SFT_RESUME_MUTABLE_KEYS, num_steps=num_steps)
+                                mutable_keys=SFT_RESUME_MUTABLE_KEYS, num_steps=num_steps)
     ckpt.remove_stale_entries(save_dir)  # under the lock: no other run's save is in flight
     resume_from = ckpt.latest_verified_checkpoint(save_dir) if cfg.resume == "auto" else None
 

@@ -375,6 +375,10 @@ RESUME_MUTABLE_KEYS: frozenset[str] = frozenset(
 it decides what is learned (data, models, loss, optimiser, seed, engine, dtype) or what is
 measured (the eval set), so a save_dir whose config.yaml differs in one refuses to resume."""
 
+FRESH_LORA_KEYS: tuple[str, ...] = ("lora_r", "lora_alpha", "use_rslora", "lora_targets")
+"""The keys of a fresh LoRA: unused, and out of the run identity, when RL continues an SFT adapter (it keeps its
+own rank, alpha, scaling and modules)."""
+
 _DEVICE_RE = re.compile(r"auto|cpu|cuda(:\d+)?")
 
 

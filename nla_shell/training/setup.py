@@ -19,7 +19,7 @@ import nla_core
 from nla_shell import families
 from nla_shell.engines.base import RolloutEngine
 from nla_shell.io.config import ConfigError, config_defaults, config_to_dict, save_config
-from nla_shell.training.config import RESUME_MUTABLE_KEYS, TrainConfig
+from nla_shell.training.config import FRESH_LORA_KEYS, RESUME_MUTABLE_KEYS, TrainConfig
 from nla_shell.io.data import (
     DataError, RLRow, build_prompt_ids, check_tokenizer, load_eval_rows, load_rows, parquet_num_rows, row_windows,
 )
@@ -130,7 +130,7 @@ def say_actor_start(cfg: TrainConfig, actor, *, continues_sft: bool) -> None:
     adapter = actor.peft_config["default"]
     if continues_sft:
         say(f"[actor] continuing the SFT adapter {cfg.av_ckpt} (r={adapter.r}, alpha={adapter.lora_alpha}, "
-            f"rsLoRA={adapter.use_rslora}); lora_r/lora_alpha/use_rslora/lora_targets are unused and left out of the run identity. "
+            f"rsLoRA={adapter.use_rslora}); {'/'.join(FRESH_LORA_KEYS)} are unused and left out of the run identity. "
             "sft_adapter=merge trains a fresh LoRA on the merged SFT model instead (the reference's path)")
     else:
         say(f"[actor] merged the SFT adapter {cfg.av_ckpt} into the base; training a fresh LoRA r={adapter.r}, "
@@ -343,10 +343,11 @@ def setup(cfg: TrainConfig, rank: RankInfo, device: torch.device, dtype: torch.d
 def claim_run_dir(cfg: TrainConfig, *, continues_sft: bool) -> Path | None:
     """Claim save_dir for this config (rank 0, under the run lock); the checkpoint to resume from, if any."""
     save_dir = Path(cfg.save_dir)
-    # A continued SFT adapter keeps its own rank and alpha: the lora_* keys decide nothing then.
-    mutable_keys = RESUME_MUTABLE_KEYS | ({"lora_r", "lora_alpha", "use_rslora", "lora_targets"} if continues_sft else set())
+    # A continued SFT adapter keeps its own rank, alpha and modules: the fresh LoRA's keys decide nothing then.
+    mutable_keys = RESUME_MUTABLE_KEYS | (set(FRESH_LORA_KEYS) if continues_sft else set())
     run_identity.claim_save_dir(save_dir, config_to_dict(cfg), overwrite=cfg.overwrite, resume=cfg.resume,
-                        mutable_keys=mutable_keys, defaults=config_defaults(TrainConfig), num_steps=cfg.num_steps)
+                                mutable_keys=mutable_keys, defaults=config_defaults(TrainConfig),
+                                num_steps=cfg.num_steps)
     ckpt.remove_stale_entries(save_dir)  # under the lock: no other run's save is in flight
     if cfg.resume != "auto":
         return None

@@ -97,7 +97,7 @@ def run_variant(run_dir: Path, name: str, overrides: list[str]) -> dict[str, Any
     rl_dir = train(rl_cfg)
     t_rl = time.perf_counter() - t0
     ar = demo_mod.after_rl_ar(rl_cfg, inputs["ar"])
-    adapter = rl_dir / f"step_{rl_cfg.num_steps:06d}" / "adapter"
+    adapter = demo_mod.after_rl_adapter(rl_cfg)
     metrics = evaluate(demo_mod.eval_config(cfg, inputs["target"], inputs["paths"], ar,
                                             out / "eval" / "after_rl", adapter, controls=True)).metrics
     report = {"name": name, "overrides": overrides, "seed": cfg.seed, "ar": str(ar), **summary(metrics, rl_dir),
@@ -233,8 +233,7 @@ def greedy_evals(run_dir: Path) -> dict[str, float]:
     cfg = inputs["cfg"]
     rl_cfg = demo_mod.rl_config(cfg, inputs["paths"], inputs["rows"], inputs["av"], inputs["ar"], run_dir / "rl")
     stages = {"after_sft": (inputs["av"], inputs["ar"]),
-              "after_rl": (run_dir / "rl" / f"step_{cfg.rl_steps:06d}" / "adapter",
-                           demo_mod.after_rl_ar(rl_cfg, inputs["ar"]))}
+              "after_rl": (demo_mod.after_rl_adapter(rl_cfg), demo_mod.after_rl_ar(rl_cfg, inputs["ar"]))}
     fves = {}
     for stage, (av, ar) in stages.items():
         eval_cfg = demo_mod.eval_config(cfg, inputs["target"], inputs["paths"], ar, run_dir / "eval" / f"{stage}_greedy",

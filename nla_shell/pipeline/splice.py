@@ -131,10 +131,8 @@ def splice_kl_metrics(
                         f"blocks) cannot be the LM of this data (d_model {d_model}, layer {layer}); pass the datagen model")
     contexts = [target_tokenizer.encode(r.extras["context"], add_special_tokens=False) for r in rows]
     primary = "av" if "av" in predictions else "gold" if "gold" in predictions else None
-    # A context whose re-encoding is not the tokens datagen read would splice at another site.
     keep = [i for i, (r, ids) in enumerate(zip(rows, contexts))
-            if ids and r.extras.get("position") in (None, len(ids) - 1)
-            and (primary is None or bool(torch.isfinite(predictions[primary][i]).all()))]
+            if reencodes_to_site(r, ids) and (primary is None or bool(torch.isfinite(predictions[primary][i]).all()))]
     if not keep:
         return {"splice/n_rows": 0}, [{} for _ in rows]
     gold = golds[keep].double()
@@ -163,6 +161,12 @@ def splice_kl_metrics(
     return metrics, per_row
 
 
+def reencodes_to_site(row: RLRow, context_ids: Sequence[int]) -> bool:
+    """Whether a row's context, encoded again, ends at its site (its `position`, where the row has one): any other
+    context would splice, or compare residuals, at another token than the one datagen read."""
+    return bool(context_ids) and row.extras.get("position") in (None, len(context_ids) - 1)
+
+
 def require_residuals_match(resid: torch.Tensor, gold: torch.Tensor, *, model: str, source: str | Path,
                             layer: int) -> torch.Tensor:
     """The cosine of each residual the model computes at a site ([N, D]) with the data's activation there;
@@ -185,8 +189,7 @@ def check_model_reads_training_data(model: torch.nn.Module, tokenizer, sidecar: 
         rows = list(stream_rows(parquet, nla, stop=RESIDUAL_CHECK_ROWS, extra_columns=["position", "context"],
                                 key="trained_on"))
         contexts = [tokenizer.encode(r.extras["context"], add_special_tokens=False) for r in rows]
-        # As in splice-KL: only a context that re-encodes to its site is a like-for-like comparison.
-        keep = [i for i, ids in enumerate(contexts) if ids and rows[i].extras.get("position") in (None, len(ids) - 1)]
+        keep = [i for i, ids in enumerate(contexts) if reencodes_to_site(rows[i], ids)]
         if not keep:
             continue
         ids, mask = pad_right([contexts[i] for i in keep], tokenizer.pad_token_id or 0, device)

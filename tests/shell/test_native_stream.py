@@ -12,40 +12,8 @@ import torch
 from nla_shell.engines.native import NativeRolloutEngine
 from nla_shell.engines.native_stream import SlotDecoder
 from nla_shell.models import inner_lm
+from slot_stream import T, alone, same_tokens, stream
 from test_native import _trainer_logprobs, deep_av_dir, native_inputs, setup  # noqa: F401 - fixtures
-
-T = 10
-
-
-def alone(engine, requests, max_new_tokens=T):
-    """What generate gives each request, one call per request (greedy, so no noise is involved)."""
-    return [engine.generate([r], group_size=1, max_new_tokens=max_new_tokens)[0] for r in requests]
-
-
-def stream(decoder: SlotDecoder, arrivals, *, greedy=True, generator=None, log=None):
-    """Run the decoder until every arrival has ended. arrivals: [(key, request, first step, max_new_tokens)]; a row
-    joins at its step or, when no slot is free then, at the first step after one frees. log[key] = (step joined,
-    slot, keys of the rows active then). Returns {key: rollout}."""
-    waiting, done, step = list(arrivals), {}, 0
-    with decoder.running():
-        while waiting or decoder.busy:
-            while waiting and waiting[0][2] <= step and decoder.free:
-                key, request, _, budget = waiting.pop(0)
-                before = set(decoder.rows)
-                ended = decoder.admit([request], keys=[key], max_new_tokens=budget, greedy=greedy, generator=generator)
-                if log is not None:
-                    (slot,) = set(decoder.rows) - before if not ended else (None,)
-                    log[key] = (step, slot, {row.key for s, row in decoder.rows.items() if s != slot})
-                done.update({f.key: f.rollout for f in ended})
-            if decoder.busy:
-                done.update({f.key: f.rollout for f in decoder.step(generator)})
-            step += 1
-            assert step < 200, "the decoder never finished"
-    return done
-
-
-def same_tokens(a, b) -> bool:
-    return a.full_ids.tolist() == b.full_ids.tolist()
 
 
 @pytest.mark.parametrize("merge_lora", [False, True])

@@ -26,7 +26,7 @@ for sharding in ddp fsdp2; do
     save_dir="$OUT/run_$sharding" overwrite=true sharding=$sharding engine=hf num_steps=3 batch_prompts=8 group_size=4 \
     max_new_tokens=32 train_critic=false logp_micro_batch=16 ref_micro_batch=16 eval_every=0 save_every=100 \
     logger=jsonl "${extra[@]}" ${TRAIN_ARGS:-} > "$OUT/train_$sharding.log" 2>&1 \
-    || { echo "[fsdp2] sharding=$sharding failed:"; tail -n 20 "$OUT/train_$sharding.log"; exit 1; }
+    || { echo "[fsdp2] sharding=$sharding failed:"; grep -v "^ \|^Traceback" "$OUT/train_$sharding.log" | tail -n 20; exit 1; }
 done
 python3 - "$OUT" <<'EOF'
 import json, sys

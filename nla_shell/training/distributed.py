@@ -83,6 +83,8 @@ def process_group(info: RankInfo, device: torch.device, *, single: bool = False)
     owned = (info.world_size > 1 or single) and not dist.is_initialized()
     if owned:
         if device.type == "cuda":
+            # torch binds a group only to an indexed device; one process without torchrun has plain "cuda"
+            device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
             torch.cuda.set_device(device)
         # One process needs no rendezvous (and may run outside torchrun): an in-memory store.
         store = {"store": dist.HashStore()} if info.world_size == 1 else {}

@@ -168,6 +168,22 @@ def test_helpers_are_the_identity_without_a_process_group():
     assert distributed.all_reduce_grads([p]) == 0.0 and p.grad is None
 
 
+def test_a_one_process_group_on_plain_cuda_binds_an_indexed_device(monkeypatch):
+    """sharding=fsdp2 with one process and device=auto gives torch.device("cuda"); torch refuses to bind a group to
+    a device without an index ("Please use a device_id with index", on the H200 at 8b shape, 2026-12-04): the group
+    is bound to the current CUDA device. The GPU calls are faked: the branch runs on CPU."""
+    bound = {}
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: bound.setdefault("set", d))
+    monkeypatch.setattr(torch.distributed, "init_process_group", lambda **kw: bound.setdefault("init", kw))
+    monkeypatch.setattr(torch.distributed, "destroy_process_group", lambda: None)
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
+    with distributed.process_group(RankInfo(), torch.device("cuda"), single=True):
+        pass
+    assert bound["set"] == torch.device("cuda", 3) and bound["init"]["device_id"] == torch.device("cuda", 3)
+    assert bound["init"]["backend"] == "nccl"
+
+
 def test_indivisible_batch_is_refused_before_anything_starts(nla_run_inputs, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "0")

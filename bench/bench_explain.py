@@ -16,14 +16,17 @@ What is timed, for every engine of --engines on the same N vectors (--sites):
             `closed_by_bench` counts the rollouts closed, `mean_explanation_tokens` what the AR read.
   server    (--server-engine E) the `nla serve` app (`build_app` + uvicorn, as `nla serve` runs
             them) on a free 127.0.0.1 port in this process, on E's reader; for each of --clients
-            (a comma list: one server case each) that many threads POST
+            (a comma list: one server case each) that many threads of a separate process POST
             /v1/explain_vectors with --vectors-per-request vectors each (as JSON number lists, or
             base64 float32 with --server-encoding base64) until the N sites are
-            done: sites/s, p50/p99 request latency, and a check that every site was answered
-            exactly once (per request and by the batcher's counters), and `server_over_corpus`:
+            done: sites/s, p50/p99 request latency, the sites answered (per request, beside the
+            batcher's counters), and `server_over_corpus`:
             its rate over the corpus leg's (same engine, batch size and vectors). The server
             batches per engine call, so a closed loop of clients fills the engine's batches only
-            with about twice --batch sites in flight (clients x vectors per request).
+            with about twice --batch sites in flight (clients x vectors per request). The clients'
+            HTTP and JSON work runs in their own process (`clients_process: "separate"`; the runs of
+            2026-12-01 and run AN's of 2026-12-04 had the client threads in the server's process,
+            sharing its interpreter lock).
   --continuous  (--server-engine native) the server leg with `continuous_batching=true`: --batch
             decode slots kept busy, sites admitted between decode steps as others end
             (nla_shell.serving.continuous); the case records `continuous: true`. The AR then scores
@@ -292,7 +295,8 @@ def time_offline(reader, vectors: torch.Tensor, args: argparse.Namespace, device
 
 def time_server(reader, vectors: torch.Tensor, args: argparse.Namespace, engine: str, device: torch.device,
                 clients: int) -> dict:
-    """The `nla serve` app on a free loopback port, driven by `clients` threads until every site is answered."""
+    """The `nla serve` app on a free loopback port in this process, driven by `clients` threads of another process
+    (outside_load) until every site is answered."""
     import httpx
 
     from nla_shell.serving.app import build_app
@@ -320,36 +324,8 @@ def time_server(reader, vectors: torch.Tensor, args: argparse.Namespace, engine:
         return json.dumps({"vectors": chunk.tolist(), **common}).encode()
 
     bodies = [body(vectors[s : s + k]) for s in starts]
+    sizes = [min(k, len(vectors) - s) for s in starts]
     width = vectors.shape[1]
-    answered = [0] * len(vectors)
-    latencies: list[float] = []
-    failures: list[str] = []
-    next_request = itertools.count()
-    lock = threading.Lock()
-
-    def client() -> None:
-        with httpx.Client(base_url=url, timeout=600, headers={"Content-Type": "application/json"}) as http:
-            while (i := next(next_request)) < len(bodies):  # itertools.count's next() is atomic under the GIL
-                t0 = time.perf_counter()
-                try:
-                    answer = http.post("/v1/explain_vectors", content=bodies[i])
-                    results, problem = answer.json().get("results"), f"HTTP {answer.status_code} {answer.text[:200]}"
-                    if results is not None and args.server_encoding == "base64":  # the client decodes, as one would
-                        for r in results:
-                            if r["reconstruction"] is not None:
-                                raw = base64.b64decode(r["reconstruction"])
-                                if len(raw) != 4 * width:
-                                    raise ValueError(f"a reconstruction of {len(raw)} bytes, not {4 * width}")
-                except Exception as err:  # noqa: BLE001 - a lost request shows as unanswered sites
-                    results, problem = None, f"{type(err).__name__}: {err}"
-                latency = time.perf_counter() - t0
-                with lock:
-                    latencies.append(latency)
-                    if results is None or len(results) != min(k, len(vectors) - starts[i]):
-                        failures.append(f"request {i}: {problem}")
-                        continue
-                    for j in range(len(results)):
-                        answered[starts[i] + j] += 1
 
     try:
         deadline = time.monotonic() + 60
@@ -362,13 +338,7 @@ def time_server(reader, vectors: torch.Tensor, args: argparse.Namespace, engine:
         warm.raise_for_status()
         before = httpx.get(f"{url}/v1/info").json()["batching"]
         syn.reset_peak(device)
-        t0 = time.perf_counter()
-        threads = [threading.Thread(target=client) for _ in range(clients)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        seconds = time.perf_counter() - t0
+        load = outside_load(url, bodies, sizes, clients, args.server_encoding, width)
         peak = syn.peak_gib(device)
         after = httpx.get(f"{url}/v1/info").json()["batching"]
     finally:
@@ -376,17 +346,85 @@ def time_server(reader, vectors: torch.Tensor, args: argparse.Namespace, engine:
         thread.join(timeout=30)
         app.state.batcher.close()
         sock.close()
-    latencies.sort()
+    latencies, seconds = sorted(load["latencies"]), load["seconds"]
     batcher = {key: after[key] - before[key] for key in ("batches", "sites", "jobs", "decode_steps") if key in after}
-    return {"seconds": seconds, "sites_per_s": sum(answered) / seconds, "requests": len(bodies),
-            "encoding": args.server_encoding, "continuous": args.continuous,
+    return {"seconds": seconds, "sites_per_s": sum(load["answered"]) / seconds, "requests": len(bodies),
+            "encoding": args.server_encoding, "continuous": args.continuous, "clients_process": "separate",
             "clients": clients, "vectors_per_request": k, "sites_in_flight": clients * k,
-            "batch_max_wait_ms": args.batch_max_wait_ms, "peak_gib": peak, "failed_requests": failures,
-            "sites_answered_once": sum(a == 1 for a in answered),
-            "sites_answered_twice_or_more": sum(a > 1 for a in answered),
+            "batch_max_wait_ms": args.batch_max_wait_ms, "peak_gib": peak, "failed_requests": load["failures"],
+            "sites_answered": sum(load["answered"]),
             "p50_ms": 1000 * statistics.median(latencies), "p99_ms": 1000 * percentile(latencies, 0.99),
             "batcher": {**batcher, "largest_batch_sites": after["largest_batch_sites"],
                         "mean_batch_sites": batcher["sites"] / max(batcher["batches"], 1)}}
+
+
+def outside_load(url: str, bodies: list[bytes], sizes: list[int], clients: int, encoding: str, width: int) -> dict:
+    """client_load in a process of its own (spawned, so it holds no CUDA state): the clients' HTTP and JSON work then
+    holds that process's interpreter lock, not the server's, as it does for `nla serve` under outside traffic."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    receive, send = context.Pipe(duplex=False)
+    process = context.Process(target=_client_process, args=(send, url, bodies, sizes, clients, encoding, width))
+    process.start()
+    send.close()
+    try:
+        load = receive.recv()
+    except EOFError:
+        raise RuntimeError(f"the client process ended without an answer (exit code {process.exitcode})") from None
+    finally:
+        process.join(timeout=60)
+    return load
+
+
+def _client_process(send, *args) -> None:
+    send.send(client_load(*args))
+    send.close()
+
+
+def client_load(url: str, bodies: list[bytes], sizes: list[int], clients: int, encoding: str, width: int) -> dict:
+    """`clients` threads POST `bodies` to /v1/explain_vectors, each taking the next unsent one, until all are answered;
+    request i holds sizes[i] vectors. Returns the seconds from the first POST to the last answer, each request's
+    latency, the results each got back (0 for a failed one) and the failures. With base64 the client decodes each
+    reconstruction, as one would."""
+    import httpx
+
+    latencies: list[float] = []
+    answered = [0] * len(bodies)
+    failures: list[str] = []
+    next_request = itertools.count()
+    lock = threading.Lock()
+
+    def client() -> None:
+        with httpx.Client(base_url=url, timeout=600, headers={"Content-Type": "application/json"}) as http:
+            while (i := next(next_request)) < len(bodies):  # itertools.count's next() is atomic under the GIL
+                t0 = time.perf_counter()
+                try:
+                    answer = http.post("/v1/explain_vectors", content=bodies[i])
+                    results, problem = answer.json().get("results"), f"HTTP {answer.status_code} {answer.text[:200]}"
+                    if results is not None and encoding == "base64":
+                        for r in results:
+                            if r["reconstruction"] is not None:
+                                raw = base64.b64decode(r["reconstruction"])
+                                if len(raw) != 4 * width:
+                                    raise ValueError(f"a reconstruction of {len(raw)} bytes, not {4 * width}")
+                except Exception as err:  # noqa: BLE001 - a lost request shows as unanswered sites
+                    results, problem = None, f"{type(err).__name__}: {err}"
+                latency = time.perf_counter() - t0
+                with lock:
+                    latencies.append(latency)
+                    if results is None or len(results) != sizes[i]:
+                        failures.append(f"request {i}: {problem}")
+                    else:
+                        answered[i] = len(results)
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=client) for _ in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return {"seconds": time.perf_counter() - t0, "latencies": latencies, "answered": answered, "failures": failures}
 
 
 @contextlib.contextmanager

@@ -135,8 +135,9 @@ class ServeConfig(ReaderSettings):
     continuous_batching: bool = False
     """engine=native: keep max_batch decode slots (sites x samples) busy, admitting waiting requests' sites between
     decode steps as others finish (nla_shell.serving.continuous), instead of one engine call per gathered batch
-    (batch_wait_ms and batch_max_wait_ms then do not apply). Off by default: its answers are checked against the
-    batched path on CPU only (greedy answers equal), and its rate on a GPU is not yet measured."""
+    (batch_wait_ms and batch_max_wait_ms then do not apply). Off by default: it holds its own decode cache and CUDA
+    graphs (at the Qwen3-8B shape and max_batch 256, 10-21 GiB more at peak). Under load it read 19-41 % more sites/s
+    than the batched path on one H200 (docs/serving.md, Throughput)."""
 
     def __post_init__(self) -> None:
         normalize_fields(self)

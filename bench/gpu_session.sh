@@ -30,8 +30,8 @@
 #                                  SHAPES=, CASES=, SHARED_FIT=1, SCALING_ARGS= (Step time: Scaling across Qwen3 sizes)
 #   train8b        p4, x2          `nla train` at the 8B shape, 3 steps per engine (Step time: nla train at the 8B shape)
 #   train8b-fast   p4, .bnb        `nla train` at 256 x 8 with the fast settings, 3 steps; TRAIN_ARGS= adds keys
-#   explain8b      -               the slot decoder's CUDA test; bench_explain at the 8B shape, AR at work, continuous
-#                                  server beside the corpus rate; EXPLAIN_BASELINE=1 (Explanation throughput)
+#   explain8b      serve wheels    the slot decoder's CUDA test; bench_explain at the 8B shape, AR at work, continuous
+#                                  server beside the corpus rate; EXPLAIN_ENCODINGS=, EXPLAIN_BASELINE=1 (Explanation throughput)
 #   quant          .bnb            tests/gpu/test_quant_ar_gpu.py (Quantisation: The quantised AR; bench_quant.py,
 #                                  which made the numbers, is retired, last at f40f446)
 #   families       p4              tests/gpu/test_families_gpu.py, native then vLLM (Model families on the GPU)
@@ -213,8 +213,9 @@ case $stage in
     grep -v "^INFO\|^WARNING\|^(EngineCore" "$OUT/train_fast.log" | tail -n 30; pack train8b-fast ;;
   explain8b)
     # One GPU, no carry: the slot decoder's CUDA-graph test, then bench_explain at the 8B shape with the AR at work
-    # (--close-explanations) and the server's continuous batching beside the corpus rate; EXPLAIN_BASELINE=1 adds the
-    # server without it. The server's libraries travel as wheels (carry .device-carry/serve: fastapi, uvicorn, pydantic
+    # (--close-explanations) and the server's continuous batching beside the corpus rate, once per body encoding of
+    # EXPLAIN_ENCODINGS (default json; e.g. "base64 json"); EXPLAIN_BASELINE=1 adds the server without it (JSON).
+    # The server's libraries travel as wheels (carry .device-carry/serve: fastapi, uvicorn, pydantic, opentelemetry-api
     # and their needs the image lacks, as `pip download` fetched them for Python 3.12).
     if ls .device-carry/serve/*.whl > /dev/null 2>&1; then
       python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/serve .device-carry/serve/*.whl
@@ -225,7 +226,10 @@ case $stage in
     [ -f /tmp/nla8b/data/rl.parquet ] || python3 bench/make_8b_run.py /tmp/nla8b > "$OUT/make_8b.log" 2>&1
     explain() { timeout -k 10 420 python3 bench/bench_explain.py --run /tmp/nla8b --label qwen3-8b-random-closed \
       --engines native --server-engine native --close-explanations --sites 1024 --batch 256 --clients 16,32 "$@"; }
-    explain --continuous --out "$OUT/explain_8b_native_closed_continuous.json" > "$OUT/explain_continuous.log" 2>&1
+    for encoding in ${EXPLAIN_ENCODINGS:-json}; do
+      explain --continuous --server-encoding "$encoding" --out "$OUT/explain_8b_native_closed_continuous_$encoding.json" \
+        > "$OUT/explain_continuous_$encoding.log" 2>&1
+    done
     [ -z "${EXPLAIN_BASELINE:-}" ] || explain --out "$OUT/explain_8b_native_closed.json" > "$OUT/explain.log" 2>&1
     tail -n 8 "$OUT"/explain*.log ;;
   quant)

@@ -115,7 +115,7 @@ class DemoConfig:
     av_batch: int = 32
     """AV SFT batch size."""
     av_lr: float = 1e-2
-    """AV SFT learning rate (LoRA)."""
+    """AV SFT learning rate (the LoRA's; with av_lora false, the whole LM's: no rate for that is measured yet)."""
     av_lora: bool = True
     """The AV's SFT trains a LoRA (nla sft's av_lora); False (an nla addition) fine-tunes the whole target LM, and
     RL then trains a fresh LoRA (lora_r, lora_targets) on that full checkpoint, its KL reference."""

@@ -28,7 +28,7 @@ import nla_core
 from nla_shell import families
 from nla_shell.training import checkpoint as ckpt
 from nla_shell.training import run_identity
-from nla_shell.io.config import ConfigError, config_to_dict, normalize_fields
+from nla_shell.io.config import ConfigError, config_defaults, config_to_dict, normalize_fields
 from nla_shell.training.config import TrainConfig
 from nla_shell.io.data import DataError, build_prompt_ids, check_tokenizer, stream_rows
 from nla_shell.io.sidecars import MODEL_SIDECAR, injection_settings, load_sidecar, model_sidecar, write_sidecar
@@ -292,7 +292,8 @@ def _setup(cfg: SFTConfig) -> _Run:
     save_dir = Path(cfg.save_dir)
     config_dict = config_to_dict(cfg)
     run_identity.claim_save_dir(save_dir, config_dict, overwrite=cfg.overwrite, resume=cfg.resume,
-                                mutable_keys=SFT_RESUME_MUTABLE_KEYS, num_steps=num_steps)
+                                mutable_keys=SFT_RESUME_MUTABLE_KEYS, defaults=config_defaults(SFTConfig),
+                                num_steps=num_steps)
     ckpt.remove_stale_entries(save_dir)  # under the lock: no other run's save is in flight
     resume_from = ckpt.latest_verified_checkpoint(save_dir) if cfg.resume == "auto" else None
 

@@ -115,11 +115,15 @@ class DemoConfig:
     av_batch: int = 32
     """AV SFT batch size."""
     av_lr: float = 1e-2
-    """AV SFT learning rate (LoRA)."""
+    """AV SFT learning rate (the LoRA's; with av_lora false, the whole LM's: no rate for that is measured yet)."""
+    av_lora: bool = True
+    """The AV's SFT trains a LoRA (nla sft's av_lora); False (an nla addition) fine-tunes the whole target LM, and
+    RL then trains a fresh LoRA (lora_r, lora_targets) on that full checkpoint, its KL reference."""
     lora_r: int = 16
-    """AV LoRA rank (alpha = rank, rsLoRA)."""
+    """AV LoRA rank (alpha = rank, rsLoRA): the SFT's, and RL's fresh one on a fully fine-tuned AV."""
     lora_targets: tuple[str, ...] = ()
-    """Modules the AV's LoRA adapts (nla sft's lora_targets); empty: the family's attention projections."""
+    """Modules the AV's LoRA adapts (nla sft's lora_targets, and RL's fresh LoRA on a fully fine-tuned AV); empty:
+    the family's attention projections."""
     injection_style: Literal["residual_add", "embedding_replace"] | None = None
     """How the AV takes the vector (nla sft's injection_style; RL and the evals follow the AV's sidecar): None, the
     data's (residual_add, the reference's add at block 1's output); embedding_replace is kitft's."""
@@ -359,7 +363,8 @@ def rl_config(cfg: DemoConfig, data_paths: Mapping[str, Path], data_rows: Mappin
         av_ckpt=str(av), ar_ckpt=str(ar), rl_parquet=str(data_paths["rl"]), save_dir=str(save_dir),
         num_steps=cfg.rl_steps, batch_prompts=cfg.rl_batch_prompts, group_size=cfg.rl_group_size,
         max_new_tokens=cfg.max_new_tokens, lr=cfg.rl_lr, kl_beta=cfg.kl_beta, train_critic=cfg.rl_train_critic,
-        logp_micro_batch=cfg.rl_micro_batch,
+        # A fresh LoRA's (on a fully fine-tuned AV); RL continuing an SFT adapter keeps the adapter's own.
+        lora_r=cfg.lora_r, lora_alpha=cfg.lora_r, lora_targets=cfg.lora_targets, logp_micro_batch=cfg.rl_micro_batch,
         critic_micro_batch=cfg.rl_micro_batch, engine=cfg.engine, eval_every=max(1, cfg.rl_steps // 3),
         save_every=cfg.rl_steps, logger=("console",), seed=cfg.seed, device=cfg.device, dtype=cfg.dtype,
         **held_out,
@@ -486,15 +491,16 @@ def ar_warm_start(cfg: DemoConfig, target: Path, data_paths: Mapping[str, Path],
 
 
 def av_warm_start(cfg: DemoConfig, target: Path, data_paths: Mapping[str, Path], run_dir: Path, ar: Path) -> Path:
-    """Stage 4: the AV's LoRA on the gold responses, selected by its round trip through `ar`; returns its checkpoint."""
+    """Stage 4: the AV's LoRA (av_lora false: the whole LM) on the gold responses, selected by its round trip
+    through `ar`; returns its checkpoint."""
     from nla_shell.pipeline.sft import SFTConfig, sft
 
     settings = {"log_every": max(1, cfg.av_steps // 6), **_sft_settings(cfg, target, data_paths, cfg.av_steps)}
     if cfg.sft_eval_every > 0:
         settings.update(eval_ar=str(ar), eval_max_new_tokens=cfg.max_new_tokens)
     return sft(SFTConfig(mode="av", parquet=str(data_paths["av_sft"]), save_dir=str(run_dir / "av_sft"),
-                         batch_size=cfg.av_batch, micro_batch=cfg.av_batch, lr=cfg.av_lr, lora_r=cfg.lora_r,
-                         lora_alpha=cfg.lora_r, lora_targets=cfg.lora_targets, injection_style=cfg.injection_style,
+                         batch_size=cfg.av_batch, micro_batch=cfg.av_batch, lr=cfg.av_lr, av_lora=cfg.av_lora,
+                         lora_r=cfg.lora_r, lora_alpha=cfg.lora_r, lora_targets=cfg.lora_targets, injection_style=cfg.injection_style,
                          injection_scale=cfg.injection_scale, **settings))
 
 

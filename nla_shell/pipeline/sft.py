@@ -1,13 +1,14 @@
 """`nla sft --mode av|ar`: the supervised warm starts that `nla train` starts from.
 
-AV: the target LM plus an rsLoRA adapter learns to write the gold response
+AV: the target LM plus an rsLoRA adapter (or, with av_lora=false, the whole LM) learns to write the gold response
 (`<explanation>…</explanation>` + EOS) after the AV prompt, with the activation injected
 at the marker; the loss is the token-mean NLL of the response tokens only.
 AR: an `ARModel` (the LM truncated after the extraction layer + a float32 value head)
 regresses the normalised activation from the AR prompt; the loss is `critic_step`'s MSE.
 
 Each checkpoint `save_dir/step_NNNNNN/` is directly what `nla train` loads: for the AV a
-PEFT adapter dir (+ tokenizer), which `av_ckpt` continues and keeps as the KL reference;
+PEFT adapter dir (+ tokenizer), which `av_ckpt` continues and keeps as the KL reference (av_lora=false: a
+plain HF model dir, on which `nla train` starts a fresh LoRA, the SFT'd weights its KL reference);
 for the AR an ARModel dir (`ar_ckpt`). Both also hold `nla_meta.yaml` (kind nla_model,
 with the FVE baselines of the training activations), the optimizer/RNG/data-cursor state
 and the config, so an interrupted run resumes where it stopped (`resume: auto`).
@@ -27,7 +28,7 @@ import nla_core
 from nla_shell import families
 from nla_shell.training import checkpoint as ckpt
 from nla_shell.training import run_identity
-from nla_shell.io.config import ConfigError, config_to_dict, normalize_fields
+from nla_shell.io.config import ConfigError, config_defaults, config_to_dict, normalize_fields
 from nla_shell.training.config import TrainConfig
 from nla_shell.io.data import DataError, build_prompt_ids, check_tokenizer, stream_rows
 from nla_shell.io.sidecars import MODEL_SIDECAR, injection_settings, load_sidecar, model_sidecar, write_sidecar
@@ -138,6 +139,13 @@ class SFTConfig:
     quant: Literal["none", "4bit", "8bit"] = "none"
     """Load the frozen base quantised with bitsandbytes (CUDA, pip install 'nla[bnb]'); the LoRA trains in `dtype`.
     mode=ar needs ar_lora=true (a fully fine-tuned backbone cannot be quantised)."""
+    av_lora: bool = True
+    """mode=av: train an rsLoRA adapter on the target LM (lora_r, lora_alpha, use_rslora, lora_targets) and save a
+    PEFT adapter dir. False (an nla addition; upstream's AV SFT trains a LoRA) fine-tunes every parameter of the
+    target LM, the tied embedding included, in `dtype`, and saves a plain HF model dir: `nla train` then starts a
+    fresh LoRA on it with these weights (adapter off) as the KL reference. Needs quant=none. Memory beyond the
+    weights: a gradient and AdamW's two moments for every parameter, about 3x the weights (less with
+    bitsandbytes' 8-bit moments, which make_optimizer takes on CUDA when installed)."""
     ar_lora: bool = False
     """mode=ar: freeze the truncated backbone and train a LoRA on it (lora_r, lora_alpha, use_rslora) plus the
     float32 value head, as EasyNLA's `--use-lora`; saved in EasyNLA's AR-LoRA layout (ar_meta.json +
@@ -169,8 +177,14 @@ class SFTConfig:
         if self.eval_parquet is None and (self.eval_ar is not None or self.patience > 0):
             key = "eval_ar" if self.eval_ar is not None else "patience"
             raise ConfigError(f"config key '{key}' needs held-out rows: set eval_parquet (datagen's eval.parquet)")
+        if not self.av_lora and self.mode != "av":
+            raise ConfigError("config key 'av_lora' = false applies to mode=av only (the AR's choice is ar_lora); "
+                              "drop it or set mode=av")
+        if not self.av_lora and self.quant != "none":
+            raise ConfigError(f"config key 'av_lora' = false fine-tunes the whole AV, which cannot be quantised "
+                              f"(quant={self.quant}); set quant=none or av_lora=true")
         if self.ar_lora and self.mode != "ar":
-            raise ConfigError("config key 'ar_lora' = true applies to mode=ar only (the AV always trains a LoRA); "
+            raise ConfigError("config key 'ar_lora' = true applies to mode=ar only (the AV's choice is av_lora); "
                               "drop it or set mode=ar")
 
 
@@ -278,7 +292,8 @@ def _setup(cfg: SFTConfig) -> _Run:
     save_dir = Path(cfg.save_dir)
     config_dict = config_to_dict(cfg)
     run_identity.claim_save_dir(save_dir, config_dict, overwrite=cfg.overwrite, resume=cfg.resume,
-                                mutable_keys=SFT_RESUME_MUTABLE_KEYS, num_steps=num_steps)
+                                mutable_keys=SFT_RESUME_MUTABLE_KEYS, defaults=config_defaults(SFTConfig),
+                                num_steps=num_steps)
     ckpt.remove_stale_entries(save_dir)  # under the lock: no other run's save is in flight
     resume_from = ckpt.latest_verified_checkpoint(save_dir) if cfg.resume == "auto" else None
 
@@ -307,7 +322,7 @@ def _setup(cfg: SFTConfig) -> _Run:
 
     def save(step_done: int, stopping: sft_eval.EarlyStopping, score: float | None) -> Path:
         def write(tmp: Path) -> None:
-            model.save_pretrained(tmp)  # AV: adapter_config.json + weights; AR: backbone + value head
+            model.save_pretrained(tmp)  # AV: adapter_config.json + weights (av_lora=false: the full LM); AR: backbone + value head
             tokenizer.save_pretrained(tmp)
             write_sidecar(sidecar_out, tmp / MODEL_SIDECAR)
             ckpt.save_training_state(tmp, step=step_done, data_cursor=order.state(),
@@ -359,12 +374,19 @@ def _load_examples(cfg: SFTConfig, nla: nla_core.NLAConfig, tokenizer) -> tuple[
 def _build_model(cfg: SFTConfig, model_dir: Path, nla: nla_core.NLAConfig, resume_from: Path | None, *, style: str,
                  injection_norm: float | None, mse_scale: float | None, dtype: torch.dtype,
                  device: torch.device) -> tuple[torch.nn.Module, Injector | None]:
-    """The AV (actor + LoRA, with its injector) or the AR, new or from the checkpoint a resumed run continues."""
+    """The AV (actor + LoRA, or the whole LM with av_lora=false; with its injector) or the AR, new or from the
+    checkpoint a resumed run continues."""
     if cfg.mode == "av":
-        model = load_actor(
-            model_dir, lora_r=cfg.lora_r, lora_alpha=cfg.lora_alpha, use_rslora=cfg.use_rslora,
-            resume_adapter=resume_from, dtype=dtype, device=device, quant=cfg.quant, lora_targets=cfg.lora_targets,
-        )
+        if cfg.av_lora:
+            model = load_actor(
+                model_dir, lora_r=cfg.lora_r, lora_alpha=cfg.lora_alpha, use_rslora=cfg.use_rslora,
+                resume_adapter=resume_from, dtype=dtype, device=device, quant=cfg.quant,
+                lora_targets=cfg.lora_targets,
+            )
+        else:  # every parameter trains; a resumed run continues the checkpoint's full weights
+            model = families.load_causal_lm(resume_from or model_dir, dtype=dtype).to(device)
+            families.family_of(model)  # an unsupported architecture stops here, with the supported list
+            model.requires_grad_(True)
         injector = Injector(
             model, marker_id=nla.injection_token_id, left_id=nla.injection_left_neighbor_id,
             right_id=nla.injection_right_neighbor_id, style=style, injection_norm=injection_norm,

@@ -6,19 +6,24 @@ import json
 import platform
 from pathlib import Path
 
+import pytest
 import torch
 import yaml
 
 from nla_shell import cli
 
 
-def test_tiny_demo_runs_every_stage_and_reports(tmp_path, capsys):
+@pytest.mark.parametrize("av_flags, av_weights", [
+    ([], "adapter_config.json"),
+    (["--no-av-lora"], "model.safetensors"),  # the whole AV fine-tuned; RL trains a fresh LoRA on it
+])
+def test_tiny_demo_runs_every_stage_and_reports(tmp_path, capsys, av_flags, av_weights):
     run_dir = tmp_path / "demo"
     # What a demo that failed or was interrupted midway leaves: the rerun replaces it, no --overwrite needed.
     (run_dir / "target_lm").mkdir(parents=True)
     (run_dir / "demo_config.json").write_text("{}")
     (run_dir / "target_lm" / "stale.txt").write_text("from the failed run")
-    assert cli.main(["demo", "--tiny", "--run-dir", str(run_dir)]) == 0
+    assert cli.main(["demo", "--tiny", "--run-dir", str(run_dir), *av_flags]) == 0
     out = capsys.readouterr().out
     assert out.splitlines()[0] == f"[nla demo] replacing {run_dir}: a demo that stopped before its report"
     assert f"run directory: {run_dir}" in out.splitlines()[1]
@@ -45,9 +50,15 @@ def test_tiny_demo_runs_every_stage_and_reports(tmp_path, capsys):
     assert report["fve"]["AR on gold explanations"] is not None
     assert "# nla demo report" in out and (run_dir / "report.md").read_text() in out
     for path in ("target_lm/config.json", "data/eval.parquet", "ar_sft/step_000002/value_head.safetensors",
-                 "av_sft/step_000002/adapter_config.json", "rl/step_000002/adapter/adapter_config.json",
+                 f"av_sft/step_000002/{av_weights}", "rl/step_000002/adapter/adapter_config.json",
                  "rl/curves.png", "eval/after_rl/eval_table.md", "eval/after_rl/eval_controls.md"):
         assert (run_dir / path).is_file(), path
+    # RL's adapter sits on what the AV's SFT left: the target LM under the SFT adapter, or the full SFT'd LM.
+    sft_av = json.loads((run_dir / "sft_checkpoints.json").read_text())["av"]
+    assert report["checkpoints"]["av"] == sft_av
+    rl_base = json.loads((run_dir / "rl/step_000002/adapter/adapter_config.json").read_text())["base_model_name_or_path"]
+    expected_base = run_dir / "target_lm" if not av_flags else run_dir / "av_sft" / "step_000002"
+    assert Path(rl_base).resolve() == expected_base.resolve()
 
 
 def test_an_existing_run_dir_is_refused(tmp_path, capsys):

@@ -7,6 +7,7 @@ import json
 import math
 from pathlib import Path
 
+import pytest
 import yaml
 
 from nla_shell import cli
@@ -21,9 +22,10 @@ def _rl_variants():
     return module
 
 
-def test_a_variant_trains_from_the_demos_sft_with_its_keys_and_joins_the_table(tmp_path):
+@pytest.mark.parametrize("av_flags", [[], ["--no-av-lora"]])  # the AV's SFT: a LoRA, or the whole LM
+def test_a_variant_trains_from_the_demos_sft_with_its_keys_and_joins_the_table(tmp_path, av_flags):
     run_dir = tmp_path / "demo"
-    assert cli.main(["demo", "--tiny", "--run-dir", str(run_dir)]) == 0
+    assert cli.main(["demo", "--tiny", "--run-dir", str(run_dir), *av_flags]) == 0
     rl_variants = _rl_variants()
     report = rl_variants.run_variant(run_dir, "cispo", ["policy_loss=cispo", "clip_eps=1.0", "clip_eps_high=4.0",
                                                          "tis=none"])

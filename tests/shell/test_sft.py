@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 import yaml
 from safetensors.torch import load_file
-from transformers import AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import fixtures
 from nla_shell import cli
@@ -119,15 +119,21 @@ def test_checkpoints_are_what_nla_train_loads(toy_sft, toy_datasets, tmp_path):
     assert (tmp_path / "rl" / "step_000001" / "adapter" / "adapter_config.json").is_file()
 
 
-@pytest.mark.parametrize("mode", ["av", "ar"])
-def test_resume_matches_an_uninterrupted_run(tmp_path, tiny_av_dir, toy_datasets, mode, capsys):
+@pytest.mark.parametrize("mode, av_lora, weights", [
+    ("av", True, "adapter_model.safetensors"),
+    ("av", False, "model.safetensors"),  # the fully fine-tuned AV: its whole LM, and AdamW's state for all of it
+    ("ar", True, "value_head.safetensors"),
+])
+def test_resume_matches_an_uninterrupted_run(tmp_path, tiny_av_dir, toy_datasets, mode, av_lora, weights, capsys):
     cfg = fixtures.sft_config(mode, tiny_av_dir, toy_datasets, tmp_path / "run", num_steps=4, save_every=2,
-                              batch_size=3, micro_batch=2, lr_schedule="cosine")
-    weights = "adapter_model.safetensors" if mode == "av" else "value_head.safetensors"
+                              batch_size=3, micro_batch=2, lr_schedule="cosine", av_lora=av_lora)
     sft(cfg)
     losses, final = _losses(tmp_path / "run"), load_file(str(tmp_path / "run" / "step_000004" / weights))
     # A run killed after its step-2 checkpoint: rerunning the same command continues from there.
     shutil.rmtree(tmp_path / "run" / "step_000004")
+    if av_lora:  # a run saved before the av_lora key existed ran as its default does: no conflict
+        saved = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
+        (tmp_path / "run" / "config.yaml").write_text(yaml.safe_dump({k: v for k, v in saved.items() if k != "av_lora"}))
     assert sft(cfg) == tmp_path / "run" / "step_000004"
     assert "at step 2" in capsys.readouterr().out
     assert _losses(tmp_path / "run") == losses
@@ -208,3 +214,80 @@ def test_a_lora_target_that_names_no_linear_layer_is_refused_in_one_line(tmp_pat
     assert err.startswith("nla sft: error: config key 'lora_targets' names mlp, not a linear layer"), err
     assert "gate_proj" in err and "use some of" in err
     assert not (tmp_path / "av").exists()
+
+
+# --------------------------------------------------------------------------- av_lora=false: the whole AV trains
+
+
+@pytest.fixture(scope="module")
+def full_av(tmp_path_factory, tiny_av_dir, toy_datasets, toy_sft) -> Path:
+    """`nla sft --mode av av_lora=false` with a held-out split and the round trip through the toy AR: its result."""
+    save_dir = tmp_path_factory.mktemp("full_av") / "av"
+    _, ar = toy_sft
+    argv = ["sft", "--mode", "av", "--model", str(tiny_av_dir), "--parquet", str(toy_datasets / "av_sft.parquet"),
+            "--save-dir", str(save_dir), "--num-steps", "2", "--batch-size", "4", "--device", "cpu",
+            "--dtype", "float32", "--logger", "jsonl", "--lr", "1e-3", "--no-av-lora",
+            f"eval_parquet={toy_datasets / 'eval.parquet'}", "eval_every=1", "eval_rows=4", f"eval_ar={ar}",
+            "eval_max_new_tokens=6", "keep_best=false"]
+    assert cli.main(argv) == 0
+    return save_dir / "step_000002"
+
+
+def test_a_fully_fine_tuned_av_saves_its_whole_lm_and_scores_the_held_out_rows(full_av, tiny_av_dir):
+    assert (full_av / "config.json").is_file() and (full_av / "model.safetensors").is_file()
+    assert not (full_av / "adapter_config.json").exists()
+    assert {"tokenizer_config.json", "nla_meta.yaml", "training_state.pt"} <= {p.name for p in full_av.iterdir()}
+    meta = yaml.safe_load((full_av / "nla_meta.yaml").read_text())
+    assert meta["kind"] == "nla_model" and meta["injection_style"] == "residual_add"
+    base, tuned = load_file(str(tiny_av_dir / "model.safetensors")), load_file(str(full_av / "model.safetensors"))
+    blocks = [k for k in base if ".layers." in k]
+    assert blocks and any(not torch.equal(base[k], tuned[k]) for k in blocks)  # the blocks trained, not only a LoRA
+    assert not torch.equal(base["model.embed_tokens.weight"], tuned["model.embed_tokens.weight"])
+    held = [r for r in fixtures.read_metrics(full_av.parent) if "heldout/nll" in r]
+    assert [r["step"] for r in held] == [0, 1]
+    for r in held:
+        assert r["heldout/nll"] > 0 and "heldout/fve" in r
+        assert r["heldout/nll_gap"] == pytest.approx(r["heldout/nll_shuffled"] - r["heldout/nll"])
+
+
+def test_rl_trains_a_fresh_lora_on_a_fully_fine_tuned_av_against_its_sft_weights(full_av, toy_sft, toy_datasets,
+                                                                                 tmp_path):
+    from nla_shell.models import reference_policy
+    from nla_shell.models.actor import load_actor as load
+
+    # The KL reference is the SFT'd LM (the LoRA off), whatever the LoRA has learnt.
+    actor = load(full_av, lora_r=4, lora_alpha=4, use_rslora=True, resume_adapter=None, dtype=torch.float32,
+                 device=torch.device("cpu"))
+    sft_lm = AutoModelForCausalLM.from_pretrained(full_av, dtype=torch.float32)
+    ids = torch.tensor([[5, 17, 42, 99, 7, 3]])
+    with torch.no_grad():
+        for name, p in actor.named_parameters():
+            if "lora_B" in name:
+                p.fill_(0.05)
+        with reference_policy(actor):
+            reference = actor(ids).logits
+        moved = actor(ids).logits
+        expected = sft_lm(ids).logits
+    torch.testing.assert_close(reference, expected)
+    assert not torch.allclose(moved, expected, atol=1e-4)
+
+    _, ar = toy_sft
+    argv = ["train", f"av_ckpt={full_av}", f"ar_ckpt={ar}", f"rl_parquet={toy_datasets / 'rl.parquet'}",
+            f"save_dir={tmp_path / 'rl'}", "num_steps=2", "batch_prompts=2", "group_size=2", "max_new_tokens=6",
+            "eval_every=0", "device=cpu", "logger=jsonl", "lora_r=4", "lora_alpha=4"]
+    assert cli.main(argv) == 0
+    first, _ = fixtures.read_metrics(tmp_path / "rl")
+    assert first["kl_mean"] == pytest.approx(0.0, abs=1e-6)  # a fresh LoRA starts at its reference: the SFT'd AV
+    adapter = json.loads((tmp_path / "rl" / "step_000002" / "adapter" / "adapter_config.json").read_text())
+    assert adapter["r"] == 4 and Path(adapter["base_model_name_or_path"]).resolve() == full_av.resolve()
+
+
+@pytest.mark.parametrize("extra", [["--mode", "av", "quant=4bit"], ["--mode", "ar"]])
+def test_a_full_av_that_cannot_be_trained_is_refused_in_one_line(tmp_path, tiny_av_dir, toy_datasets, capsys, extra):
+    mode = extra[1]
+    argv = ["sft", *extra, "--model", str(tiny_av_dir), "--parquet", str(toy_datasets / f"{mode}_sft.parquet"),
+            "--save-dir", str(tmp_path / "run"), "--device", "cpu", "av_lora=false"]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("nla sft: error: config key 'av_lora' = false"), err
+    assert not (tmp_path / "run").exists()

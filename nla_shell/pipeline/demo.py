@@ -500,8 +500,8 @@ def av_warm_start(cfg: DemoConfig, target: Path, data_paths: Mapping[str, Path],
         settings.update(eval_ar=str(ar), eval_max_new_tokens=cfg.max_new_tokens)
     return sft(SFTConfig(mode="av", parquet=str(data_paths["av_sft"]), save_dir=str(run_dir / "av_sft"),
                          batch_size=cfg.av_batch, micro_batch=cfg.av_batch, lr=cfg.av_lr, av_lora=cfg.av_lora,
-                         lora_r=cfg.lora_r, lora_alpha=cfg.lora_r, lora_targets=cfg.lora_targets, injection_style=cfg.injection_style,
-                         injection_scale=cfg.injection_scale, **settings))
+                         lora_r=cfg.lora_r, lora_alpha=cfg.lora_r, lora_targets=cfg.lora_targets,
+                         injection_style=cfg.injection_style, injection_scale=cfg.injection_scale, **settings))
 
 
 def _plot(rl_dir: Path) -> Path | None:

@@ -141,11 +141,11 @@ class SFTConfig:
     mode=ar needs ar_lora=true (a fully fine-tuned backbone cannot be quantised)."""
     av_lora: bool = True
     """mode=av: train an rsLoRA adapter on the target LM (lora_r, lora_alpha, use_rslora, lora_targets) and save a
-    PEFT adapter dir. False (an nla addition; upstream's AV SFT trains a LoRA) fine-tunes every parameter of the
-    target LM, the tied embedding included, in `dtype`, and saves a plain HF model dir: `nla train` then starts a
-    fresh LoRA on it with these weights (adapter off) as the KL reference. Needs quant=none. Memory beyond the
-    weights: a gradient and AdamW's two moments for every parameter, about 3x the weights (less with
-    bitsandbytes' 8-bit moments, which make_optimizer takes on CUDA when installed)."""
+    PEFT adapter dir. False (an nla addition) fine-tunes every parameter of the target LM, the tied embedding
+    included, in `dtype`, and saves a plain HF model dir: `nla train` then starts a fresh LoRA on it with these
+    weights (adapter off) as the KL reference. Needs quant=none. Memory beyond the weights: a gradient and AdamW's
+    two moments for every parameter, about 3x the weights (less with bitsandbytes' 8-bit moments, which
+    make_optimizer takes on CUDA when installed)."""
     ar_lora: bool = False
     """mode=ar: freeze the truncated backbone and train a LoRA on it (lora_r, lora_alpha, use_rslora) plus the
     float32 value head, as EasyNLA's `--use-lora`; saved in EasyNLA's AR-LoRA layout (ar_meta.json +
@@ -322,7 +322,8 @@ def _setup(cfg: SFTConfig) -> _Run:
 
     def save(step_done: int, stopping: sft_eval.EarlyStopping, score: float | None) -> Path:
         def write(tmp: Path) -> None:
-            model.save_pretrained(tmp)  # AV: adapter_config.json + weights (av_lora=false: the full LM); AR: backbone + value head
+            # AV: adapter_config.json + weights (av_lora=false: the whole LM); AR: backbone + value head
+            model.save_pretrained(tmp)
             tokenizer.save_pretrained(tmp)
             write_sidecar(sidecar_out, tmp / MODEL_SIDECAR)
             ckpt.save_training_state(tmp, step=step_done, data_cursor=order.state(),

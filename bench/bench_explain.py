@@ -35,6 +35,8 @@ What is timed, for every engine of --engines on the same N vectors (--sites):
             generate.
   corpus    (with server, timed before it) `nla explain --parquet` mode (`explain_corpus`) on the
             same reader over a parquet of the same N vectors: sites/s and generated tokens/s.
+  --repeats R  R rounds of the corpus leg and the server legs, alternated; each server case records its
+            `round` and is set against that round's corpus rate (which varied by ±6 % between runs).
 
 Inputs: --make-8b DIR (builds bench/make_8b_run.py's random Qwen3-8B-shape AV, AR and data there,
 unless DIR/av exists), --run DIR (one already built), or --av/--ar [--sidecar] of a trained NLA.
@@ -126,6 +128,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="also time `nla serve` and the corpus mode with this engine (off by default; tiny hf)")
     parser.add_argument("--clients", default=None,
                         help="concurrent HTTP clients, a comma list: one server case each (default 16; tiny 3)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="rounds of the corpus leg and the server legs, alternated; each server case is set "
+                             "against its own round's corpus rate (the corpus rate varies between runs)")
     parser.add_argument("--batch-max-wait-ms", type=float, default=50.0,
                         help="server leg: nla serve's --batch-max-wait-ms (0: a batch gathers for --batch-wait-ms only)")
     parser.add_argument("--continuous", action="store_true",
@@ -152,6 +157,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.engines.append(args.server_engine)  # the server leg runs on that engine's offline reader
     if args.continuous and args.server_engine != "native":
         parser.error("--continuous: continuous batching is nla serve's engine=native mode; add --server-engine native")
+    if args.repeats < 1:
+        parser.error(f"--repeats {args.repeats}: use 1 or more")
     if bad := [e for e in args.engines if e not in ("hf", "native", "vllm")]:
         parser.error(f"--engines: unknown {bad}; use hf, native, vllm")
     if sum(x is not None for x in (args.make_8b, args.run, args.av)) > 1:
@@ -498,17 +505,22 @@ def run_engine(engine: str, vectors: torch.Tensor, vectors_parquet: Path, args, 
         return
     reader.engine = TimedEngine(reader.engine, device, close_with=reader.tokenizer if args.close_explanations else None)
     legs = [("offline", lambda: time_offline(reader, vectors, args, device))]
-    if engine == args.server_engine:  # the corpus rate first: each server case is compared with it
-        legs += [("corpus", lambda: time_corpus(reader, vectors_parquet, args, engine, workdir, device))]
-        legs += [("server", lambda c=c: served(reader, vectors, args, engine, device, c)) for c in args.clients]
-    corpus_rate = math.nan
+    if engine == args.server_engine:  # each round: the corpus rate first, then each server case compared with it
+        for _ in range(args.repeats):
+            legs += [("corpus", lambda: time_corpus(reader, vectors_parquet, args, engine, workdir, device))]
+            legs += [("server", lambda c=c: served(reader, vectors, args, engine, device, c)) for c in args.clients]
+    corpus_rate, rounds = math.nan, 0
     for mode, leg in legs:
         print(f"[{engine}] {mode}", flush=True)
+        rounds += mode == "corpus"
         try:
             case = {"mode": mode, **base, "closed_explanations": args.close_explanations, "load_s": load_s, **leg()}
         except Exception as err:  # noqa: BLE001
             record.error(f"{engine} {mode}", err)
+            corpus_rate = math.nan if mode == "corpus" else corpus_rate  # no server case set against an earlier round
             continue
+        if mode != "offline":
+            case["round"] = rounds
         if mode == "offline" and engine != "hf":
             case["engine_stats"] = getattr(reader.engine, "last_stats", None)
         if mode == "corpus":
@@ -529,7 +541,7 @@ def run_in_subprocess(engine: str, args, vectors_parquet: Path, record: syn.Reco
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--engines", engine, "--av", args.av,
            "--ar", args.ar, "--parquet", str(vectors_parquet), "--label", args.label, "--sites", str(args.sites),
            "--batch", str(args.batch), "--new-tokens", str(args.new_tokens), "--vllm-gpu-mem", str(args.vllm_gpu_mem),
-           "--device", args.device, "--clients", ",".join(map(str, args.clients)),
+           "--device", args.device, "--clients", ",".join(map(str, args.clients)), "--repeats", str(args.repeats),
            "--batch-max-wait-ms", str(args.batch_max_wait_ms),
            "--vectors-per-request", str(args.vectors_per_request), "--server-encoding", args.server_encoding,
            "--out", str(out)]

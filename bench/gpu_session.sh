@@ -214,7 +214,8 @@ case $stage in
   explain8b)
     # One GPU, no carry: the slot decoder's CUDA-graph test, then bench_explain at the 8B shape with the AR at work
     # (--close-explanations) and the server's continuous batching beside the corpus rate, once per body encoding of
-    # EXPLAIN_ENCODINGS (default json; e.g. "base64 json"); EXPLAIN_BASELINE=1 adds the server without it (JSON).
+    # EXPLAIN_ENCODINGS (default json; e.g. "base64 json"), EXPLAIN_REPEATS rounds (default 3) of corpus and server
+    # legs; EXPLAIN_BASELINE=1 adds the server without it (JSON).
     # The server's libraries travel as wheels (carry .device-carry/serve: fastapi, uvicorn, pydantic, opentelemetry-api
     # and their needs the image lacks, as `pip download` fetched them for Python 3.12).
     if ls .device-carry/serve/*.whl > /dev/null 2>&1; then
@@ -225,7 +226,8 @@ case $stage in
       > "$OUT/stream_gpu_test.log" 2>&1; tail -n 3 "$OUT/stream_gpu_test.log"
     [ -f /tmp/nla8b/data/rl.parquet ] || python3 bench/make_8b_run.py /tmp/nla8b > "$OUT/make_8b.log" 2>&1
     explain() { timeout -k 10 420 python3 bench/bench_explain.py --run /tmp/nla8b --label qwen3-8b-random-closed \
-      --engines native --server-engine native --close-explanations --sites 1024 --batch 256 --clients 16,32 "$@"; }
+      --engines native --server-engine native --close-explanations --sites 1024 --batch 256 --clients 16,32 \
+      --repeats "${EXPLAIN_REPEATS:-3}" "$@"; }
     for encoding in ${EXPLAIN_ENCODINGS:-json}; do
       explain --continuous --server-encoding "$encoding" --out "$OUT/explain_8b_native_closed_continuous_$encoding.json" \
         > "$OUT/explain_continuous_$encoding.log" 2>&1

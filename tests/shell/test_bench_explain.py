@@ -75,3 +75,19 @@ def test_explain_bench_server_leg_with_continuous_batching(tmp_path):
     assert server["continuous"] and server["engine"] == "native" and server["failed_requests"] == []
     assert server["sites_answered"] == 6 and server["batcher"]["sites"] == 6
     assert server["batcher"]["decode_steps"] > 0 and server["closed_by_bench"] >= 6
+
+
+def test_repeated_rounds_set_each_server_case_against_its_own_round_s_corpus_rate(tmp_path):
+    """--repeats 2: corpus, server, corpus, server; each server case's ratio is to the corpus case of its round."""
+    out = tmp_path / "explain.json"
+    subprocess.run([sys.executable, str(ROOT / "bench" / "bench_explain.py"), "--tiny", "--make-8b",
+                    str(tmp_path / "run"), "--engines", "hf", "--sites", "4", "--clients", "2", "--repeats", "2",
+                    "--out", str(out)], check=True, capture_output=True, text=True, timeout=300)
+    record = json.loads(out.read_text())
+    assert record["errors"] == []
+    legs = [(c["mode"], c.get("round")) for c in record["cases"]]
+    assert legs == [("offline", None), ("corpus", 1), ("server", 1), ("corpus", 2), ("server", 2)]
+    corpus = {c["round"]: c["sites_per_s"] for c in record["cases"] if c["mode"] == "corpus"}
+    for server in (c for c in record["cases"] if c["mode"] == "server"):
+        assert server["sites_answered"] == 4
+        assert server["server_over_corpus"] == pytest.approx(server["sites_per_s"] / corpus[server["round"]])

@@ -56,7 +56,7 @@ load beside the corpus rate; about 3-4 minutes with the random 8B run built in /
         --engines native --server-engine native --close-explanations --sites 1024 --batch 256 \
         --clients 16,32 --out $OUT/explain_8b_native_closed.json
 
-The same with the server's continuous batching (server_over_corpus is the issue's >= 0.9 criterion):
+The same with the server's continuous batching (server_over_corpus is the number to read):
 
     PYTHONUNBUFFERED=1 python3 bench/bench_explain.py --make-8b /tmp/nla8b --label qwen3-8b-random-closed \
         --engines native --server-engine native --continuous --close-explanations --sites 1024 --batch 256 \
@@ -517,7 +517,8 @@ def run_engine(engine: str, vectors: torch.Tensor, vectors_parquet: Path, args, 
             case = {"mode": mode, **base, "closed_explanations": args.close_explanations, "load_s": load_s, **leg()}
         except Exception as err:  # noqa: BLE001
             record.error(f"{engine} {mode}", err)
-            corpus_rate = math.nan if mode == "corpus" else corpus_rate  # no server case set against an earlier round
+            if mode == "corpus":  # this round's server cases are set against no earlier round's rate
+                corpus_rate = math.nan
             continue
         if mode != "offline":
             case["round"] = rounds

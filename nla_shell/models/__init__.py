@@ -15,7 +15,7 @@ Every public name is re-exported here (`from nla_shell.models import ARModel`).
 """
 
 from nla_shell.models.actor import (
-    LOGPROB_CHUNK_TOKENS, REFERENCE_ADAPTER, Injector, eos_token_ids, hidden_logprobs, load_actor,
+    LOGPROB_CHUNK_TOKENS, REFERENCE_ADAPTER, Injector, eos_token_ids, hidden_logprobs, load_actor, load_base_lm,
     load_generation_config, reference_policy, response_logprobs,
 )
 from nla_shell.models.common import (
@@ -50,6 +50,7 @@ __all__ = [
     "is_adapter_dir",
     "is_ar_lora_dir",
     "load_actor",
+    "load_base_lm",
     "load_generation_config",
     "lora_config",
     "pad_right",

@@ -168,6 +168,17 @@ def load_generation_config(model_dir: str | Path):
     return GenerationConfig.from_model_config(AutoConfig.from_pretrained(model_dir))
 
 
+def load_base_lm(model_dir: str | Path, *, dtype: torch.dtype, device: torch.device,
+                 quant: str = "none") -> nn.Module:
+    """The HF causal LM of `model_dir` on `device` (quant "4bit" / "8bit": loaded quantised there, nla_shell.quant),
+    its family checked: an unsupported architecture stops here, with the supported list."""
+    lm = families.load_causal_lm(model_dir, dtype=dtype, **quantization.load_kwargs(quant, dtype=dtype, device=device))
+    if quant == "none":  # a quantised load is already on its device
+        lm = lm.to(device)
+    families.family_of(lm)
+    return lm
+
+
 def load_actor(
     av_ckpt: str | Path,
     *,
@@ -196,12 +207,7 @@ def load_actor(
     from peft import PeftModel, get_peft_model
 
     av_ckpt = Path(av_ckpt)
-    base = families.load_causal_lm(
-        base_model_dir(av_ckpt), dtype=dtype, **quantization.load_kwargs(quant, dtype=dtype, device=device)
-    )
-    if quant == "none":  # a quantised load is already on its device
-        base = base.to(device)
-    families.family_of(base)  # an unsupported architecture stops here, with the supported list
+    base = load_base_lm(base_model_dir(av_ckpt), dtype=dtype, device=device, quant=quant)
     if is_adapter_dir(av_ckpt) and merge_sft_adapter:
         base = PeftModel.from_pretrained(base, av_ckpt).merge_and_unload()
     continue_sft = is_adapter_dir(av_ckpt) and not merge_sft_adapter

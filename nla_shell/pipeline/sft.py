@@ -35,7 +35,7 @@ from nla_shell.io.sidecars import MODEL_SIDECAR, injection_settings, load_sideca
 from nla_shell.io.logging import make_logger
 from nla_shell.io.paths import require_file, require_model
 from nla_shell.io.progress import progress_bar, say_line
-from nla_shell.models import ARModel, Injector, load_actor, trainable_parameters
+from nla_shell.models import ARModel, Injector, load_actor, load_base_lm, trainable_parameters
 from nla_shell.pipeline import sft_eval
 from nla_shell.pipeline.sft_loss import AVExample, av_response_nll
 from nla_shell.quant import require_quant
@@ -385,9 +385,7 @@ def _build_model(cfg: SFTConfig, model_dir: Path, nla: nla_core.NLAConfig, resum
                 lora_targets=cfg.lora_targets,
             )
         else:  # every parameter trains; a resumed run continues the checkpoint's full weights
-            model = families.load_causal_lm(resume_from or model_dir, dtype=dtype).to(device)
-            families.family_of(model)  # an unsupported architecture stops here, with the supported list
-            model.requires_grad_(True)
+            model = load_base_lm(resume_from or model_dir, dtype=dtype, device=device).requires_grad_(True)
         injector = Injector(
             model, marker_id=nla.injection_token_id, left_id=nla.injection_left_neighbor_id,
             right_id=nla.injection_right_neighbor_id, style=style, injection_norm=injection_norm,

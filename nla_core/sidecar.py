@@ -15,6 +15,22 @@ from typing import Any, Mapping, Sequence
 
 from nla_core.injection import INJECTION_STYLES
 
+__all__ = [
+    "DEFAULT_INJECTION_LAYER",
+    "INJECTION_CHAR_FIELD",
+    "INJECT_PLACEHOLDER",
+    "LAYER_KEYS",
+    "SIDECAR_KINDS",
+    "NLAConfig",
+    "actor_content",
+    "canonical_neighbors",
+    "marker_char",
+    "marker_content",
+    "parse_sidecar",
+    "resolve_target_scale",
+    "upstream_actor_template",
+]
+
 SIDECAR_KINDS = ("nla_dataset", "nla_model")
 INJECT_PLACEHOLDER = "<INJECT>"
 """The marker's placeholder inside parquet `prompt` messages (upstream nla/schema.py)."""
@@ -28,6 +44,9 @@ LAYER_KEYS = (
     "model.layer_index",  # nla's round-one model sidecars
 )
 """Where the extraction layer K (AR = blocks 0..K) may be written, in the order read."""
+DEFAULT_INJECTION_LAYER = 1
+"""The block residual_add injects at when a sidecar names none: the reference trainer's (train_rl_vllm.py's
+injection_layer=1), which EasyNLA shares."""
 
 
 @dataclass(frozen=True)
@@ -60,6 +79,9 @@ class NLAConfig:
     extraction.injection_scale; None = inject raw); residual_add ignores it."""
     injection_style: str = "residual_add"
     """One of INJECTION_STYLES."""
+    injection_layer: int = DEFAULT_INJECTION_LAYER
+    """nla addition: the decoder block at whose output residual_add adds the vector (absent: 1, the reference's and
+    EasyNLA's); embedding_replace ignores it."""
     critic_suffix_ids: tuple[int, ...] | None = None
     """Expected last token ids of a filled AR prompt (upstream tokens.critic_suffix_ids), if given."""
 
@@ -184,6 +206,17 @@ def _injection_style(mapping: Mapping[str, Any], kind: str, injection_scale: Any
     return style
 
 
+def _injection_layer(mapping: Mapping[str, Any]) -> int:
+    """nla's `injection_layer` when written (a block index >= 0); absent or null, DEFAULT_INJECTION_LAYER."""
+    layer = mapping.get("injection_layer")
+    if layer is None:
+        return DEFAULT_INJECTION_LAYER
+    _typed("injection_layer", layer, int, "a non-negative integer")
+    if layer < 0:
+        raise ValueError(f"sidecar key `injection_layer` must be >= 0, got {layer}")
+    return layer
+
+
 def parse_sidecar(mapping: Mapping[str, Any]) -> NLAConfig:
     """Validate a sidecar mapping (kind nla_dataset or nla_model, any upstream variant) into an NLAConfig.
 
@@ -252,6 +285,7 @@ def parse_sidecar(mapping: Mapping[str, Any]) -> NLAConfig:
         mse_scale=mse_scale,
         injection_scale=injection_scale,
         injection_style=_injection_style(mapping, kind, injection_scale),
+        injection_layer=_injection_layer(mapping),
         critic_suffix_ids=None if suffix is None else tuple(suffix),
     )
 

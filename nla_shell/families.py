@@ -203,6 +203,14 @@ def require_lora_targets(model_dir: str | Path, requested: Sequence[str]) -> Non
         lora_targets(skeleton, requested)
 
 
+def block_count(model_dir: str | Path) -> int:
+    """The decoder blocks of the model in `model_dir`, from its config (nothing loaded)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_dir)
+    return int(getattr(config, "text_config", config).num_hidden_layers)
+
+
 # --------------------------------------------------------------------------- numerics
 
 

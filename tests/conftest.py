@@ -51,7 +51,7 @@ def tiny_tokenizer():
 
 @pytest.fixture(scope="session")
 def tiny_av_dir(nla_cache_dir: Path, tiny_tokenizer) -> Path:
-    """A saved tiny Qwen3 (D=64, 2 layers) plus its tokenizer. Read-only: copy it to modify."""
+    """A saved tiny Qwen3 (D=64, fixtures.NUM_LAYERS blocks) plus its tokenizer. Read-only: copy it to modify."""
     import fixtures
 
     return fixtures.build_av_dir(nla_cache_dir / "tiny_av", tiny_tokenizer)

@@ -54,7 +54,7 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def build_av_dir(directory: Path, tokenizer: PreTrainedTokenizerFast | None = None) -> Path:
-    """A saved tiny Qwen3 AV (D_MODEL wide, 2 layers) with its tokenizer; reused if already there."""
+    """A saved tiny Qwen3 AV (D_MODEL wide, NUM_LAYERS blocks) with its tokenizer; reused if already there."""
     directory = Path(directory)
     if not (directory / "config.json").is_file():
         tokenizer = tokenizer or tiny_tokenizer()

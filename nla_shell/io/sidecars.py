@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import datetime
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, NamedTuple
 
 import yaml
 
@@ -23,6 +23,7 @@ from nla_shell.io.files import write_text_atomically
 __all__ = [
     "DEFAULT_AR_TEMPLATE",
     "DEFAULT_AV_TEMPLATE",
+    "Injection",
     "MODEL_SIDECAR",
     "SIDECAR_SUFFIX",
     "critic_suffix_ids",
@@ -98,20 +99,31 @@ def load_sidecar(source: str | Path) -> NLAConfig:
         raise DataError(f"sidecar {path}: {err}") from None
 
 
+class Injection(NamedTuple):
+    """How an AV takes its vector: the style (nla_core.INJECTION_STYLES), the L2 norm embedding_replace rescales to
+    (None: residual_add, or "raw"), and the decoder block residual_add adds at."""
+
+    style: str
+    norm: float | None
+    layer: int
+
+
 def injection_settings(
     nla: NLAConfig,
     *,
     style: str | None = None,
     scale: str | float | None = None,
+    layer: int | None = None,
     av_dir: str | Path | None = None,
-) -> tuple[str, float | None]:
-    """(style, L2 norm) the AV injects with.
+) -> Injection:
+    """The Injection the AV uses.
 
     Config values where given; else those of the AV checkpoint's own sidecar (`av_dir`'s
     nla_meta.yaml, authoritative for what that model was trained with, as upstream
     nla/config.py resolve_sidecar_source ranks it); else `nla`'s. embedding_replace needs a
     norm (kitft nla/train_actor.py asserts one): a number or "sqrt_d_model", or "raw" given
-    in the config to inject the vector as it is; residual_add has none. DataError otherwise.
+    in the config to inject the vector as it is; residual_add has none, and adds at block
+    `layer` (a sidecar without nla's `injection_layer` key: block 1, the reference's). DataError otherwise.
     """
     source = nla
     if av_dir is not None and (Path(av_dir) / MODEL_SIDECAR).is_file():
@@ -119,8 +131,11 @@ def injection_settings(
     style = style or source.injection_style
     if style not in nla_core.INJECTION_STYLES:
         raise DataError(f"injection_style: {style!r} is not one of {nla_core.INJECTION_STYLES}")
+    layer = source.injection_layer if layer is None else layer
+    if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0:
+        raise DataError(f"injection_layer: {layer!r} is not a decoder block index (an integer >= 0)")
     if style == "residual_add":
-        return style, None
+        return Injection(style, None, layer)
     raw = source.injection_scale if scale is None else scale
     try:
         norm = resolve_target_scale(raw, nla.d_model)
@@ -131,7 +146,7 @@ def injection_settings(
             "injection_scale: the embedding_replace style needs the L2 norm to inject at, and neither the config "
             "nor the sidecar's extraction.injection_scale gives one; set injection_scale= a number, 'sqrt_d_model' or 'raw'"
         )
-    return style, norm
+    return Injection(style, norm, layer)
 
 
 # --------------------------------------------------------------------------- write
@@ -239,8 +254,7 @@ def model_sidecar(
     role: str,
     stage: str,
     base_checkpoint: str,
-    injection_style: str,
-    injection_norm: float | None,
+    injection: Injection,
     trained_on: list[str],
     baselines: nla_core.Baselines | None = None,
     provenance: Mapping[str, Any] | None = None,
@@ -249,8 +263,8 @@ def model_sidecar(
 
     Top-level d_model, resolved scales under extraction.* (a number or null),
     critic.extraction_layer_index, {injection_char} actor template. `role` is "av" or "ar"
-    (upstream's released names). nla's additions: `injection_style`, `baselines`
-    (predict-the-mean MSEs for FVE) and `provenance`. Under residual_add,
+    (upstream's released names). nla's additions: `injection_style`, `injection_layer` (under
+    residual_add), `baselines` (predict-the-mean MSEs for FVE) and `provenance`. Under residual_add,
     extraction.injection_scale is null: that style has no norm, and kitft's inference then
     refuses the checkpoint rather than inject it the wrong way.
     """
@@ -262,7 +276,7 @@ def model_sidecar(
         "stage": stage,
         "base_checkpoint": base_checkpoint,
         "d_model": nla.d_model,
-        "extraction": {"injection_scale": injection_norm, "mse_scale": mse},
+        "extraction": {"injection_scale": injection.norm, "mse_scale": mse},
         "tokens": {
             "injection_char": nla.injection_char,
             "injection_token_id": nla.injection_token_id,
@@ -281,7 +295,9 @@ def model_sidecar(
     }
     if nla.extraction_layer_index is not None:
         mapping["critic"] = {"extraction_layer_index": nla.extraction_layer_index}
-    mapping["injection_style"] = injection_style
+    mapping["injection_style"] = injection.style
+    if injection.style == "residual_add":
+        mapping["injection_layer"] = injection.layer
     if baselines is not None:
         mapping["baselines"] = {"rawvar": float(baselines.rawvar), "meannorm": float(baselines.meannorm)}
     mapping["provenance"] = dict(provenance or {})

@@ -16,7 +16,7 @@ Every public name is re-exported here (`from nla_shell.models import ARModel`).
 
 from nla_shell.models.actor import (
     LOGPROB_CHUNK_TOKENS, REFERENCE_ADAPTER, Injector, eos_token_ids, hidden_logprobs, load_actor, load_base_lm,
-    load_generation_config, reference_policy, response_logprobs,
+    load_generation_config, reference_policy, require_injection_block, response_logprobs,
 )
 from nla_shell.models.common import (
     AR_LORA_FILE, AR_META_FILE, VALUE_HEAD_FILE, base_model_dir, inner_lm, is_adapter_dir, is_ar_lora_dir,
@@ -56,6 +56,7 @@ __all__ = [
     "pad_right",
     "reference_policy",
     "require_fp8",
+    "require_injection_block",
     "response_logprobs",
     "trainable_parameters",
 ]

@@ -21,6 +21,7 @@ from torch import nn
 
 import nla_core
 from nla_shell import families, quant as quantization
+from nla_shell.io.sidecars import Injection
 from nla_shell.models.common import base_model_dir, inner_lm, is_adapter_dir, lora_config
 from nla_shell.models.compile import _compiled_heads
 
@@ -69,7 +70,7 @@ class Injector:
         if style not in nla_core.INJECTION_STYLES:
             raise ValueError(f"injection_style={style!r}: expected one of {nla_core.INJECTION_STYLES}")
         self.marker_id, self.left_id, self.right_id = marker_id, left_id, right_id
-        self.style, self.injection_norm = style, injection_norm
+        self.style, self.injection_norm, self.layer_index = style, injection_norm, layer_index
         self.echo_rows = 0
         self._batch: _Batch | None = None
         if style == "embedding_replace":
@@ -78,9 +79,23 @@ class Injector:
             module = inner_lm(model).get_input_embeddings()
             self._apply = functools.partial(nla_core.replace_at_sites, norm=injection_norm)
         else:
-            module = families.decoder_blocks(model)[layer_index]
+            blocks = families.decoder_blocks(model)
+            check_injection_block(layer_index, len(blocks))
+            module = blocks[layer_index]
             self._apply = nla_core.inject_norm_matched
         self._handle = module.register_forward_hook(self._hook)
+
+    @classmethod
+    def for_sidecar(cls, model: nn.Module, nla: nla_core.NLAConfig, injection: Injection) -> "Injector":
+        """The injector of an AV described by sidecar `nla` (its marker and neighbour ids), injecting as `injection`
+        (nla_shell.io.sidecars.injection_settings) says."""
+        return cls(model, marker_id=nla.injection_token_id, left_id=nla.injection_left_neighbor_id,
+                   right_id=nla.injection_right_neighbor_id, style=injection.style, injection_norm=injection.norm,
+                   layer_index=injection.layer)
+
+    @property
+    def injection(self) -> Injection:
+        return Injection(self.style, self.injection_norm, self.layer_index)
 
     def remove(self) -> None:
         self._handle.remove()
@@ -135,6 +150,19 @@ class Injector:
         sites = batch.sites.to(resid.device, non_blocking=True)
         injected = self._apply(resid, sites, batch.vectors.to(resid.device, non_blocking=True))
         return (injected, *output[1:]) if isinstance(output, tuple) else injected
+
+
+def check_injection_block(layer: int, blocks: int, *, model: str | Path = "the AV") -> None:
+    """residual_add's block index within the model's `blocks` decoder blocks; ValueError naming the key otherwise."""
+    if not 0 <= layer < blocks:
+        raise ValueError(f"injection_layer={layer}: {model} has {blocks} decoder blocks; give a block index in "
+                         f"0..{blocks - 1}")
+
+
+def require_injection_block(model_dir: str | Path, injection: Injection) -> None:
+    """An Injection's block checked against the model's config (nothing loaded), before a run writes."""
+    if injection.style == "residual_add":
+        check_injection_block(injection.layer, families.block_count(model_dir), model=model_dir)
 
 
 # --------------------------------------------------------------------------- actor

@@ -129,6 +129,9 @@ class DemoConfig:
     data's (residual_add, the reference's add at block 1's output); embedding_replace is kitft's."""
     injection_scale: str | None = None
     """With embedding_replace: the injected L2 norm ("sqrt_d_model", "raw" or a number); None: the data's."""
+    injection_layer: int | None = None
+    """With residual_add (an nla addition): the decoder block at whose output the vector is added (nla sft's
+    injection_layer); None: block 1, the reference's."""
     sft_eval_every: int = 0
     """SFT steps between held-out evaluations on eval.parquet (the AR: FVE on gold; the AV: the round trip through
     the SFT'd AR); each SFT stage then stops on a plateau (sft_patience) and hands on its best checkpoint, with
@@ -501,7 +504,8 @@ def av_warm_start(cfg: DemoConfig, target: Path, data_paths: Mapping[str, Path],
     return sft(SFTConfig(mode="av", parquet=str(data_paths["av_sft"]), save_dir=str(run_dir / "av_sft"),
                          batch_size=cfg.av_batch, micro_batch=cfg.av_batch, lr=cfg.av_lr, av_lora=cfg.av_lora,
                          lora_r=cfg.lora_r, lora_alpha=cfg.lora_r, lora_targets=cfg.lora_targets,
-                         injection_style=cfg.injection_style, injection_scale=cfg.injection_scale, **settings))
+                         injection_style=cfg.injection_style, injection_scale=cfg.injection_scale,
+                         injection_layer=cfg.injection_layer, **settings))
 
 
 def _plot(rl_dir: Path) -> Path | None:

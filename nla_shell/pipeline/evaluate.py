@@ -275,9 +275,7 @@ def score_av(
     """The AV's explanations scored by the AR ("av/…", "length/…") and, unless disabled, the AV given a
     shuffled vector scored against the true row ("shuffled/…"). Adds each row's results to its sample."""
     actor = load_av(cfg.av, dtype=dtype, device=device)
-    style, injection_norm = injection_settings(nla, av_dir=cfg.av)
-    injector = Injector(actor, marker_id=nla.injection_token_id, left_id=nla.injection_left_neighbor_id,
-                        right_id=nla.injection_right_neighbor_id, style=style, injection_norm=injection_norm)
+    injector = Injector.for_sidecar(actor, nla, injection_settings(nla, av_dir=cfg.av))
     engine = HFRolloutEngine(actor, injector, tokenizer, greedy=cfg.greedy)
     prompt_ids = [build_prompt_ids(r.prompt, nla, tokenizer, row=r.index) for r in rows]
     torch.manual_seed(cfg.seed)

@@ -24,7 +24,7 @@ import torch
 import nla_core
 from nla_shell.io.config import ConfigError, normalize_fields
 from nla_shell.io.data import DataError
-from nla_shell.io.sidecars import MODEL_SIDECAR, find_sidecar, injection_settings, load_sidecar, model_sidecar, read_sidecar, write_sidecar
+from nla_shell.io.sidecars import MODEL_SIDECAR, Injection, find_sidecar, injection_settings, load_sidecar, model_sidecar, read_sidecar, write_sidecar
 from nla_shell.models import ARModel, base_model_dir, load_actor
 from nla_shell.pipeline.evaluate import tokenizer_dir
 
@@ -87,7 +87,7 @@ def export(cfg: ExportConfig) -> dict[str, Path]:
 
     # --- the AV: LoRA merged into the base weights ------------------------------------------
     if cfg.av is not None:
-        style, norm = injection_settings(nla, av_dir=cfg.av)
+        injection = injection_settings(nla, av_dir=cfg.av)
         actor = load_actor(cfg.av, lora_r=1, lora_alpha=1, use_rslora=True, resume_adapter=None, dtype=torch.float32,
                            device=torch.device("cpu"))
         merged = actor.merge_and_unload().to(dtype)
@@ -95,7 +95,7 @@ def export(cfg: ExportConfig) -> dict[str, Path]:
         # An RL checkpoint's adapter/ holds no tokenizer: take its base model's.
         AutoTokenizer.from_pretrained(tokenizer_dir(cfg.av)).save_pretrained(tmp / "av")
         write_sidecar(model_sidecar(nla, role="av", stage="export", base_checkpoint=str(base_model_dir(cfg.av)),
-                                    injection_style=style, injection_norm=norm, trained_on=[],
+                                    injection=injection, trained_on=[],
                                     provenance={**provenance, "export": {"av": str(Path(cfg.av).resolve())}}),
                       tmp / "av" / MODEL_SIDECAR)
 
@@ -116,7 +116,7 @@ def export(cfg: ExportConfig) -> dict[str, Path]:
         tokenizer.padding_side = "right"  # kitft nla/scripts/prepare_critic_checkpoint.py
         tokenizer.save_pretrained(tmp / "ar")
         write_sidecar(model_sidecar(nla, role="ar", stage="export", base_checkpoint=str(Path(cfg.ar).resolve()),
-                                    injection_style=nla.injection_style, injection_norm=None, trained_on=[],
+                                    injection=Injection(nla.injection_style, None, nla.injection_layer), trained_on=[],
                                     provenance={**provenance, "export": {"ar": str(Path(cfg.ar).resolve())}}),
                       tmp / "ar" / MODEL_SIDECAR)
 

@@ -31,11 +31,11 @@ from nla_shell.training import run_identity
 from nla_shell.io.config import ConfigError, config_defaults, config_to_dict, normalize_fields
 from nla_shell.training.config import TrainConfig
 from nla_shell.io.data import DataError, build_prompt_ids, check_tokenizer, stream_rows
-from nla_shell.io.sidecars import MODEL_SIDECAR, injection_settings, load_sidecar, model_sidecar, write_sidecar
+from nla_shell.io.sidecars import MODEL_SIDECAR, Injection, injection_settings, load_sidecar, model_sidecar, write_sidecar
 from nla_shell.io.logging import make_logger
 from nla_shell.io.paths import require_file, require_model
 from nla_shell.io.progress import progress_bar, say_line
-from nla_shell.models import ARModel, Injector, load_actor, load_base_lm, trainable_parameters
+from nla_shell.models import ARModel, Injector, load_actor, load_base_lm, require_injection_block, trainable_parameters
 from nla_shell.pipeline import sft_eval
 from nla_shell.pipeline.sft_loss import AVExample, av_response_nll
 from nla_shell.quant import require_quant
@@ -61,6 +61,9 @@ class SFTConfig:
     """AV only: "residual_add" (the reference's add at block 1's output) or "embedding_replace" (kitft's); None: the sidecar's."""
     injection_scale: str | None = None
     """AV, embedding_replace only: the injected L2 norm ("sqrt_d_model", "raw" or a number); None: the sidecar's."""
+    injection_layer: int | None = None
+    """AV, residual_add only (an nla addition, written to the AV's sidecar): the decoder block at whose output the
+    vector is added; None: the sidecar's, else block 1 (the reference's)."""
     save_dir: str
     """Run directory: config.yaml, metrics.jsonl, step_NNNNNN/ checkpoints."""
     num_steps: int = 500
@@ -280,8 +283,11 @@ def _setup(cfg: SFTConfig) -> _Run:
     nla = load_sidecar(cfg.sidecar or cfg.parquet)
     check_tokenizer(nla, tokenizer)
     mse_scale = nla_core.resolve_target_scale(nla.mse_scale, nla.d_model)
-    style, injection_norm = (injection_settings(nla, style=cfg.injection_style, scale=cfg.injection_scale)
-                             if cfg.mode == "av" else ("residual_add", None))  # the AR injects nothing
+    injection = Injection("residual_add", None, nla.injection_layer)  # the AR injects nothing
+    if cfg.mode == "av":
+        injection = injection_settings(nla, style=cfg.injection_style, scale=cfg.injection_scale,
+                                       layer=cfg.injection_layer)
+        require_injection_block(model_dir, injection)
     rows, examples = _load_examples(cfg, nla, tokenizer)
     baselines = nla_core.predict_mean_baselines(torch.stack([r.activation for r in rows]), scale=mse_scale)
     heldout = None if cfg.eval_parquet is None else sft_eval.load_heldout(
@@ -299,8 +305,7 @@ def _setup(cfg: SFTConfig) -> _Run:
 
     # --- model, optimizer, and a resumed run's state -----------------------------------------
     seed_everything(cfg.seed)
-    model, injector = _build_model(cfg, model_dir, nla, resume_from, style=style, injection_norm=injection_norm,
-                                   mse_scale=mse_scale, dtype=dtype, device=device)
+    model, injector = _build_model(cfg, model_dir, nla, resume_from, injection=injection, mse_scale=mse_scale, dtype=dtype, device=device)
     model.train()
     optimizer = make_optimizer(trainable_parameters(model), cfg.lr, device=device, label=f"sft {cfg.mode}")
     order = DataOrder(len(examples), cfg.seed)
@@ -315,8 +320,7 @@ def _setup(cfg: SFTConfig) -> _Run:
         stopping = stopping.restored(state.extra.get("early_stop"))
         print(f"[resume] sft {cfg.mode} from {resume_from} at step {start_step}", flush=True)
     sidecar_out = model_sidecar(
-        nla, role=cfg.mode, stage="sft", base_checkpoint=str(model_dir), injection_style=style,
-        injection_norm=injection_norm, trained_on=[str(Path(cfg.parquet).resolve())], baselines=baselines,
+        nla, role=cfg.mode, stage="sft", base_checkpoint=str(model_dir), injection=injection, trained_on=[str(Path(cfg.parquet).resolve())], baselines=baselines,
         provenance={"sft": {"mode": cfg.mode, "parquet": str(Path(cfg.parquet).resolve()), "base_model": str(model_dir)}},
     )
 
@@ -372,9 +376,8 @@ def _load_examples(cfg: SFTConfig, nla: nla_core.NLAConfig, tokenizer) -> tuple[
     return rows, examples
 
 
-def _build_model(cfg: SFTConfig, model_dir: Path, nla: nla_core.NLAConfig, resume_from: Path | None, *, style: str,
-                 injection_norm: float | None, mse_scale: float | None, dtype: torch.dtype,
-                 device: torch.device) -> tuple[torch.nn.Module, Injector | None]:
+def _build_model(cfg: SFTConfig, model_dir: Path, nla: nla_core.NLAConfig, resume_from: Path | None, *,
+                 injection: Injection, mse_scale: float | None, dtype: torch.dtype, device: torch.device) -> tuple[torch.nn.Module, Injector | None]:
     """The AV (actor + LoRA, or the whole LM with av_lora=false; with its injector) or the AR, new or from the
     checkpoint a resumed run continues."""
     if cfg.mode == "av":
@@ -386,11 +389,7 @@ def _build_model(cfg: SFTConfig, model_dir: Path, nla: nla_core.NLAConfig, resum
             )
         else:  # every parameter trains; a resumed run continues the checkpoint's full weights
             model = load_base_lm(resume_from or model_dir, dtype=dtype, device=device).requires_grad_(True)
-        injector = Injector(
-            model, marker_id=nla.injection_token_id, left_id=nla.injection_left_neighbor_id,
-            right_id=nla.injection_right_neighbor_id, style=style, injection_norm=injection_norm,
-        )
-        return model, injector
+        return model, Injector.for_sidecar(model, nla, injection)
     if resume_from is not None:  # an AR-LoRA checkpoint rebuilds its LoRA around the (quantised) base itself
         return ARModel.from_pretrained(resume_from, mse_scale=mse_scale, dtype=dtype, device=device), None
     model = ARModel.from_pretrained(model_dir, mse_scale=mse_scale, extraction_layer_index=nla.extraction_layer_index,

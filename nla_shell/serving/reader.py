@@ -35,8 +35,6 @@ from nla_shell.training.runtime import resolve_device
 
 EngineName = Literal["hf", "native", "vllm"]
 
-INJECTION_LAYER = 1
-"""The AV reads its vector at the output of this block (the reference's block 1, as `nla train` injects)."""
 AR_MAX_TOKENS = 1024
 """Longest AR input scored; a longer explanation counts as failed (as in `nla eval`)."""
 
@@ -239,8 +237,7 @@ class NLAReader:
                 "engine": self.engine_name, "fve_baseline": self.rawvar}
 
 
-def make_engine(name: EngineName, actor, injector: Injector, tokenizer, *, av: str, layer_index: int,
-                max_batch: int, vllm_gpu_mem: float, vllm_max_len: int,
+def make_engine(name: EngineName, actor, injector: Injector, tokenizer, *, av: str, max_batch: int, vllm_gpu_mem: float, vllm_max_len: int,
                 vllm_quantization: VLLMQuantization) -> RolloutEngine:
     """The rollout engine `name` on the loaded AV; vLLM gets the LoRA-merged weights pushed once."""
     if name == "hf":
@@ -254,9 +251,9 @@ def make_engine(name: EngineName, actor, injector: Injector, tokenizer, *, av: s
     from nla_shell.engines.vllm import VLLMRolloutEngine
 
     engine = VLLMRolloutEngine(base_model_dir(av), tokenizer, marker_id=injector.marker_id, left_id=injector.left_id,
-                               right_id=injector.right_id, injection_layer=layer_index, injection_style=injector.style,
-                               injection_norm=injector.injection_norm, gpu_memory_utilization=vllm_gpu_mem,
-                               max_model_len=vllm_max_len, max_num_seqs=max_batch,
+                               right_id=injector.right_id, injection_layer=injector.layer_index,
+                               injection_style=injector.style, injection_norm=injector.injection_norm,
+                               gpu_memory_utilization=vllm_gpu_mem, max_model_len=vllm_max_len, max_num_seqs=max_batch,
                                quantization=None if vllm_quantization == "none" else vllm_quantization)
     engine.sync_weights(actor)
     return engine
@@ -293,12 +290,9 @@ def load_reader(settings: ReaderSettings, *, model: str | None, max_batch: int =
             print(f"[explain] note: no training parquet in the sidecar's trained_on is left to check that {model} is "
                   "the LM this NLA was trained on", file=sys.stderr, flush=True)
     actor = load_av(av, dtype=dtype_, device=device_)
-    style, injection_norm = injection_settings(nla, av_dir=av)
-    injector = Injector(actor, marker_id=nla.injection_token_id, left_id=nla.injection_left_neighbor_id,
-                        right_id=nla.injection_right_neighbor_id, style=style, injection_norm=injection_norm)
+    injector = Injector.for_sidecar(actor, nla, injection_settings(nla, av_dir=av))
     prompt = tuple(build_prompt_ids(av_prompt_messages(nla.actor_prompt_template), nla, tokenizer))
-    rollout_engine = make_engine(engine, actor, injector, tokenizer, av=av, layer_index=INJECTION_LAYER,
-                                 max_batch=max_batch, vllm_gpu_mem=settings.vllm_gpu_mem,
+    rollout_engine = make_engine(engine, actor, injector, tokenizer, av=av, max_batch=max_batch, vllm_gpu_mem=settings.vllm_gpu_mem,
                                  vllm_max_len=settings.vllm_max_len, vllm_quantization=settings.vllm_quantization)
     critic = ARModel.from_pretrained(ar, mse_scale=nla_core.resolve_target_scale(nla.mse_scale, nla.d_model),
                                      dtype=dtype_, device=device_).eval()

@@ -44,6 +44,9 @@ class TrainConfig:
     injection_scale: str | None = None
     """embedding_replace only: the injected vector's L2 norm ("sqrt_d_model", "raw" or a number, upstream's
     extraction.injection_scale); None takes the sidecar's."""
+    injection_layer: int | None = None
+    """residual_add only (an nla addition): the decoder block at whose output the vector is added; None takes the AV
+    checkpoint's sidecar, else the dataset's, else block 1 (the reference's)."""
     save_dir: str
     """Run directory: config.yaml, metrics.jsonl, samples.jsonl, step_NNNNNN/ checkpoints."""
 

@@ -24,10 +24,10 @@ from nla_shell.io.data import (
     DataError, RLRow, build_prompt_ids, check_tokenizer, load_eval_rows, load_rows, parquet_num_rows, row_windows,
 )
 from nla_shell.io.logging import NullLogger, make_logger
-from nla_shell.io.sidecars import injection_settings, load_sidecar
+from nla_shell.io.sidecars import Injection, injection_settings, load_sidecar
 from nla_shell.models import (
     ARModel, BackboneAutocast, CompiledBlockParts, FP8Linears, Injector, base_model_dir, eos_token_ids, inner_lm,
-    is_adapter_dir, load_actor, require_fp8, trainable_parameters,
+    is_adapter_dir, load_actor, require_fp8, require_injection_block, trainable_parameters,
 )
 from nla_shell.training import checkpoint as ckpt
 from nla_shell.training import distributed, run_identity, sampling, sharding
@@ -44,8 +44,7 @@ CRITIC_EMA_FILE = "critic_ema.safetensors"
 # --------------------------------------------------------------------------- small pieces
 
 
-def make_engine(cfg: TrainConfig, actor, injector: Injector, tokenizer, *, layer_index: int,
-                eos_ids: tuple[int, ...]) -> RolloutEngine:
+def make_engine(cfg: TrainConfig, actor, injector: Injector, tokenizer, *, eos_ids: tuple[int, ...]) -> RolloutEngine:
     if cfg.engine == "hf":
         from nla_shell.engines.hf import HFRolloutEngine
 
@@ -63,7 +62,7 @@ def make_engine(cfg: TrainConfig, actor, injector: Injector, tokenizer, *, layer
         marker_id=injector.marker_id,
         left_id=injector.left_id,
         right_id=injector.right_id,
-        injection_layer=layer_index,
+        injection_layer=injector.layer_index,
         injection_style=injector.style,
         injection_norm=injector.injection_norm,
         gpu_memory_utilization=cfg.vllm_gpu_mem,
@@ -279,8 +278,9 @@ def setup(cfg: TrainConfig, rank: RankInfo, device: torch.device, dtype: torch.d
         )
     tokenizer = families.load_tokenizer(cfg.av_ckpt)
     nla = load_sidecar(cfg.sidecar or cfg.rl_parquet)
-    style, injection_norm = injection_settings(nla, style=cfg.injection_style, scale=cfg.injection_scale,
-                                               av_dir=cfg.av_ckpt)
+    injection = injection_settings(nla, style=cfg.injection_style, scale=cfg.injection_scale,
+                                   layer=cfg.injection_layer, av_dir=cfg.av_ckpt)
+    require_injection_block(base_model_dir(cfg.av_ckpt), injection)
     check_tokenizer(nla, tokenizer)
     mse_scale = nla_core.resolve_target_scale(nla.mse_scale, nla.d_model)
     rows, eval_rows = load_train_and_eval_rows(cfg, nla)
@@ -295,11 +295,11 @@ def setup(cfg: TrainConfig, rank: RankInfo, device: torch.device, dtype: torch.d
     # Rank 0 claims the directory and picks the checkpoint; every rank resumes from that one.
     resume_from = distributed.on_main(lambda: claim_run_dir(cfg, continues_sft=continues_sft))
 
-    actor, injector, critic = load_models(cfg, nla, critic, resume_from, style=style, injection_norm=injection_norm,
+    actor, injector, critic = load_models(cfg, nla, critic, resume_from, injection=injection,
                                           continues_sft=continues_sft, mse_scale=mse_scale, device=device, dtype=dtype)
     fp8_score, fp8_reference, fp8_update = make_fp8_copies(cfg, actor, critic, device=device)
     eos_ids = eos_token_ids(inner_lm(actor).generation_config, tokenizer)  # every one stops a rollout
-    engine = make_engine(cfg, actor, injector, tokenizer, layer_index=1, eos_ids=eos_ids)
+    engine = make_engine(cfg, actor, injector, tokenizer, eos_ids=eos_ids)
     optimizer, critic_optimizer, critic_ema = make_optimizers(cfg, actor, critic, resume_from, device=device)
     baselines = nla_core.predict_mean_baselines(torch.stack([r.activation for r in rows[:4000]]), scale=mse_scale)
     rawvar, meannorm = float(baselines.rawvar), float(baselines.meannorm)
@@ -357,7 +357,7 @@ def claim_run_dir(cfg: TrainConfig, *, continues_sft: bool) -> Path | None:
 
 
 def load_models(cfg: TrainConfig, nla: nla_core.NLAConfig, critic: ARModel, resume_from: Path | None, *,
-                style: str, injection_norm: float | None, continues_sft: bool, mse_scale: float | None, device: torch.device,
+                injection: Injection, continues_sft: bool, mse_scale: float | None, device: torch.device,
                 dtype: torch.dtype) -> tuple[Any, Injector, ARModel]:
     """The actor (a fresh or resumed LoRA; the same seed on every rank: identical initial LoRA), its
     injector, and the critic (the checkpoint's when resuming a co-trained one)."""
@@ -380,14 +380,7 @@ def load_models(cfg: TrainConfig, nla: nla_core.NLAConfig, critic: ARModel, resu
     say_actor_start(cfg, actor, continues_sft=continues_sft)
     if nla.injection_token_id >= actor.get_base_model().config.vocab_size:
         raise ValueError(f"sidecar's injection_token_id {nla.injection_token_id} is outside the AV's vocabulary")
-    injector = Injector(
-        actor,
-        marker_id=nla.injection_token_id,
-        left_id=nla.injection_left_neighbor_id,
-        right_id=nla.injection_right_neighbor_id,
-        style=style,
-        injection_norm=injection_norm,
-    )
+    injector = Injector.for_sidecar(actor, nla, injection)
     if resume_from is not None and cfg.train_critic:
         critic = ARModel.from_pretrained(resume_from / "critic", mse_scale=mse_scale, dtype=dtype, device=device)
     critic.requires_grad_(cfg.train_critic)

@@ -213,7 +213,7 @@ def sidecar_for(state: RunState, role: str) -> dict[str, Any]:
     cfg = state.cfg
     baselines = nla_core.Baselines(meannorm=torch.tensor(state.meannorm), rawvar=torch.tensor(state.rawvar))
     return model_sidecar(state.nla, role=role, stage="rl", base_checkpoint=str(base_model_dir(cfg.av_ckpt)),
-                         injection_style=state.injector.style, injection_norm=state.injector.injection_norm,
+                         injection=state.injector.injection,
                          trained_on=[str(Path(cfg.rl_parquet).resolve())], baselines=baselines)
 
 

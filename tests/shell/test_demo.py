@@ -240,13 +240,17 @@ def test_a_demo_with_a_co_trained_ar_scores_after_rl_with_it(tmp_path, capsys):
     assert scored_by == {"after_sft": str(Path(report["checkpoints"]["ar"]).resolve()), "after_rl": str(critic.resolve())}
 
 
-def test_the_demos_injection_style_reaches_the_av_and_rl_follows_it(tmp_path):
-    """injection_style / injection_scale go to the AV's SFT; RL continues that AV with them (its sidecar says so)."""
+@pytest.mark.parametrize(("flags", "expected"), [
+    (["injection_style=embedding_replace", "injection_scale=2.5"], ("embedding_replace", 2.5, None)),
+    (["injection_layer=0"], ("residual_add", None, 0)),
+])
+def test_the_demos_injection_reaches_the_av_and_rl_follows_it(tmp_path, flags, expected):
+    """injection_style / injection_scale / injection_layer go to the AV's SFT; RL continues that AV with them (its
+    sidecar says so)."""
     run_dir = tmp_path / "dm"
-    assert cli.main(["demo", "--tiny", "--run-dir", str(run_dir), "injection_style=embedding_replace",
-                     "injection_scale=2.5"]) == 0
+    assert cli.main(["demo", "--tiny", "--run-dir", str(run_dir), *flags]) == 0
     for adapter in (run_dir / "av_sft" / "step_000002", run_dir / "rl" / "step_000002" / "adapter"):
         meta = yaml.safe_load((adapter / "nla_meta.yaml").read_text())
-        assert meta["injection_style"] == "embedding_replace" and meta["extraction"]["injection_scale"] == 2.5
+        assert (meta["injection_style"], meta["extraction"]["injection_scale"], meta.get("injection_layer")) == expected
     data = yaml.safe_load((run_dir / "data" / "rl.parquet.nla_meta.yaml").read_text())
     assert data.get("injection_style", "residual_add") == "residual_add"  # the data keep theirs: the AV's differ

@@ -19,7 +19,7 @@ from nla_core import INJECT_PLACEHOLDER, marker_char, marker_content, parse_side
 from nla_shell import cli
 from nla_shell.toy import builders as toy
 from nla_shell.io.data import DataError, av_prompt_messages, build_prompt_ids, chat_prompt_ids, chat_prompt_text, check_tokenizer
-from nla_shell.io.sidecars import dataset_sidecar, load_sidecar, model_sidecar, write_sidecar
+from nla_shell.io.sidecars import Injection, dataset_sidecar, load_sidecar, model_sidecar, write_sidecar
 from nla_shell.pipeline.markers import choose_injection_char, injection_char_candidates, injection_char_problem
 
 SPACED = " 一"
@@ -74,8 +74,8 @@ def test_the_spaced_marker_round_trips_through_the_sidecar_to_the_same_prompt_id
     # Train time (build_prompt_ids on the sidecar's template) and upstream's reader build the same ids.
     assert build_prompt_ids(av_prompt_messages(cfg.actor_prompt_template), cfg, tok) == datagen_ids
     # An exported model sidecar (nla export, nla_shell.io.sidecars.model_sidecar) names the same prompt.
-    exported = parse_sidecar(model_sidecar(cfg, role="av", stage="rl", base_checkpoint="m", injection_style="residual_add",
-                                           injection_norm=None, trained_on=[]))
+    exported = parse_sidecar(model_sidecar(cfg, role="av", stage="rl", base_checkpoint="m",
+                                           injection=Injection("residual_add", None, 1), trained_on=[]))
     assert (exported.injection_char, exported.actor_prompt_template) == (cfg.injection_char, cfg.actor_prompt_template)
     ours = upstream.load_config(tmp_path / "rl.parquet", tok)  # kitft nla/config.py's asserts, one marker included
     assert upstream.canonical_ids(tok, ours.actor_prompt_template, ours.injection_char) == datagen_ids

@@ -245,3 +245,26 @@ def test_embedding_replace_style_behaviour_logprobs_equal_the_training_forward(s
     injector.remove()
     plain, _ = _trainer_logprobs(actor, marker, tokenizer, requests, rollouts)  # the block-1 add gives others
     assert float((plain - logp)[batch.mask].abs().max()) > 1e-3
+
+
+def test_an_injection_at_a_later_block_reaches_that_block_only_and_the_engine_samples_the_trainers_policy(setup):
+    """injection_layer=2 (of 3 blocks): blocks 0-1 compute what they compute without a vector, block 2's output
+    carries it; the native engine's behaviour log-probs equal the update's forward with the same injector."""
+    actor, block_1, tokenizer, requests = setup
+    block_1.remove()
+    injector = Injector(actor, marker_id=block_1.marker_id, left_id=block_1.left_id, right_id=block_1.right_id,
+                        layer_index=2)
+    ids = torch.tensor([requests[0].prompt_ids])
+    with torch.no_grad():
+        plain = actor(input_ids=ids, output_hidden_states=True).hidden_states
+        with injector.inject(ids, requests[0].activation[None]):
+            injected = actor(input_ids=ids, output_hidden_states=True).hidden_states
+    assert all(torch.equal(plain[i], injected[i]) for i in (0, 1, 2))  # the embeddings, blocks 0 and 1's outputs
+    assert not torch.allclose(plain[3], injected[3])
+    engine = NativeRolloutEngine(actor, injector, tokenizer)
+    rollouts = _generate(engine, requests, group_size=2, max_new_tokens=10)
+    logp, batch = _trainer_logprobs(actor, injector, tokenizer, requests, rollouts)
+    diff = (logp - batch.behavior_logp)[batch.mask].abs()
+    assert diff.numel() >= len(rollouts) and float(diff.max()) <= 1e-4
+    with pytest.raises(ValueError, match=r"injection_layer=3: the AV has 3 decoder blocks; give a block index in 0..2"):
+        Injector(actor, marker_id=block_1.marker_id, left_id=block_1.left_id, right_id=block_1.right_id, layer_index=3)

@@ -116,7 +116,7 @@ class StaleCopyEngine:
         self.copy = copy.deepcopy(actor)
         self.copy_injector = Injector(self.copy, marker_id=injector.marker_id, left_id=injector.left_id,
                                       right_id=injector.right_id, style=injector.style,
-                                      injection_norm=injector.injection_norm)
+                                      injection_norm=injector.injection_norm, layer_index=injector.layer_index)
         self.inner = HFRolloutEngine(self.copy, self.copy_injector, tokenizer)
         self.syncs = 0
 
@@ -137,7 +137,7 @@ def test_eval_scores_the_current_actor_even_when_the_engine_copy_is_stale(nla_ru
                                                                            sync_every):
     made, evaluated = {}, []
 
-    def make_engine(cfg, actor, injector, tokenizer, *, layer_index, eos_ids):
+    def make_engine(cfg, actor, injector, tokenizer, *, eos_ids):
         made.update(engine=StaleCopyEngine(actor, injector, tokenizer), actor=actor, injector=injector,
                     tokenizer=tokenizer)
         return made["engine"]

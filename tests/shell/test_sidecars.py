@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import shutil
 from pathlib import Path
@@ -17,6 +18,7 @@ from nla_shell.io.data import DataError, check_tokenizer
 from nla_shell.io.sidecars import (
     DEFAULT_AR_TEMPLATE,
     DEFAULT_AV_TEMPLATE,
+    Injection,
     dataset_sidecar,
     find_sidecar,
     injection_settings,
@@ -130,8 +132,8 @@ def test_template_braces_survive_the_upstream_form(tmp_path, tiny_tokenizer):
 @pytest.mark.parametrize("style, norm", [("residual_add", None), ("embedding_replace", 12.5)])
 def test_nla_model_sidecar_is_read_by_upstream(tmp_path, tiny_tokenizer, style, norm):
     nla = parse_sidecar(_nla_dataset_mapping(tiny_tokenizer))
-    mapping = model_sidecar(nla, role="av", stage="sft", base_checkpoint="/models/tiny", injection_style=style,
-                            injection_norm=norm, trained_on=["/data/av_sft.parquet"])
+    mapping = model_sidecar(nla, role="av", stage="sft", base_checkpoint="/models/tiny", injection=Injection(style, norm, 1),
+                            trained_on=["/data/av_sft.parquet"])
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
     write_sidecar(mapping, ckpt / "nla_meta.yaml")
@@ -141,7 +143,7 @@ def test_nla_model_sidecar_is_read_by_upstream(tmp_path, tiny_tokenizer, style, 
     again = load_sidecar(ckpt)
     assert (again.injection_style, again.extraction_layer_index, again.critic_suffix_ids) == (
         style, fixtures.LAYER_INDEX, nla.critic_suffix_ids)
-    assert injection_settings(again) == (style, norm)
+    assert injection_settings(again) == (style, norm, 1)
 
 
 # ---------------------------------------------------------------- injection settings
@@ -149,11 +151,11 @@ def test_nla_model_sidecar_is_read_by_upstream(tmp_path, tiny_tokenizer, style, 
 
 def test_injection_settings_sources_and_errors(tmp_path, tiny_tokenizer, kitft_rl):
     data = load_sidecar(kitft_rl)
-    assert injection_settings(data) == ("residual_add", None)
+    assert injection_settings(data) == ("residual_add", None, 1)
     with pytest.raises(DataError, match=r"injection_scale: the embedding_replace style needs .*injection_scale="):
         injection_settings(data, style="embedding_replace")
-    assert injection_settings(data, style="embedding_replace", scale="sqrt_d_model") == ("embedding_replace", 8.0)
-    assert injection_settings(data, style="embedding_replace", scale="raw") == ("embedding_replace", None)
+    assert injection_settings(data, style="embedding_replace", scale="sqrt_d_model") == ("embedding_replace", 8.0, 1)
+    assert injection_settings(data, style="embedding_replace", scale="raw") == ("embedding_replace", None, 1)
     with pytest.raises(DataError, match=r"injection_scale: scale='big'"):
         injection_settings(data, style="embedding_replace", scale="big")
     # an AV checkpoint's own sidecar (a kitft actor) decides over the dataset's
@@ -162,8 +164,43 @@ def test_injection_settings_sources_and_errors(tmp_path, tiny_tokenizer, kitft_r
     tokens = upstream.token_meta(tiny_tokenizer, CHAR)
     upstream.write_sidecar(upstream.model_sidecar(tokens, role="actor", d_model=fixtures.D_MODEL, injection_scale=30.0,
                                                   mse_scale=None, critic_layer=None), av / "nla_meta.yaml")
-    assert injection_settings(data, av_dir=av) == ("embedding_replace", 30.0)
-    assert injection_settings(data, av_dir=av, style="residual_add") == ("residual_add", None)
+    assert injection_settings(data, av_dir=av) == ("embedding_replace", 30.0, 1)
+    assert injection_settings(data, av_dir=av, style="residual_add") == ("residual_add", None, 1)
+
+
+@pytest.mark.parametrize("layer", [0, 1, 5])
+def test_the_injection_layer_round_trips_and_an_upstream_sidecar_means_block_1(tmp_path, tiny_tokenizer, kitft_rl,
+                                                                              layer):
+    """nla's `injection_layer` (an addition): written under residual_add, read back, the config's over the
+    checkpoint's over the data's; a sidecar without it (upstream's, EasyNLA's) adds at block 1, the reference's."""
+    data = load_sidecar(kitft_rl)
+    assert data.injection_layer == 1 and injection_settings(data).layer == 1
+    written = model_sidecar(data, role="av", stage="sft", base_checkpoint="/m", injection=Injection("residual_add", None,
+                                                                                                     layer),
+                            trained_on=[])
+    assert written["injection_layer"] == layer
+    av = tmp_path / "av"
+    av.mkdir()
+    write_sidecar(written, av / "nla_meta.yaml")
+    assert injection_settings(data, av_dir=av) == ("residual_add", None, layer)
+    assert injection_settings(data, av_dir=av, layer=layer + 2).layer == layer + 2
+    # kitft's reader ignores the key it does not know
+    assert upstream.load_config(av, tiny_tokenizer).d_model == fixtures.D_MODEL
+    replaced = model_sidecar(data, role="av", stage="sft", base_checkpoint="/m",
+                             injection=Injection("embedding_replace", 8.0, layer), trained_on=[])
+    assert "injection_layer" not in replaced  # embedding_replace injects at the embedding: no block to name
+
+
+@pytest.mark.parametrize("bad", [-1, True, "2"])
+def test_a_bad_injection_layer_is_refused_naming_the_key(kitft_rl, tmp_path, bad):
+    data = load_sidecar(kitft_rl)
+    with pytest.raises(DataError, match=r"^injection_layer: .* is not a decoder block index"):
+        injection_settings(data, layer=bad)
+    mapping = yaml.safe_load((find_sidecar(kitft_rl)).read_text())
+    mapping["injection_layer"] = bad
+    (tmp_path / "x.nla_meta.yaml").write_text(yaml.safe_dump(mapping))
+    with pytest.raises(DataError, match=r"sidecar key `injection_layer` must be"):
+        load_sidecar(tmp_path / "x.nla_meta.yaml")
 
 
 def test_train_refuses_embedding_replace_without_a_norm_in_one_line(tmp_path, kitft_rl, tiny_av_dir, capsys):
@@ -173,3 +210,19 @@ def test_train_refuses_embedding_replace_without_a_norm_in_one_line(tmp_path, ki
     err = capsys.readouterr().err.strip().splitlines()
     assert code != 0 and not save_dir.exists()
     assert len(err) == 1 and "injection_scale" in err[0] and "embedding_replace" in err[0], err
+
+
+@pytest.mark.parametrize("command", ["train", "sft"])
+def test_an_injection_layer_past_the_models_blocks_is_refused_in_one_line_before_anything_is_written(
+        tmp_path, kitft_rl, tiny_av_dir, capsys, command):
+    """injection_layer = the tiny AV's block count names none of its blocks."""
+    blocks = json.loads((tiny_av_dir / "config.json").read_text())["num_hidden_layers"]
+    save_dir = tmp_path / "run"
+    args = ([f"av_ckpt={tiny_av_dir}", f"ar_ckpt={tiny_av_dir}", f"rl_parquet={kitft_rl}", "batch_prompts=2"]
+            if command == "train"
+            else ["mode=av", f"model={tiny_av_dir}", f"parquet={kitft_rl}"])
+    code = cli.main([command, *args, f"save_dir={save_dir}", f"injection_layer={blocks}", "device=cpu"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code != 0 and not save_dir.exists()
+    assert len(err) == 1 and f"injection_layer={blocks}: " in err[0] and f"{blocks} decoder blocks" in err[0], err
+    assert f"0..{blocks - 1}" in err[0], err

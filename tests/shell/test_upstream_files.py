@@ -61,13 +61,13 @@ def test_a_kitft_av_gives_kitfts_logits(tmp_path, tiny_tokenizer, family):
     # --- nla's way: the sidecar, the prompt, the AV and its injection, as `nla explain` / `nla eval` run them
     nla = load_sidecar(av)
     check_tokenizer(nla, tiny_tokenizer)
-    style, norm = injection_settings(nla, av_dir=av)
-    assert (style, norm, nla.extraction_layer_index) == ("embedding_replace", 40.0, fixtures.LAYER_INDEX)
+    injection = injection_settings(nla, av_dir=av)
+    assert (injection.style, injection.norm, nla.extraction_layer_index) == ("embedding_replace", 40.0,
+                                                                            fixtures.LAYER_INDEX)
     prompt = build_prompt_ids(av_prompt_messages(nla.actor_prompt_template), nla, tiny_tokenizer)
     assert prompt == ids
     actor = load_av(av, dtype=torch.float32, device=torch.device("cpu"))
-    injector = Injector(actor, marker_id=nla.injection_token_id, left_id=nla.injection_left_neighbor_id,
-                        right_id=nla.injection_right_neighbor_id, style=style, injection_norm=norm)
+    injector = Injector.for_sidecar(actor, nla, injection)
     input_ids = torch.tensor([prompt])
     with torch.no_grad(), injector.inject(input_ids, activation[None]):
         got = actor(input_ids=input_ids).logits[0].float()
@@ -140,7 +140,7 @@ def test_train_two_steps_on_kitft_data_with_the_parquet_as_sidecar(tmp_path, tin
     adapter = save_dir / "step_000002" / "adapter"  # its sidecar says how it was trained, in upstream's layout
     theirs = upstream.load_config(adapter, tiny_tokenizer)
     assert (theirs.d_model, theirs.critic_num_layers, theirs.injection_scale) == (fixtures.D_MODEL, fixtures.LAYER_INDEX, None)
-    assert injection_settings(load_sidecar(adapter), av_dir=adapter) == ("residual_add", None)
+    assert injection_settings(load_sidecar(adapter), av_dir=adapter) == ("residual_add", None, 1)
 
 
 def test_an_easynla_rl_save_dir_is_a_sidecar_source(tmp_path, tiny_tokenizer):
@@ -148,7 +148,7 @@ def test_an_easynla_rl_save_dir_is_a_sidecar_source(tmp_path, tiny_tokenizer):
                                      d_model=fixtures.D_MODEL, layer_index=fixtures.LAYER_INDEX, injection_char=CHAR)
     ckpt = upstream.easynla_checkpoint_sidecar(tmp_path / "easynla_run", parquet)
     assert load_sidecar(ckpt) == load_sidecar(parquet)
-    assert injection_settings(load_sidecar(ckpt), av_dir=ckpt) == ("residual_add", None)  # EasyNLA adds at block 1
+    assert injection_settings(load_sidecar(ckpt), av_dir=ckpt) == ("residual_add", None, 1)  # EasyNLA adds at block 1
 
 
 # ---------------------------------------------------------------- nla datagen's output, read by upstream

@@ -636,9 +636,10 @@ def test_the_reader_builds_its_vllm_engine_with_the_quantization_asked(make_engi
 
     _, actor, log = make_engine
     actor.config.save_pretrained(tmp_path)  # the AV base dir vLLM would load (its generation config read here)
-    injector = SimpleNamespace(marker_id=MARKER, left_id=LEFT, right_id=RIGHT, style="residual_add", injection_norm=None)
+    injector = SimpleNamespace(marker_id=MARKER, left_id=LEFT, right_id=RIGHT, style="residual_add", injection_norm=None,
+                               layer_index=1)
     tokenizer = SimpleNamespace(decode=lambda ids, **_: "text", eos_token_id=2)
-    engine = reader.make_engine("vllm", actor, injector, tokenizer, av=str(tmp_path), layer_index=1, max_batch=8,
+    engine = reader.make_engine("vllm", actor, injector, tokenizer, av=str(tmp_path), max_batch=8,
                                 vllm_gpu_mem=0.5, vllm_max_len=64, vllm_quantization=setting)
     assert engine.llm.kwargs["quantization"] == (None if setting == "none" else setting)
     assert log.count("reload") == reloads and (log.count("push") > 0) == (reloads == 0)

@@ -19,6 +19,15 @@ import torch
 
 from nla_core._checks import require_floating, require_integer, require_ndim
 
+__all__ = [
+    "INJECTION_STYLES",
+    "find_injection_sites",
+    "inject_norm_matched",
+    "karvonen_inject",
+    "marker_well_formed",
+    "replace_at_sites",
+]
+
 INJECTION_STYLES = ("residual_add", "embedding_replace")
 """The injection styles by name (module docstring); sidecars nla writes record one under `injection_style`."""
 

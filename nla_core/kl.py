@@ -6,6 +6,13 @@ import torch
 
 from nla_core._checks import float32_or_wider, require_floating, require_same_shape
 
+__all__ = [
+    "kl_categorical",
+    "kl_k1",
+    "kl_k2",
+    "kl_k3",
+]
+
 
 def _delta(logp: torch.Tensor, ref_logp: torch.Tensor, clamp: float | None) -> torch.Tensor:
     require_floating("logp", logp)

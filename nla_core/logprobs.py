@@ -13,6 +13,18 @@ import torch
 
 from nla_core._checks import float32_or_wider, require_floating, require_integer, require_ndim
 
+__all__ = [
+    "ChunkKernels",
+    "LogprobsAndEntropy",
+    "SampledTokens",
+    "chunk_entropy",
+    "chunk_logit_grads",
+    "chunk_logprobs",
+    "sample_tokens",
+    "token_logprobs",
+    "token_logprobs_from_hidden",
+]
+
 _DEFAULT_CHUNK_ELEMENTS = 1 << 22  # ~16 MB of float32 per chunk
 
 

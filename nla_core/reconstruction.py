@@ -9,6 +9,19 @@ import torch
 
 from nla_core._checks import require_choice, require_floating, require_ndim, require_same_shape
 
+__all__ = [
+    "FAILED_EXTRACTION_REWARD",
+    "REWARD_KINDS",
+    "Baselines",
+    "extract_explanation",
+    "fve",
+    "hinged_length_penalty",
+    "normalize_activation",
+    "predict_mean_baselines",
+    "reconstruction_mse",
+    "reward_from_mse",
+]
+
 FAILED_EXTRACTION_REWARD = -2.0
 """Reward of a rollout without a usable <explanation>…</explanation> (the paper's default)."""
 

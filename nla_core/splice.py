@@ -15,6 +15,11 @@ import torch
 from nla_core._checks import require_floating, require_ndim, require_same_shape
 from nla_core.reconstruction import normalize_activation
 
+__all__ = [
+    "denormalize_activation",
+    "random_at_same_error",
+]
+
 _EPS = 1e-12
 
 

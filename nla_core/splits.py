@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from typing import Hashable, Iterable, Sequence
 
+__all__ = [
+    "doc_disjoint_rows",
+]
+
 
 def doc_disjoint_rows(train_doc_ids: Iterable[Hashable], candidate_doc_ids: Sequence[Hashable], n: int) -> list[int]:
     """Indices of the first n candidates whose document never appears in training.

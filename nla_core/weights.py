@@ -9,6 +9,12 @@ import torch
 
 from nla_core._checks import float32_or_wider, require_floating, require_ndim
 
+__all__ = [
+    "hf_param_name",
+    "layer_buckets",
+    "merge_lora_weight",
+]
+
 _PEFT_PREFIX = "base_model.model."
 _LORA_PART = re.compile(r"(^|\.)lora_")
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")

@@ -105,7 +105,8 @@ def _load_config(cls: type, args: argparse.Namespace, preset: Mapping[str, Any] 
 
 
 def _datagen(args: argparse.Namespace) -> None:
-    from nla_shell.pipeline.datagen import DatagenConfig, datagen
+    from nla_shell.pipeline.datagen import datagen
+    from nla_shell.pipeline.datagen_config import DatagenConfig
 
     datagen(_load_config(DatagenConfig, args))
 
@@ -174,7 +175,7 @@ def _demo(args: argparse.Namespace) -> None:
 CONFIG_COMMANDS: dict[str, tuple[Callable[[argparse.Namespace], None], str, str, str]] = {
     "train": (_train, "nla_shell.training.config", "TrainConfig",
               "GRPO-train the activation verbaliser (AV) against the reconstructor (AR)"),
-    "datagen": (_datagen, "nla_shell.pipeline.datagen", "DatagenConfig",
+    "datagen": (_datagen, "nla_shell.pipeline.datagen_config", "DatagenConfig",
                 "capture activations at block K of a model over a corpus: rl/av_sft/ar_sft/eval parquets"),
     "sft": (_sft, "nla_shell.pipeline.sft", "SFTConfig",
             "AV (--mode av) or AR (--mode ar) warm start; checkpoints are nla train's av_ckpt / ar_ckpt"),

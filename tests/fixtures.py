@@ -229,7 +229,7 @@ def write_toy_corpus(path: Path, *, n_docs: int = 24, seed: int = 0, extra: Sequ
 
 def datagen_config(model: Path, corpus: Path, out_dir: Path, **overrides: Any):
     """A small DatagenConfig on CPU (layer LAYER_INDEX, rule explainer, no progress bar)."""
-    from nla_shell.pipeline.datagen import DatagenConfig
+    from nla_shell.pipeline.datagen_config import DatagenConfig
 
     settings = dict(model=str(model), corpus=str(corpus), layer=LAYER_INDEX, out_dir=str(out_dir),
                     explainer="rule", positions_per_doc=3, min_context=4, batch_size=5, row_group_size=8, device="cpu",

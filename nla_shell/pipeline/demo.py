@@ -458,7 +458,8 @@ held-out stop), for whatever trains again from them (bench/rl_variants.py)."""
 
 def demo_datagen(cfg: DemoConfig, target: Path, run_dir: Path) -> Any:
     """Stage 2: activations at the extraction block over the demo corpus, labelled, split by document."""
-    from nla_shell.pipeline.datagen import DatagenConfig, datagen
+    from nla_shell.pipeline.datagen import datagen
+    from nla_shell.pipeline.datagen_config import DatagenConfig
 
     return datagen(DatagenConfig(
         model=str(target), corpus=str(demo_corpus(cfg, run_dir)), layer=extraction_layer(cfg, target),

@@ -112,7 +112,8 @@ def _datagen(args: argparse.Namespace) -> None:
 
 
 def _sft(args: argparse.Namespace) -> None:
-    from nla_shell.pipeline.sft import SFTConfig, sft
+    from nla_shell.pipeline.sft import sft
+    from nla_shell.pipeline.sft_config import SFTConfig
 
     sft(_load_config(SFTConfig, args))
 
@@ -177,7 +178,7 @@ CONFIG_COMMANDS: dict[str, tuple[Callable[[argparse.Namespace], None], str, str,
               "GRPO-train the activation verbaliser (AV) against the reconstructor (AR)"),
     "datagen": (_datagen, "nla_shell.pipeline.datagen_config", "DatagenConfig",
                 "capture activations at block K of a model over a corpus: rl/av_sft/ar_sft/eval parquets"),
-    "sft": (_sft, "nla_shell.pipeline.sft", "SFTConfig",
+    "sft": (_sft, "nla_shell.pipeline.sft_config", "SFTConfig",
             "AV (--mode av) or AR (--mode ar) warm start; checkpoints are nla train's av_ckpt / ar_ckpt"),
     "eval": (_eval, "nla_shell.pipeline.evaluate", "EvalConfig",
              "held-out FVE of an AV+AR beside its controls (shuffled vector, gold, mean), FVE by length, "

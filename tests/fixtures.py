@@ -251,7 +251,7 @@ def build_toy_datasets(directory: Path, av_dir: Path) -> Path:
 
 def sft_config(mode: str, model: Path, data_dir: Path, save_dir: Path, **overrides: Any):
     """A tiny SFTConfig on CPU: a few constant-lr steps, logs to JSONL only."""
-    from nla_shell.pipeline.sft import SFTConfig
+    from nla_shell.pipeline.sft_config import SFTConfig
 
     settings = dict(mode=mode, model=str(model), parquet=str(Path(data_dir) / f"{mode}_sft.parquet"),
                     save_dir=str(save_dir), num_steps=2, batch_size=4, micro_batch=2, lr=1e-3,

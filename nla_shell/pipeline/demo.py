@@ -484,7 +484,8 @@ def _sft_settings(cfg: DemoConfig, target: Path, data_paths: Mapping[str, Path],
 
 def ar_warm_start(cfg: DemoConfig, target: Path, data_paths: Mapping[str, Path], run_dir: Path) -> Path:
     """Stage 3: the AR on the gold explanations; returns its (best held-out) checkpoint."""
-    from nla_shell.pipeline.sft import SFTConfig, sft
+    from nla_shell.pipeline.sft import sft
+    from nla_shell.pipeline.sft_config import SFTConfig
 
     settings = {"log_every": max(1, cfg.ar_steps // 4), **_sft_settings(cfg, target, data_paths, cfg.ar_steps)}
     return sft(SFTConfig(mode="ar", parquet=str(data_paths["ar_sft"]), save_dir=str(run_dir / "ar_sft"),
@@ -494,7 +495,8 @@ def ar_warm_start(cfg: DemoConfig, target: Path, data_paths: Mapping[str, Path],
 def av_warm_start(cfg: DemoConfig, target: Path, data_paths: Mapping[str, Path], run_dir: Path, ar: Path) -> Path:
     """Stage 4: the AV's LoRA (av_lora false: the whole LM) on the gold responses, selected by its round trip
     through `ar`; returns its checkpoint."""
-    from nla_shell.pipeline.sft import SFTConfig, sft
+    from nla_shell.pipeline.sft import sft
+    from nla_shell.pipeline.sft_config import SFTConfig
 
     settings = {"log_every": max(1, cfg.av_steps // 6), **_sft_settings(cfg, target, data_paths, cfg.av_steps)}
     if cfg.sft_eval_every > 0:

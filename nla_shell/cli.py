@@ -167,7 +167,8 @@ def _corpus(args: argparse.Namespace) -> None:
 
 
 def _demo(args: argparse.Namespace) -> None:
-    from nla_shell.pipeline.demo import DemoConfig, demo, preset
+    from nla_shell.pipeline.demo import demo
+    from nla_shell.pipeline.demo_config import DemoConfig, preset
 
     real = _load_config(DemoConfig, args).model is not None
     demo(_load_config(DemoConfig, args, preset(real=real, tiny=args.tiny)))
@@ -190,7 +191,7 @@ CONFIG_COMMANDS: dict[str, tuple[Callable[[argparse.Namespace], None], str, str,
               "an HTTP JSON API on 127.0.0.1: POST /v1/explain, /v1/explain_vectors (pip install 'nla[serve]')"),
     "export": (_export, "nla_shell.pipeline.export", "ExportConfig",
                "a trained AV (LoRA merged) and AR as HF dirs with upstream-layout nla_meta.yaml"),
-    "demo": (_demo, "nla_shell.pipeline.demo", "DemoConfig",
+    "demo": (_demo, "nla_shell.pipeline.demo_config", "DemoConfig",
              "a toy NLA from scratch on CPU in minutes, or (--model smollm2) a real LM on real text: LM, datagen, "
              "SFT, RL, eval, plot"),
 }

@@ -330,7 +330,7 @@ def path_flops(config, rollouts, *, ar_tokens: list[int], critic_layers: int,
 
 
 def trainer_state(ctx: Context, requests, group: int):
-    """The trainer's run state (`nla_shell.training.setup.RunState`) over one case's synthetic prompts:
+    """The trainer's run state (`nla_shell.training.run_state.RunState`) over one case's synthetic prompts:
     the context's models, engine and optimisers, TrainConfig's defaults but the shapes and micro-batches
     set here; a step's phases are then the trainer's own functions (`nla_shell.training.step`)."""
     import nla_core
@@ -338,7 +338,7 @@ def trainer_state(ctx: Context, requests, group: int):
     from nla_shell.io.logging import NullLogger
     from nla_shell.training import distributed
     from nla_shell.training.canary import CanaryWatch
-    from nla_shell.training.setup import EvalEngine, RunState
+    from nla_shell.training.run_state import EvalEngine, RunState
     from nla_shell.training.runtime import DataOrder
 
     cfg = dataclasses.replace(ctx.cfg, batch_prompts=len(requests), group_size=group)

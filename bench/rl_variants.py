@@ -31,6 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 from nla_shell.pipeline import demo as demo_mod  # noqa: E402
 from nla_shell.pipeline import demo_report  # noqa: E402
+from nla_shell.pipeline.demo_config import DemoConfig  # noqa: E402
 from nla_shell.stats import MeanSE, mean_se  # noqa: E402
 
 BASE = "demo"
@@ -54,7 +55,7 @@ def demo_inputs(run_dir: Path) -> dict[str, Any]:
     """What a finished demo left: its config, target LM, data splits and SFT checkpoints."""
     import pyarrow.parquet as pq
 
-    cfg = demo_mod.DemoConfig(**json.loads((run_dir / demo_mod.RUN_MARKER).read_text()))
+    cfg = DemoConfig(**json.loads((run_dir / demo_mod.RUN_MARKER).read_text()))
     target = run_dir / "target_lm" if cfg.model is None else demo_mod.real_target(cfg.model)
     paths = {p.stem: p for p in sorted((run_dir / "data").glob("*.parquet"))}
     rows = {split: pq.ParquetFile(path).metadata.num_rows for split, path in paths.items()}

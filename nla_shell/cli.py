@@ -105,13 +105,15 @@ def _load_config(cls: type, args: argparse.Namespace, preset: Mapping[str, Any] 
 
 
 def _datagen(args: argparse.Namespace) -> None:
-    from nla_shell.pipeline.datagen import DatagenConfig, datagen
+    from nla_shell.pipeline.datagen import datagen
+    from nla_shell.pipeline.datagen_config import DatagenConfig
 
     datagen(_load_config(DatagenConfig, args))
 
 
 def _sft(args: argparse.Namespace) -> None:
-    from nla_shell.pipeline.sft import SFTConfig, sft
+    from nla_shell.pipeline.sft import sft
+    from nla_shell.pipeline.sft_config import SFTConfig
 
     sft(_load_config(SFTConfig, args))
 
@@ -165,7 +167,8 @@ def _corpus(args: argparse.Namespace) -> None:
 
 
 def _demo(args: argparse.Namespace) -> None:
-    from nla_shell.pipeline.demo import DemoConfig, demo, preset
+    from nla_shell.pipeline.demo import demo
+    from nla_shell.pipeline.demo_config import DemoConfig, preset
 
     real = _load_config(DemoConfig, args).model is not None
     demo(_load_config(DemoConfig, args, preset(real=real, tiny=args.tiny)))
@@ -174,9 +177,9 @@ def _demo(args: argparse.Namespace) -> None:
 CONFIG_COMMANDS: dict[str, tuple[Callable[[argparse.Namespace], None], str, str, str]] = {
     "train": (_train, "nla_shell.training.config", "TrainConfig",
               "GRPO-train the activation verbaliser (AV) against the reconstructor (AR)"),
-    "datagen": (_datagen, "nla_shell.pipeline.datagen", "DatagenConfig",
+    "datagen": (_datagen, "nla_shell.pipeline.datagen_config", "DatagenConfig",
                 "capture activations at block K of a model over a corpus: rl/av_sft/ar_sft/eval parquets"),
-    "sft": (_sft, "nla_shell.pipeline.sft", "SFTConfig",
+    "sft": (_sft, "nla_shell.pipeline.sft_config", "SFTConfig",
             "AV (--mode av) or AR (--mode ar) warm start; checkpoints are nla train's av_ckpt / ar_ckpt"),
     "eval": (_eval, "nla_shell.pipeline.evaluate", "EvalConfig",
              "held-out FVE of an AV+AR beside its controls (shuffled vector, gold, mean), FVE by length, "
@@ -188,7 +191,7 @@ CONFIG_COMMANDS: dict[str, tuple[Callable[[argparse.Namespace], None], str, str,
               "an HTTP JSON API on 127.0.0.1: POST /v1/explain, /v1/explain_vectors (pip install 'nla[serve]')"),
     "export": (_export, "nla_shell.pipeline.export", "ExportConfig",
                "a trained AV (LoRA merged) and AR as HF dirs with upstream-layout nla_meta.yaml"),
-    "demo": (_demo, "nla_shell.pipeline.demo", "DemoConfig",
+    "demo": (_demo, "nla_shell.pipeline.demo_config", "DemoConfig",
              "a toy NLA from scratch on CPU in minutes, or (--model smollm2) a real LM on real text: LM, datagen, "
              "SFT, RL, eval, plot"),
 }

@@ -229,7 +229,7 @@ def write_toy_corpus(path: Path, *, n_docs: int = 24, seed: int = 0, extra: Sequ
 
 def datagen_config(model: Path, corpus: Path, out_dir: Path, **overrides: Any):
     """A small DatagenConfig on CPU (layer LAYER_INDEX, rule explainer, no progress bar)."""
-    from nla_shell.pipeline.datagen import DatagenConfig
+    from nla_shell.pipeline.datagen_config import DatagenConfig
 
     settings = dict(model=str(model), corpus=str(corpus), layer=LAYER_INDEX, out_dir=str(out_dir),
                     explainer="rule", positions_per_doc=3, min_context=4, batch_size=5, row_group_size=8, device="cpu",
@@ -251,7 +251,7 @@ def build_toy_datasets(directory: Path, av_dir: Path) -> Path:
 
 def sft_config(mode: str, model: Path, data_dir: Path, save_dir: Path, **overrides: Any):
     """A tiny SFTConfig on CPU: a few constant-lr steps, logs to JSONL only."""
-    from nla_shell.pipeline.sft import SFTConfig
+    from nla_shell.pipeline.sft_config import SFTConfig
 
     settings = dict(mode=mode, model=str(model), parquet=str(Path(data_dir) / f"{mode}_sft.parquet"),
                     save_dir=str(save_dir), num_steps=2, batch_size=4, micro_batch=2, lr=1e-3,

@@ -90,7 +90,8 @@ def demo_inputs(run_dir: Path, *, seed: int = 0) -> ParityInputs:
     """
     import pyarrow.parquet as pq
 
-    from nla_shell.pipeline.demo import DemoConfig, demo
+    from nla_shell.pipeline.demo import demo
+    from nla_shell.pipeline.demo_config import DemoConfig
 
     cfg = DemoConfig(run_dir=str(run_dir), seed=seed, rl_steps=1, eval_rows=64)
     data = run_dir / "data"

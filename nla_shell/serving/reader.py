@@ -27,7 +27,8 @@ from nla_shell.io.data import DataError, av_prompt_messages, build_prompt_ids, c
 from nla_shell.io.paths import require_file, require_model
 from nla_shell.io.sidecars import MODEL_SIDECAR, injection_settings, load_sidecar, read_sidecar
 from nla_shell.models import ARModel, Injector, base_model_dir, pad_right
-from nla_shell.pipeline.datagen import DatagenConfig, capture_activations
+from nla_shell.pipeline.datagen import capture_activations
+from nla_shell.pipeline.datagen_config import DatagenConfig
 from nla_shell.pipeline.evaluate import load_av, tokenizer_dir
 from nla_shell.pipeline.splice import check_model_reads_training_data
 from nla_shell.training.scoring import ar_predictions, ar_token_ids, reconstruct_explanations

@@ -32,7 +32,7 @@ from nla_shell.training import distributed, sampling
 from nla_shell.training.scoring import (
     DeviceTimer, Scores, ShapedRewards, critic_step, score_and_train_critic, score_explanations, shape_rewards,
 )
-from nla_shell.training.setup import RunState
+from nla_shell.training.run_state import RunState
 from nla_shell.training.stopped import OutOfGPUMemory
 from nla_shell.training.runtime import say
 from nla_shell.training.update import UpdateStats, policy_update

@@ -11,9 +11,9 @@ step and the metrics reduce over ranks, and rank 0 alone claims the run director
 evaluates, logs and saves.
 
 Where each part lives: `training.setup` builds the run's state (`setup(cfg) -> RunState`, resumed
-from a checkpoint when there is one), `training.step` runs a step's phases (`train_step`), and
-this module is the loop around them: preemption, the held-out eval, logging, checkpoints and the
-summary.
+from a checkpoint when there is one; RunState is `training.run_state`'s), `training.step` runs a
+step's phases (`train_step`), and this module is the loop around them: preemption, the held-out
+eval, logging, checkpoints and the summary.
 """
 
 from __future__ import annotations
@@ -47,7 +47,8 @@ from nla_shell.training import distributed, sampling, sharding
 from nla_shell.training.preemption import StopSignals, boundary_save_due
 from nla_shell.training.runlock import RunDirLock
 from nla_shell.training.scoring import score_explanations
-from nla_shell.training.setup import CRITIC_EMA_FILE, RunState, setup
+from nla_shell.training.run_state import RunState
+from nla_shell.training.setup import CRITIC_EMA_FILE, setup
 from nla_shell.training.runtime import resolve_device, say
 from nla_shell.training.step import train_step
 from nla_shell.training.stopped import OutOfGPUMemory

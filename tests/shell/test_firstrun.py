@@ -70,7 +70,7 @@ def test_train_takes_key_value_flags_like_every_command():
 
 
 def test_boolean_flags_can_be_turned_off():
-    from nla_shell.pipeline.datagen import DatagenConfig
+    from nla_shell.pipeline.datagen_config import DatagenConfig
 
     argv = ["datagen", "--model", "m", "--corpus", "c.jsonl", "--layer", "1", "--out-dir", "o", "--explainer", "rule",
             "--no-progress"]
@@ -118,7 +118,7 @@ def test_nla_alone_lists_the_commands_and_version_prints_it(capsys):
 def test_explainer_none_is_a_choice_not_null(tmp_path):
     """datagen's own error recommends explainer=none: every spelling of it must reach the config as "none"."""
     from nla_shell.io.config import load_config
-    from nla_shell.pipeline.datagen import DatagenConfig
+    from nla_shell.pipeline.datagen_config import DatagenConfig
 
     base = ["model=m", "corpus=c.jsonl", "layer=1", "out_dir=o", "av_sft_fraction=0", "ar_sft_fraction=0",
             "eval_fraction=0"]
@@ -260,7 +260,7 @@ def test_train_in_an_sft_run_dir_says_it_is_another_commands_run(toy_sft, toy_da
 
 
 def test_an_empty_split_hint_names_real_keys(tiny_av_dir, tmp_path, capsys):
-    from nla_shell.pipeline.datagen import DatagenConfig
+    from nla_shell.pipeline.datagen_config import DatagenConfig
 
     corpus = fixtures.write_toy_corpus(tmp_path / "c.jsonl", n_docs=1)
     out = tmp_path / "data"

@@ -119,14 +119,13 @@ class FakeLLMEngine:
             finished = len(done) == len(held.tokens)
             if finished:
                 del self.held[held.request_id]
-            if held.params.output_kind.name == "FINAL_ONLY":
-                shown = range(len(held.tokens)) if finished else []
+            completions = [_completion(i, tokens[: held.steps], i in done) for i, tokens in enumerate(held.tokens)]
+            if getattr(getattr(held.params, "output_kind", None), "name", "CUMULATIVE") == "FINAL_ONLY":
+                groups = [completions] if finished else []
             else:
-                shown = range(len(held.tokens))
-            if shown:
-                outputs.append(SimpleNamespace(
-                    request_id=held.request_id, prompt_token_ids=held.prompt["prompt_token_ids"], finished=finished,
-                    outputs=[_completion(i, held.tokens[i][: held.steps], i in done) for i in shown]))
+                groups = [[completion] for completion in completions]
+            outputs += [SimpleNamespace(request_id=held.request_id, prompt_token_ids=held.prompt["prompt_token_ids"],
+                                        finished=finished, outputs=group) for group in groups]
         return outputs
 
 
@@ -181,7 +180,7 @@ def test_jobs_joining_at_different_steps_get_their_own_rows_and_vllm_never_holds
         (2, 8): (Decoding(samples=1, greedy=True, max_new_tokens=2), 4),
     }
     submitted: dict[tuple, Job] = {}
-    steps, all_submitted = [0], threading.Event()
+    steps, all_submitted, counts = [0], threading.Event(), []
 
     def submit_due() -> None:
         for codes, (decoding, at) in jobs.items():
@@ -192,14 +191,15 @@ def test_jobs_joining_at_different_steps_get_their_own_rows_and_vllm_never_holds
             all_submitted.set()
 
     def on_step() -> None:  # in the worker, between vLLM's steps
-        assert 0 <= stream.free <= SLOTS and fake.rows == SLOTS - stream.free
+        counts.append((stream.free, fake.rows))
         steps[0] += 1
         submit_due()
 
     fake.on_step = on_step
     try:
         submit_due()
-        assert all_submitted.wait(timeout=60), f"by step {steps[0]} only {len(submitted)} jobs were submitted"
+        assert all_submitted.wait(timeout=30), (f"by step {steps[0]} only {len(submitted)} jobs were submitted; "
+                                                f"{[j.future.exception() for j in submitted.values() if j.future.done()]}")
         answers = {codes: job.future.result(timeout=60) for codes, job in submitted.items()}
     finally:
         batcher.close()
@@ -208,6 +208,8 @@ def test_jobs_joining_at_different_steps_get_their_own_rows_and_vllm_never_holds
     # one vLLM request per site, in arrival order, n = its job's samples, with its job's max_new_tokens
     assert [(h.params.n, h.params.max_tokens) for h in fake.added] == [
         (decoding.samples, decoding.max_new_tokens) for codes, (decoding, _) in jobs.items() for _ in codes]
+    # the stream's free slots are the rows vLLM does not hold, and vLLM held all the slots at times, never more
+    assert all(0 <= free <= SLOTS and rows == SLOTS - free for free, rows in counts), counts
     assert fake.most_rows == SLOTS and fake.mid_decode_joins > 0
     assert fake.held == {} and stream.free == SLOTS and not stream.busy
     assert batcher.stats["jobs"] == len(jobs) and batcher.stats["sites"] == len(fake.added)
@@ -255,7 +257,7 @@ def test_a_job_cancelled_while_it_waits_for_slots_never_reaches_vllm(vllm_reader
         assert [s.raw for s in later.future.result(timeout=60)] == expected_raw(vllm_reader, (4,), greedy)
     finally:
         batcher.close()
-    assert cancelled == [True] and batcher.stats["dropped_jobs"] == 1
+    assert cancelled == [True] and batcher.stats["dropped_jobs"] == 1 and fake.most_rows == 2  # later waited too
     codes = [int(np.frombuffer(h.params.extra_args[steer.EXTRA_ARGS_KEY]["vector"], dtype="<f4")[0])
              for h in fake.added]
     assert codes == [1, 2, 4]

@@ -49,6 +49,8 @@ def fake_tokens(code: int, sample: int, *, greedy: bool, max_tokens: int, eos: i
 
 @dataclass
 class _Held:
+    """A request the fake holds: what add_request got, each sample's tokens, the steps it has taken."""
+
     request_id: str
     prompt: dict
     params: SimpleNamespace

@@ -200,8 +200,9 @@ def test_jobs_joining_at_different_steps_get_their_own_rows_and_vllm_never_holds
     fake.on_step = on_step
     try:
         submit_due()
-        assert all_submitted.wait(timeout=30), (f"by step {steps[0]} only {len(submitted)} jobs were submitted; "
-                                                f"{[j.future.exception() for j in submitted.values() if j.future.done()]}")
+        if not all_submitted.wait(timeout=30):
+            pytest.fail(f"only {len(submitted)} jobs by step {steps[0]}; their failures: "
+                        f"{[job.future.exception() for job in submitted.values() if job.future.done()]}")
         answers = {codes: job.future.result(timeout=60) for codes, job in submitted.items()}
     finally:
         batcher.close()
@@ -289,5 +290,6 @@ def test_continuous_batching_is_refused_on_engine_hf_in_one_line_and_taken_on_vl
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "config key 'continuous_batching'" in err and "engine=vllm" in err
     assert ServeConfig(av="a", ar="b", model="m", engine="vllm", continuous_batching=True).continuous_batching
-    with pytest.raises(ValueError, match="^continuous_batching needs engine=native or engine=vllm, this reader's is hf$"):
+    with pytest.raises(ValueError, match="^continuous_batching needs engine=native or engine=vllm, this reader's "
+                                         "is hf$"):
         stream_decoder(SimpleNamespace(), slots=2, max_prompt_len=8, max_new_tokens=4, engine_name="hf")

@@ -5,13 +5,17 @@ to inject there) into B x G sampled continuations, returned prompt-major: prompt
 samples first, then prompt 1's, and so on. Each carries the behaviour log-probs of the
 policy that actually sampled it, one per generated token, so the trainer can correct
 for engine/trainer mismatch (TIS).
+
+A `StreamDecoder` is the other contract, the one `nla serve`'s continuous batching
+(nla_shell.serving.continuous) drives: requests join between decode steps and come back row
+by row as each ends (native: nla_shell.engines.native_stream; vLLM: nla_shell.engines.vllm_stream).
 """
 
 from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Protocol, Sequence, runtime_checkable
+from typing import Any, Hashable, NamedTuple, Protocol, Sequence, runtime_checkable
 
 import torch
 
@@ -83,6 +87,77 @@ class RolloutEngine(Protocol):
     def close(self) -> None:
         """Release the engine's resources."""
         ...
+
+
+class FinishedRow(NamedTuple):
+    """A row that ended: the `key` its request was admitted with, its `sample` index (0 .. rows - 1) and its
+    Rollout (prompt_index 0: the key says which request it answers)."""
+
+    key: Hashable
+    sample: int
+    rollout: Rollout
+
+
+class StreamDecoder(Protocol):
+    """Rows decoded in `n_slots` slots that requests join between steps (continuous batching).
+
+    A request admitted with `rows` samples takes `rows` slots until each of its rows has ended
+    and come back, from `admit` or a later `step`, as a FinishedRow with the request's key.
+    """
+
+    n_slots: int
+
+    @property
+    def free(self) -> int:
+        """Slots no admitted row holds."""
+        ...
+
+    @property
+    def busy(self) -> bool:
+        """Some admitted row has not come back yet."""
+        ...
+
+    def running(self) -> contextlib.AbstractContextManager[None]:
+        """The engine's state for a run of admit/step calls (call both inside it)."""
+        ...
+
+    def admit(self, requests: Sequence[RolloutRequest], *, keys: Sequence[Hashable], rows: int = 1,
+              max_new_tokens: int | Sequence[int] | None = None,
+              greedy: bool | Sequence[bool] = False) -> list[FinishedRow]:
+        """Start `requests`, `rows` samples each, each with its own max_new_tokens (None: the decoder's longest) and
+        greedy flag; needs len(requests) * rows free slots. Returns the rows that already ended."""
+        ...
+
+    def step(self) -> list[FinishedRow]:
+        """One decode step (call while busy); the rows that ended."""
+        ...
+
+    def drop_all(self) -> None:
+        """Free every slot, discarding its row (after a failure: the next admissions start clean)."""
+        ...
+
+
+def admission_settings(n_requests: int, *, keys: Sequence[Hashable], rows: int, free: int,
+                       max_new_tokens: int | Sequence[int], greedy: bool | Sequence[bool],
+                       longest: int) -> tuple[list[int], list[bool]]:
+    """A StreamDecoder admission's (max_new_tokens, greedy) per request, each given once or per request; ValueError
+    when keys do not match the requests, the rows do not fit the `free` slots, or a max_new_tokens is outside
+    1..longest."""
+    budgets = _per_request(max_new_tokens, n_requests)
+    greedies = _per_request(greedy, n_requests)
+    if len(keys) != n_requests or n_requests * rows > free:
+        raise ValueError(f"admit: {n_requests} requests x {rows} rows, {len(keys)} keys, {free} free slots")
+    if not 1 <= min(budgets) <= max(budgets) <= longest:
+        raise ValueError(f"admit: max_new_tokens {budgets} outside 1..{longest}")
+    return budgets, greedies
+
+
+def _per_request(value, n: int) -> list:
+    """A setting given once or per request, as a list of n."""
+    values = list(value) if isinstance(value, Sequence) else [value] * n
+    if len(values) != n:
+        raise ValueError(f"admit: {len(values)} per-request settings for {n} requests")
+    return values
 
 
 def held_awake(engine: RolloutEngine) -> contextlib.AbstractContextManager:

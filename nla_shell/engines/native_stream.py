@@ -36,14 +36,14 @@ from __future__ import annotations
 import contextlib
 import warnings
 from dataclasses import dataclass
-from typing import Hashable, Iterator, NamedTuple, Sequence
+from typing import Hashable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
 from transformers.cache_utils import StaticLayer
 
 from nla_shell import families
-from nla_shell.engines.base import Rollout, RolloutRequest
+from nla_shell.engines.base import FinishedRow, Rollout, RolloutRequest, admission_settings
 from nla_shell.engines.hf import eos_lengths, left_pad
 from nla_shell.engines.decode_ops import (
     capture_graph, final_logits, is_eos, layer_masks, parameter_addresses, prefill_prompts, round_up, sample_with_noise,
@@ -68,15 +68,6 @@ class SlotLayer(StaticLayer):
         self.keys.scatter_(2, index, key_states)
         self.values.scatter_(2, index.expand(-1, -1, -1, value_states.shape[3]), value_states)
         return self.keys, self.values
-
-
-class FinishedRow(NamedTuple):
-    """A row that ended: the `key` its request was admitted with, its `sample` index (0 .. rows - 1) and its
-    Rollout (prompt_index 0: the key says which request it answers)."""
-
-    key: Hashable
-    sample: int
-    rollout: Rollout
 
 
 @dataclass
@@ -110,7 +101,8 @@ class _SlotState:
 
 
 class SlotDecoder:
-    """Continuous batching on a NativeRolloutEngine's actor: see the module docstring.
+    """Continuous batching on a NativeRolloutEngine's actor (a StreamDecoder, nla_shell.engines.base): see the module
+    docstring.
 
     Args:
       engine: the native engine whose actor, injector, tokenizer, LoRA policy and buckets are used.
@@ -174,12 +166,9 @@ class SlotDecoder:
         Call inside `running`. Needs len(requests) * rows free slots. Returns the rows that already
         ended (max_new_tokens 1); the others end in later `step`s.
         """
-        budgets = _per_request(max_new_tokens or self.max_new_tokens, len(requests))
-        greedies = _per_request(greedy, len(requests))
-        if len(keys) != len(requests) or len(requests) * rows > self.free:
-            raise ValueError(f"admit: {len(requests)} requests x {rows} rows, {len(keys)} keys, {self.free} free slots")
-        if not 1 <= min(budgets) <= max(budgets) <= self.max_new_tokens:
-            raise ValueError(f"admit: max_new_tokens {budgets} outside 1..{self.max_new_tokens}")
+        budgets, greedies = admission_settings(len(requests), keys=keys, rows=rows, free=self.free,
+                                               max_new_tokens=max_new_tokens or self.max_new_tokens, greedy=greedy,
+                                               longest=self.max_new_tokens)
         engine, lm, state = self.engine, inner_lm(self.engine.actor), self.state
         ids, attn = left_pad([r.prompt_ids for r in requests], engine.pad_id, engine.device)
         width = round_up(ids.shape[1], engine.prompt_bucket)
@@ -324,11 +313,3 @@ class SlotDecoder:
             self.cuda_graphs = False
             self.graphs.clear()
         self.state.tokens.fill_(self.engine.pad_id)
-
-
-def _per_request(value, n: int) -> list:
-    """A setting given once or per request, as a list of n."""
-    values = list(value) if isinstance(value, Sequence) else [value] * n
-    if len(values) != n:
-        raise ValueError(f"admit: {len(values)} per-request settings for {n} requests")
-    return values

@@ -313,22 +313,32 @@ class VLLMRolloutEngine:
         steered=False sends the same prompts with no vector and no cache salt (probes);
         logprobs is SamplingParams.logprobs (0: the sampled token's only).
         """
-        from vllm import SamplingParams, TokensPrompt
-
-        prompts, params = [], []
-        for spec in specs:
-            prompt = TokensPrompt(prompt_token_ids=list(spec.prompt_ids))
-            if steered:
-                prompt["cache_salt"] = spec.cache_salt
-            prompts.append(prompt)
-            extra_args = self._extra_args(spec) if steered else None
-            params.append(SamplingParams(**sampling_kwargs(spec, extra_args=extra_args, logprobs=logprobs,
-                                                           greedy=self.greedy)))
+        inputs = [self.request_inputs(spec, steered=steered, logprobs=logprobs) for spec in specs]
         with self.awake():
             start = time.perf_counter()
-            outputs = self.llm.generate(prompts, params, use_tqdm=False)
+            outputs = self.llm.generate([prompt for prompt, _ in inputs], [params for _, params in inputs],
+                                        use_tqdm=False)
             self.last_stats["generate_s"] += time.perf_counter() - start
         return outputs
+
+    def request_inputs(self, spec: RequestSpec, *, steered: bool = True, logprobs: int = 0,
+                       greedy: bool | None = None) -> tuple[Any, Any]:
+        """(TokensPrompt, SamplingParams) of one spec: what `run_specs` hands to LLM.generate, and the continuous
+        stream (nla_shell.engines.vllm_stream) to LLMEngine.add_request. greedy None: the engine's `greedy`.
+
+        output_kind FINAL_ONLY, which LLM.generate sets on every request itself (vLLM 0.24,
+        vllm/entrypoints/offline_utils.py `_add_request`): one RequestOutput per request, carrying all its n samples,
+        once the last has ended (vllm/v1/engine/parallel_sampling.py).
+        """
+        from vllm import SamplingParams, TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        prompt = TokensPrompt(prompt_token_ids=list(spec.prompt_ids))
+        if steered:
+            prompt["cache_salt"] = spec.cache_salt
+        kwargs = sampling_kwargs(spec, extra_args=self._extra_args(spec) if steered else None, logprobs=logprobs,
+                                 greedy=self.greedy if greedy is None else greedy)
+        return prompt, SamplingParams(**kwargs, output_kind=RequestOutputKind.FINAL_ONLY)
 
     def _extra_args(self, spec: RequestSpec) -> dict[str, Any]:
         if self.steering == "nla":
@@ -348,9 +358,10 @@ class VLLMRolloutEngine:
     ) -> list[Rollout]:
         """B requests -> B * group_size rollouts, prompt-major, temperature 1, full vocabulary."""
         specs = self.build_specs(requests, group_size=group_size, max_new_tokens=max_new_tokens, generator=generator)
-        return rollouts_from_outputs(self.run_specs(specs), specs, decode=self._decode)
+        return rollouts_from_outputs(self.run_specs(specs), specs, decode=self.decode)
 
-    def _decode(self, ids: list[int]) -> str:
+    def decode(self, ids: list[int]) -> str:
+        """Generated ids as text, special tokens skipped (vLLM never detokenises: sampling_kwargs)."""
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def first_token_logprobs(self, request: RolloutRequest, *, steered: bool, top_k: int = 20) -> dict[int, float]:

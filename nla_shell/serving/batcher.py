@@ -19,10 +19,11 @@ worker takes its place.
 By default batching is per engine call, not per decode step: a batch runs to its end before
 the next starts (no admission of new sequences between decode steps). On an engine with CUDA
 graphs (native on a GPU) every call is padded to `max_sites` prompts, one batch shape for all.
-With `continuous=True` (engine=native only) the worker instead keeps `max_sites` decode slots
-busy (nla_shell.serving.continuous): it takes a waiting job whenever slots are free for it,
-feeds its sites into them between decode steps, and answers each job once all its sites have
-ended and been scored; a job waits in the queue (cancellable, counted by `waiting`) until then.
+With `continuous=True` (engine=native or vllm) the worker instead keeps `max_sites` slots busy
+(nla_shell.serving.continuous): it takes a waiting job whenever slots are free for it, feeds
+its sites into them between steps (native: its own decode loop; vllm: vLLM's scheduler, handed
+no more rows than the slots), and answers each job once all its sites have ended and been
+scored; a job waits in the queue (cancellable, counted by `waiting`) until then.
 """
 
 from __future__ import annotations

@@ -133,11 +133,13 @@ class ServeConfig(ReaderSettings):
     """A request not answered within this many seconds gets 504 (its sites are dropped if not yet started); the
     server goes on."""
     continuous_batching: bool = False
-    """engine=native: keep max_batch decode slots (sites x samples) busy, admitting waiting requests' sites between
-    decode steps as others finish (nla_shell.serving.continuous), instead of one engine call per gathered batch
-    (batch_wait_ms and batch_max_wait_ms then do not apply). Off by default: it holds its own decode cache and CUDA
-    graphs (at the Qwen3-8B shape and max_batch 256, 10-21 GiB more at peak). Under load it read 19-41 % more sites/s
-    than the batched path on one H200 (docs/serving.md, Throughput)."""
+    """engine=native or vllm: keep max_batch slots (sites x samples) busy, admitting waiting requests' sites between
+    steps as others finish (nla_shell.serving.continuous), instead of one engine call per gathered batch
+    (batch_wait_ms and batch_max_wait_ms then do not apply). native: its own decode loop, which holds its own decode
+    cache and CUDA graphs (at the Qwen3-8B shape and max_batch 256, 10-21 GiB more at peak), so it is off by default;
+    under load it read 19-41 % more sites/s than the batched path on one H200 (docs/serving.md, Throughput). vllm:
+    the sites go to vLLM's own scheduler as slots free up; tested against a stand-in of vLLM 0.24's LLMEngine API
+    only, not yet run on vLLM."""
 
     def __post_init__(self) -> None:
         normalize_fields(self)
@@ -153,8 +155,8 @@ class ServeConfig(ReaderSettings):
         require(self.max_new_tokens <= self.max_new_tokens_limit, "max_new_tokens", self.max_new_tokens,
                 f"use at most max_new_tokens_limit = {self.max_new_tokens_limit}")
         if self.continuous_batching:
-            require(self.engine == "native", "continuous_batching", True,
-                    f"applies to engine=native only (engine is {self.engine}); set engine=native or drop it")
+            require(self.engine in ("native", "vllm"), "continuous_batching", True,
+                    f"applies to engine=native or engine=vllm (engine is {self.engine}); set one of them or drop it")
             require(self.max_samples <= self.max_batch, "max_samples", self.max_samples,
                     f"with continuous_batching a site's samples take one slot each: use at most max_batch = "
                     f"{self.max_batch}")

@@ -1,17 +1,21 @@
-"""Continuous batching for `nla serve` with engine=native: sites join the decode loop as others finish.
+"""Continuous batching for `nla serve` (engine=native or vllm): sites join the engine as others finish.
 
 With `continuous_batching` on, the batcher's worker (nla_shell.serving.batcher) hands each job it
 takes to a `SlotScheduler`, which captures a text's activations, queues the job's sites, and on
-every `advance` admits waiting sites into the free slots of a `SlotDecoder`
-(nla_shell.engines.native_stream: one prefill per admission, the injection at each prompt's
-marker), runs one decode step, and collects the rows that ended (EOS or their max_new_tokens).
-A job is answered when all its sites x samples have ended: the AR scores the jobs completed at
-one step in one pass (`NLAReader.site_results`, the scoring `explain` does) and each future gets
-its results.
+every `advance` admits waiting sites into the free slots of its stream decoder, runs one step,
+and collects the rows that ended (EOS or their max_new_tokens). A job is answered when all its
+sites x samples have ended: the AR scores the jobs completed at one step in one pass
+(`NLAReader.site_results`, the scoring `explain` does) and each future gets its results.
 
-Every job keeps its own decoding settings (samples, greedy, max_new_tokens) in the slots it
-holds, so jobs with different settings decode together. Sites are admitted in arrival order;
-a site needs `samples` free slots at once (its samples share one prefill).
+The decoder (a StreamDecoder, nla_shell.engines.base; `stream_decoder` picks it) is
+- engine=native: a `SlotDecoder` (nla_shell.engines.native_stream): one prefill per admission,
+  the injection at each prompt's marker, one decode step per `advance`;
+- engine=vllm: a `VLLMStream` (nla_shell.engines.vllm_stream): each site one vLLM request (n =
+  its samples) handed to vLLM's own scheduler, one `LLMEngine.step()` per `advance`. Tested
+  against a stand-in that follows vLLM 0.24's LLMEngine API, not on vLLM.
+The scheduler is the same for both: every job keeps its own decoding settings (samples, greedy,
+max_new_tokens), so jobs with different settings decode together; sites are admitted in arrival
+order; a site needs `samples` free slots at once.
 """
 
 from __future__ import annotations
@@ -24,9 +28,11 @@ from typing import Iterator
 
 import torch
 
-from nla_shell.engines.base import Rollout, RolloutRequest
+from nla_shell.engines.base import FinishedRow, Rollout, RolloutEngine, RolloutRequest, StreamDecoder
 from nla_shell.engines.native import NativeRolloutEngine
-from nla_shell.engines.native_stream import FinishedRow, SlotDecoder
+from nla_shell.engines.native_stream import SlotDecoder
+from nla_shell.engines.vllm import VLLMRolloutEngine
+from nla_shell.engines.vllm_stream import VLLMStream
 from nla_shell.serving.jobs import Job
 from nla_shell.serving.reader import NLAReader
 
@@ -46,20 +52,29 @@ class _InFlight:
         return self.job.decoding.samples
 
 
-class SlotScheduler:
-    """Feeds jobs' sites into a SlotDecoder's free slots between decode steps and answers each job when its rows end.
+def stream_decoder(engine: RolloutEngine, *, slots: int, max_prompt_len: int, max_new_tokens: int,
+                   engine_name: str) -> StreamDecoder:
+    """The StreamDecoder of `engine`: a SlotDecoder on a native engine, a VLLMStream on a vLLM one; ValueError on any
+    other (`engine_name` names it)."""
+    if isinstance(engine, NativeRolloutEngine):
+        return SlotDecoder(engine, slots=slots, max_prompt_len=max_prompt_len, max_new_tokens=max_new_tokens)
+    if isinstance(engine, VLLMRolloutEngine):
+        return VLLMStream(engine, slots=slots, max_new_tokens=max_new_tokens)
+    raise ValueError(f"continuous_batching needs engine=native or engine=vllm, this reader's is {engine_name}")
 
-    slots: rows decoded at once (sites x samples in flight); max_new_tokens: the longest explanation a job may ask
-    for. `stats` (the batcher's) counts admissions as batches, answered jobs and sites, decode steps and the most rows
+
+class SlotScheduler:
+    """Feeds jobs' sites into a stream decoder's free slots between steps and answers each job when its rows end.
+
+    slots: rows in flight at once (sites x samples); max_new_tokens: the longest explanation a job may ask for.
+    `stats` (the batcher's) counts admissions as batches, answered jobs and sites, decode steps and the most rows
     in flight.
     """
 
     def __init__(self, reader: NLAReader, *, slots: int, max_new_tokens: int, stats: dict[str, int]) -> None:
-        if not isinstance(reader.engine, NativeRolloutEngine):
-            raise ValueError(f"continuous_batching needs engine=native, this reader's is {reader.engine_name}")
         self.reader, self.stats = reader, stats
-        self.decoder = SlotDecoder(reader.engine, slots=slots, max_prompt_len=len(reader.prompt),
-                                   max_new_tokens=max_new_tokens)
+        self.decoder = stream_decoder(reader.engine, slots=slots, max_prompt_len=len(reader.prompt),
+                                      max_new_tokens=max_new_tokens, engine_name=reader.engine_name)
         self.stats.setdefault("decode_steps", 0)
         self._jobs: dict[int, _InFlight] = {}
         self._waiting: deque[int] = deque()  # jobs with sites not yet admitted, in arrival order
@@ -141,8 +156,8 @@ class SlotScheduler:
     # ------------------------------------------------------------------ the phases of a step
 
     def _admit(self) -> list[FinishedRow]:
-        """Waiting sites into free slots, in arrival order: one admission (one prefill) per run of jobs that share
-        their samples. Returns the rows that ended at once (max_new_tokens 1)."""
+        """Waiting sites into free slots, in arrival order: one admission (native: one prefill) per run of jobs that
+        share their samples. Returns the rows that ended at once (native, max_new_tokens 1)."""
         ended = []
         while self._waiting and self.decoder.free >= self._jobs[self._waiting[0]].samples:
             samples, sites = self._next_sites()

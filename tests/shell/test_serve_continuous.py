@@ -1,7 +1,8 @@
 """`nla serve` with continuous_batching (engine=native) on the two-concept toy NLA, on CPU: a real uvicorn server on a
 free loopback port. Under concurrent clients its greedy answers are those of the batched path (the key off); an
 engine that raises fails the requests in flight and the server goes on; a job cancelled while it waits for slots
-never reaches the engine; a worker that dies fails only what it held; the key is refused off engine=native."""
+never reaches the engine; a worker that dies fails only what it held; the key is refused on engine=hf
+(engine=vllm: test_serve_continuous_vllm.py)."""
 
 from __future__ import annotations
 

@@ -9,6 +9,7 @@ per layer and finalised after its last one; its model is a single such layer."""
 
 from __future__ import annotations
 
+import enum
 import json
 import math
 import os
@@ -175,8 +176,10 @@ def install_fake_vllm(monkeypatch, log: list, names: list[str] | None, d_model: 
     attention.MLAAttention = type("MLAAttention", (), {})
     layerwise = types.ModuleType("vllm.model_executor.model_loader.reload.layerwise")
     layerwise.get_layerwise_info = fake_layerwise_info
+    sampling = types.ModuleType("vllm.sampling_params")
+    sampling.RequestOutputKind = enum.Enum("RequestOutputKind", {"CUMULATIVE": 0, "DELTA": 1, "FINAL_ONLY": 2})
     modules = {"vllm": fake, "vllm.compilation.monitor": monitor, "vllm.model_executor.layers.attention": attention,
-               "vllm.model_executor.model_loader.reload.layerwise": layerwise}
+               "vllm.model_executor.model_loader.reload.layerwise": layerwise, "vllm.sampling_params": sampling}
     for name in list(modules):  # the packages above each module
         for depth in range(1, name.count(".") + 1):
             parent = name.rsplit(".", depth)[0]

@@ -29,7 +29,10 @@ What is timed, for every engine of --engines on the same N vectors (--sites):
             sharing its interpreter lock).
   --continuous  (--server-engine native) the server leg with `continuous_batching=true`: --batch
             decode slots kept busy, sites admitted between decode steps as others end
-            (nla_shell.serving.continuous); the case records `continuous: true`. The AR then scores
+            (nla_shell.serving.continuous); the case records `continuous: true`, and under `batcher` the
+            worker's seconds waiting with nothing in flight, admitting, decoding and answering (`idle_s`,
+            `admit_s`, `step_s`, `answer_s`: beside the corpus leg's generate_s and score_s they say
+            where a server round's extra time goes). The AR then scores
             the requests completed at each decode step together, and --close-explanations closes
             the texts before that scoring, since the slot decoder does not go through the engine's
             generate.
@@ -354,7 +357,8 @@ def time_server(reader, vectors: torch.Tensor, args: argparse.Namespace, engine:
         app.state.batcher.close()
         sock.close()
     latencies, seconds = sorted(load["latencies"]), load["seconds"]
-    batcher = {key: after[key] - before[key] for key in ("batches", "sites", "jobs", "decode_steps") if key in after}
+    batcher = {key: after[key] - before[key] for key in ("batches", "sites", "jobs", "decode_steps", "idle_s", "admit_s",
+                                                          "step_s", "answer_s") if key in after}
     return {"seconds": seconds, "sites_per_s": sum(load["answered"]) / seconds, "requests": len(bodies),
             "encoding": args.server_encoding, "continuous": args.continuous, "clients_process": "separate",
             "clients": clients, "vectors_per_request": k, "sites_in_flight": clients * k,

@@ -128,11 +128,15 @@ class Batcher:
 
     def _run_continuously(self, held: list[Job]) -> None:
         """The worker with continuous batching: between decode steps, take waiting jobs while slots are free for
-        them; leave the decoder's session when no job is in flight, and wait for the next. `held` lists the jobs
-        taken and not yet handed to the scheduler."""
+        them; leave the decoder's session when no job is in flight, and wait for the next (stats["idle_s"]: the
+        seconds it waited so, beside the scheduler's admit_s, step_s and answer_s). `held` lists the jobs taken and
+        not yet handed to the scheduler."""
         scheduler = self._scheduler
+        self.stats.setdefault("idle_s", 0)
         while True:
+            start = time.perf_counter()
             first = self._queue.get()
+            self.stats["idle_s"] += time.perf_counter() - start
             if first is None:
                 return
             closing = False

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterator
@@ -68,14 +69,16 @@ class SlotScheduler:
 
     slots: rows in flight at once (sites x samples); max_new_tokens: the longest explanation a job may ask for.
     `stats` (the batcher's) counts admissions as batches, answered jobs and sites, decode steps and the most rows
-    in flight.
+    in flight, and the worker's seconds in each phase: `admit_s` (captures and prefills), `step_s` (decode steps,
+    the host's waits on the device included) and `answer_s` (the AR's scoring and the answers).
     """
 
     def __init__(self, reader: NLAReader, *, slots: int, max_new_tokens: int, stats: dict[str, int]) -> None:
         self.reader, self.stats = reader, stats
         self.decoder = stream_decoder(reader.engine, slots=slots, max_prompt_len=len(reader.prompt),
                                       max_new_tokens=max_new_tokens, engine_name=reader.engine_name)
-        self.stats.setdefault("decode_steps", 0)
+        for key in ("decode_steps", "admit_s", "step_s", "answer_s"):
+            self.stats.setdefault(key, 0)
         self._jobs: dict[int, _InFlight] = {}
         self._waiting: deque[int] = deque()  # jobs with sites not yet admitted, in arrival order
         self._ids = itertools.count()
@@ -109,7 +112,8 @@ class SlotScheduler:
         try:
             vectors = job.vectors
             if vectors is None:
-                vectors = self.reader.capture([job.token_ids], [job.positions])[0]
+                with self._timed("admit_s"):
+                    vectors = self.reader.capture([job.token_ids], [job.positions])[0]
         except Exception as err:  # noqa: BLE001 - this request fails; the server keeps serving
             job.future.set_exception(err)
             return
@@ -122,13 +126,21 @@ class SlotScheduler:
         """Admit what fits, decode one step, answer the jobs whose rows have all ended. An engine that raises fails
         every started job (their slots freed); the server goes on."""
         try:
-            ended = self._admit()
+            with self._timed("admit_s"):
+                ended = self._admit()
             if self.decoder.busy:
-                ended += self.decoder.step()
+                with self._timed("step_s"):
+                    ended += self.decoder.step()
                 self.stats["decode_steps"] += 1
         except Exception as err:  # noqa: BLE001 - the requests in flight fail; the server keeps serving
             self.fail_all(err)
             return
+        with self._timed("answer_s"):
+            self._collect(ended)
+
+    def _collect(self, ended: list[FinishedRow]) -> None:
+        """The ended rows into their jobs; the jobs whose rows have all ended answered, one AR pass per samples
+        setting."""
         complete = []
         for row in ended:
             job_id, site = row.key
@@ -139,6 +151,14 @@ class SlotScheduler:
                 complete.append(self._jobs.pop(job_id))
         for samples in dict.fromkeys(flight.samples for flight in complete):
             self._answer([flight for flight in complete if flight.samples == samples])
+
+    @contextlib.contextmanager
+    def _timed(self, key: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.stats[key] += time.perf_counter() - start
 
     def fail_all(self, err: BaseException) -> None:
         """Fail every started job with `err` and free every slot."""

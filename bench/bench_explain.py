@@ -346,17 +346,15 @@ def time_server(reader, vectors: torch.Tensor, args: argparse.Namespace, engine:
         warm = httpx.post(f"{url}/v1/explain_vectors", content=bodies[0], timeout=600,
                           headers={"Content-Type": "application/json"})
         warm.raise_for_status()
-        before = httpx.get(f"{url}/v1/info").json()["batching"]
         syn.reset_peak(device)
         load = outside_load(url, bodies, sizes, clients, args.server_encoding, width)
         peak = syn.peak_gib(device)
-        after = httpx.get(f"{url}/v1/info").json()["batching"]
     finally:
         server.should_exit = True
         thread.join(timeout=30)
         app.state.batcher.close()
         sock.close()
-    latencies, seconds = sorted(load["latencies"]), load["seconds"]
+    latencies, seconds, (before, after) = sorted(load["latencies"]), load["seconds"], load["batching"]
     batcher = {key: after[key] - before[key] for key in ("batches", "sites", "jobs", "decode_steps", "idle_s", "admit_s",
                                                           "step_s", "answer_s") if key in after}
     return {"seconds": seconds, "sites_per_s": sum(load["answered"]) / seconds, "requests": len(bodies),
@@ -429,13 +427,17 @@ def client_load(url: str, bodies: list[bytes], sizes: list[int], clients: int, e
                     else:
                         answered[i] = len(results)
 
+    before = httpx.get(f"{url}/v1/info").json()["batching"]  # the server's counters around exactly the timed load
     t0 = time.perf_counter()
     threads = [threading.Thread(target=client) for _ in range(clients)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    return {"seconds": time.perf_counter() - t0, "latencies": latencies, "answered": answered, "failures": failures}
+    seconds = time.perf_counter() - t0
+    after = httpx.get(f"{url}/v1/info").json()["batching"]
+    return {"seconds": seconds, "latencies": latencies, "answered": answered, "failures": failures,
+            "batching": (before, after)}
 
 
 @contextlib.contextmanager
@@ -484,10 +486,13 @@ def time_corpus(reader, vectors_parquet: Path, args: argparse.Namespace, engine:
     cfg = ExplainConfig(av=args.av, ar=args.ar, sidecar=args.sidecar, engine=engine, parquet=str(vectors_parquet),
                         out=str(out), batch_size=args.batch, max_new_tokens=args.new_tokens, overwrite=True,
                         device=args.device, vllm_gpu_mem=args.vllm_gpu_mem, progress_every_s=3600)
+    generated_before = reader.engine.seconds  # the TimedEngine's: the corpus leg's generate_s beside the server's phases
     seconds, _, memory = syn.measured(lambda: explain_corpus(cfg, reader), device)
+    generate_s = reader.engine.seconds - generated_before
     tokens = pq.read_table(out, columns=["generated_tokens"]).column(0).to_pylist()
     return {"seconds": seconds, **memory, "sites": len(tokens), "sites_per_s": len(tokens) / seconds,
-            "tokens_per_s": sum(tokens) / seconds, "mean_generated_tokens": sum(tokens) / len(tokens)}
+            "tokens_per_s": sum(tokens) / seconds, "mean_generated_tokens": sum(tokens) / len(tokens),
+            "generate_s": generate_s, "score_s": seconds - generate_s}
 
 
 def run_engine(engine: str, vectors: torch.Tensor, vectors_parquet: Path, args, record: syn.Record,

@@ -312,7 +312,7 @@ def build_app(reader: NLAReader, cfg: ServeConfig) -> FastAPI:
         limits = {key: getattr(cfg, key) for key in (
             "max_batch", "max_sites", "max_text_chars", "max_text_tokens", "max_new_tokens", "max_new_tokens_limit",
             "max_samples", "max_body_mb", "max_queue", "request_timeout_s")}
-        batching = {**app.state.batcher.stats, "waiting": app.state.batcher.waiting,
+        batching = {**app.state.batcher.counters(), "waiting": app.state.batcher.waiting,
                     "continuous": cfg.continuous_batching}
         return {**reader.info(), "limits": limits, "batching": batching}
 

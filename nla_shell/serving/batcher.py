@@ -68,6 +68,7 @@ class Batcher:
         self._queue: queue.Queue[Job | None] = queue.Queue()
         self._submit_lock = threading.Lock()
         self._closing = False
+        self._idle_since: float | None = None  # when the continuous worker began waiting for a job, while it waits
         self._thread = self._start_worker()
 
     def submit(self, job: Job) -> Future:
@@ -85,6 +86,13 @@ class Batcher:
             return None
         self.stats["refused_jobs"] += 1
         return f"{waiting} requests are waiting (the limit, max_queue)"
+
+    def counters(self) -> dict[str, float]:
+        """`stats` as of now: a wait of the worker still under way counts in idle_s up to this moment."""
+        counters = dict(self.stats)
+        if (since := self._idle_since) is not None and "idle_s" in counters:
+            counters["idle_s"] += time.perf_counter() - since
+        return counters
 
     @property
     def waiting(self) -> int:
@@ -134,9 +142,10 @@ class Batcher:
         scheduler = self._scheduler
         self.stats.setdefault("idle_s", 0)
         while True:
-            start = time.perf_counter()
+            self._idle_since = time.perf_counter()
             first = self._queue.get()
-            self.stats["idle_s"] += time.perf_counter() - start
+            self.stats["idle_s"] += time.perf_counter() - self._idle_since
+            self._idle_since = None
             if first is None:
                 return
             closing = False

@@ -40,6 +40,8 @@ COLUMNS = (
     ("AV+AR after RL", ("fve", "AV+AR after RL")),
     ("SFT / gold", ("fraction_of_gold", "after SFT")),
     ("RL / gold", ("fraction_of_gold", "after RL")),
+    ("SFT / gold, greedy", ("fraction_of_gold", "after SFT, greedy")),
+    ("RL / gold, greedy", ("fraction_of_gold", "after RL, greedy")),
     ("fve_nrm gold", ("fve_nrm", "AR on gold explanations")),
     ("fve_nrm after RL", ("fve_nrm", "AV+AR after RL")),
     ("shuffled control (RL)", ("fve", "AV+AR after RL, AV given a shuffled vector (control)")),

@@ -10,7 +10,6 @@
 # SEEDS and ENGINES (env) choose the runs (default 0 1 2 and hf native); EXTRA adds demo overrides.
 # The job's RL variants of every seed: VARIANT_SET=losses (GSPO, CISPO, on-policy; the default), fp8 (the FP8
 # trainer, fp8=score,reference,update,backward) or none; TOY=0 leaves out the toy; VLLM_WAIT=0 the vLLM variant;
-# GREEDY=0 leaves out each demo's greedy evals (its AV after SFT and RL decoded by argmax, bench/rl_variants.py greedy).
 #
 # The variants round (2026-12-01: other policy losses and engine=vllm from each seed's SFT checkpoints,
 # bench/rl_variants.py), one device call each, back to back on one machine:
@@ -118,10 +117,9 @@ case "$stage" in
     }
     while read -r dir flags; do
       [ -z "$dir" ] && continue
-      # GREEDY=1 (default): then its AVs after SFT and RL decoded greedily (rl_variants.py greedy), same rows and ARs
-      (python3 -m nla_shell.cli demo --model "/tmp/parts/$GGUF" --run-dir $root/$dir --engine native \
-         --threads 1 ${EXTRA:-} $flags > $root/$dir.log 2>&1 &&
-       if [ "${GREEDY:-1}" = 1 ]; then python3 bench/rl_variants.py greedy $root/$dir > $root/$dir.greedy.log 2>&1; fi) &
+      # the REAL preset's greedy_eval: each demo's AVs after SFT and RL also decoded greedily, same rows and ARs
+      python3 -m nla_shell.cli demo --model "/tmp/parts/$GGUF" --run-dir $root/$dir --engine native \
+         --threads 1 ${EXTRA:-} $flags > $root/$dir.log 2>&1 &
       pids+=($!)
       sleep 25  # the first demo converts the GGUF into the model cache; the others then find it there
     done < <(demo_lines)

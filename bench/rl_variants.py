@@ -10,11 +10,9 @@ against it, and plots the KL and length curves.
     python3 bench/rl_variants.py variant RUN_DIR gspo policy_loss=gspo
     python3 bench/rl_variants.py variant RUN_DIR vllm engine=vllm vllm_gpu_mem=0.08
     python3 bench/rl_variants.py table RUN_DIR_SEED0 RUN_DIR_SEED1 ... --out DIR
-    python3 bench/rl_variants.py greedy RUN_DIR
 
-Each variant writes RUN_DIR/variants/NAME/{rl/, eval/after_rl/, report.json}. `greedy` scores the demo's AV
-after SFT and after RL once more with argmax decoding (`nla eval`'s greedy) on the same rows, through the ARs
-that scored them, into RUN_DIR/eval/{after_sft,after_rl}_greedy/: what sampling at temperature 1 costs.
+Each variant writes RUN_DIR/variants/NAME/{rl/, eval/after_rl/, report.json}. (The demo's AV after SFT and
+after RL decoded greedily is the demo's own `greedy_eval`, on in the real-model presets.)
 """
 
 from __future__ import annotations
@@ -224,26 +222,6 @@ def read_curves(metrics: Path) -> dict[str, dict[int, float]]:
     return curves
 
 
-def greedy_evals(run_dir: Path) -> dict[str, float]:
-    """The demo's AV after SFT and after RL, decoded greedily, scored by the AR that scored each stage."""
-    import dataclasses
-
-    from nla_shell.pipeline.evaluate import evaluate
-
-    inputs = demo_inputs(run_dir)
-    cfg = inputs["cfg"]
-    rl_cfg = demo_mod.rl_config(cfg, inputs["paths"], inputs["rows"], inputs["av"], inputs["ar"], run_dir / "rl")
-    stages = {"after_sft": (inputs["av"], inputs["ar"]),
-              "after_rl": (demo_mod.after_rl_adapter(rl_cfg), demo_mod.after_rl_ar(rl_cfg, inputs["ar"]))}
-    fves = {}
-    for stage, (av, ar) in stages.items():
-        eval_cfg = demo_mod.eval_config(cfg, inputs["target"], inputs["paths"], ar, run_dir / "eval" / f"{stage}_greedy",
-                                        av, controls=False)
-        fves[stage] = evaluate(dataclasses.replace(eval_cfg, greedy=True)).metrics["av/fve"]
-    print(json.dumps({"run_dir": str(run_dir), "greedy_fve": fves}), flush=True)
-    return fves
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -255,13 +233,9 @@ def main(argv: list[str] | None = None) -> None:
     t.add_argument("run_dirs", type=Path, nargs="+")
     t.add_argument("--out", type=Path, required=True)
     t.add_argument("--against", help="also the paired difference against this variant (say, bf16_grpo)")
-    g = sub.add_parser("greedy", help="the demo's AV after SFT and after RL again, decoded greedily")
-    g.add_argument("run_dir", type=Path)
     args = parser.parse_args(argv)
     if args.command == "variant":
         run_variant(args.run_dir, args.name, args.overrides)
-    elif args.command == "greedy":
-        greedy_evals(args.run_dir)
     else:
         table(args.run_dirs, args.out, against=args.against)
 

@@ -174,16 +174,17 @@ def extraction_layer(cfg: DemoConfig, target: Path) -> int:
 
 
 def eval_config(cfg: DemoConfig, target: Path, data_paths: Mapping[str, Path], ar: Path, out_dir: Path,
-                av_dir: Path | None, *, controls: bool) -> "EvalConfig":
+                av_dir: Path | None, *, controls: bool, greedy: bool = False) -> "EvalConfig":
     """The held-out eval of one stage (av_dir None: the AR on gold text); with controls, also the
-    shuffled-vector control, FVE(k) and splice-KL. Every stage scores the same rows with the same seed."""
+    shuffled-vector control, FVE(k) and splice-KL; greedy: the AV decodes by argmax. Every stage scores the same
+    rows with the same seed."""
     from nla_shell.pipeline.evaluate import EvalConfig
 
     return EvalConfig(
         av=None if av_dir is None else str(av_dir), ar=str(ar), parquet=str(data_paths["eval"]),
         tokenizer=str(target), out_dir=str(out_dir), n_rows=cfg.eval_rows, max_new_tokens=cfg.max_new_tokens,
         seed=cfg.seed, device=cfg.device, dtype=cfg.dtype, shuffled_control=controls,
-        length_ks=cfg.length_ks if controls else (), model=str(target) if controls else None,
+        length_ks=cfg.length_ks if controls else (), model=str(target) if controls else None, greedy=greedy,
     )
 
 
@@ -261,18 +262,24 @@ def run_stages(cfg: DemoConfig, run_dir: Path) -> dict[str, Any]:
         av = av_warm_start(cfg, target, data.paths, run_dir, ar)
     (run_dir / SFT_CHECKPOINTS).write_text(json.dumps({"ar": str(ar), "av": str(av)}, indent=1))
 
-    def run_eval(name: str, av_dir: Path | None, *, controls: bool = False, scorer: Path = ar) -> Any:
-        return evaluate(eval_config(cfg, target, data.paths, scorer, run_dir / "eval" / name, av_dir, controls=controls))
+    def run_eval(name: str, av_dir: Path | None, *, controls: bool = False, scorer: Path = ar,
+                 greedy: bool = False) -> Any:
+        return evaluate(eval_config(cfg, target, data.paths, scorer, run_dir / "eval" / name, av_dir, controls=controls,
+                                    greedy=greedy))
 
     with _timed("eval before RL", times):
         evals = {"gold": run_eval("gold", None), "before_sft": run_eval("before_sft", target),
                  "after_sft": run_eval("after_sft", av, controls=True)}
+        if cfg.greedy_eval:
+            evals["after_sft_greedy"] = run_eval("after_sft_greedy", av, greedy=True)
     rl_cfg = rl_config(cfg, data.paths, data.rows, av, ar, run_dir / "rl")
     with _timed("RL", times):
         rl_dir = train(rl_cfg)
     rl_adapter, rl_ar = after_rl_adapter(rl_cfg), after_rl_ar(rl_cfg, ar)
     with _timed("eval after RL", times):
         evals["after_rl"] = run_eval("after_rl", rl_adapter, controls=True, scorer=rl_ar)
+        if cfg.greedy_eval:
+            evals["after_rl_greedy"] = run_eval("after_rl_greedy", rl_adapter, scorer=rl_ar, greedy=True)
     with _timed("plot", times):
         curves = _plot(rl_dir)
 

@@ -130,6 +130,10 @@ class DemoConfig:
     temperature 1, and at 1024 rows the FVE moved by up to 0.05 with the sampling seed alone."""
     length_ks: tuple[int, ...] = (2, 4, 8)
     """FVE(k) cut lengths of the evals after SFT and RL (explanations cut to their first k tokens)."""
+    greedy_eval: bool = False
+    """Also score the AV after SFT and after RL with argmax decoding (an nla addition; the same rows and ARs), beside
+    the sampled evals: kitft's round-trip bench decodes greedily (bench/roundtrip.py, verbalize_all's
+    temperature=0.0, at 41cb196), so these are the figures to lay beside its. On in the real-model presets."""
 
     def __post_init__(self) -> None:
         normalize_fields(self)
@@ -158,6 +162,7 @@ REAL: Mapping[str, Any] = {
     "av_lr": 2e-3, "lora_r": 16, "sft_eval_every": 100, "sft_eval_rows": 256, "sft_patience": 3,
     "rl_steps": 200, "rl_batch_prompts": 16, "rl_group_size": 8, "rl_lr": 1e-4, "kl_beta": 0.02,
     "rl_train_critic": True, "max_new_tokens": 48, "rl_micro_batch": 128, "eval_rows": 512, "length_ks": (4, 8, 16),
+    "greedy_eval": True,
 }
 """`nla demo --model M`: the real-model settings, sized for one GPU (the H200 tables in bench/RESULTS.md): every
 passage at 32 sites, SFT to its held-out plateau (at most ~3 epochs of the AR's rows, ~1.5 of the AV's), the AV's

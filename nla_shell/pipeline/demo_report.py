@@ -48,11 +48,14 @@ def build_report(run_dir: Path, evals: Mapping[str, Any], *, environment: Mappin
                  checkpoints: Mapping[str, Path], explain: str) -> dict[str, Any]:
     """report.json: each stage's held-out figures beside the gold AR's, the controls, SFT's curves, wall times.
 
-    evals: the EvalResults of "gold", "before_sft", "after_sft" and "after_rl"; checkpoints: the AR and AV after
+    evals: the EvalResults of "gold", "before_sft", "after_sft" and "after_rl" (and, with greedy_eval, of
+    "after_sft_greedy" and "after_rl_greedy": the same AVs decoded by argmax); checkpoints: the AR and AV after
     SFT, and after RL the AV ("rl") and the AR that scored it ("ar_after_rl"); explain: the command the report
     ends with."""
     gold, zero_shot = evals["gold"].metrics, evals["before_sft"].metrics
     after_sft, after_rl = evals["after_sft"].metrics, evals["after_rl"].metrics
+    greedy = {stage: evals[f"{stage}_greedy"].metrics["av/fve"] for stage in ("after_sft", "after_rl")
+              if f"{stage}_greedy" in evals}
     return {
         "run_dir": str(run_dir),
         "environment": dict(environment),
@@ -62,11 +65,14 @@ def build_report(run_dir: Path, evals: Mapping[str, Any], *, environment: Mappin
             "AV+AR before SFT (LM zero-shot)": zero_shot["av/fve"],
             "AV+AR after SFT": after_sft["av/fve"],
             "AV+AR after RL": after_rl["av/fve"],
+            **{f"AV+AR {GREEDY_STAGES[stage]}, greedy decoding": fve for stage, fve in greedy.items()},
             "AV+AR after SFT, AV given a shuffled vector (control)": after_sft.get("shuffled/fve"),
             "AV+AR after RL, AV given a shuffled vector (control)": after_rl.get("shuffled/fve"),
         },
         "fraction_of_gold": {"after SFT": _ratio(after_sft["av/fve"], gold["gold/fve"]),
-                             "after RL": _ratio(after_rl["av/fve"], gold["gold/fve"])},
+                             "after RL": _ratio(after_rl["av/fve"], gold["gold/fve"]),
+                             **{f"{GREEDY_STAGES[stage]}, greedy": _ratio(fve, gold["gold/fve"])
+                                for stage, fve in greedy.items()}},
         "fve_nrm": {"AR on gold explanations": gold.get("gold/fve_nrm"), "AV+AR after SFT": after_sft.get("av/fve_nrm"),
                     "AV+AR after RL": after_rl.get("av/fve_nrm")},
         "splice_kl": {
@@ -90,6 +96,10 @@ def build_report(run_dir: Path, evals: Mapping[str, Any], *, environment: Mappin
         "samples": held_out_samples(evals["after_sft"].samples, evals["after_rl"].samples),
         "explain": explain,
     }
+
+
+GREEDY_STAGES = {"after_sft": "after SFT", "after_rl": "after RL"}
+"""The stages the greedy evals score again, as the report names them."""
 
 
 def _ratio(value: float, gold: float) -> float | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import platform
 from pathlib import Path
 
@@ -254,3 +255,28 @@ def test_the_demos_injection_reaches_the_av_and_rl_follows_it(tmp_path, flags, e
         assert (meta["injection_style"], meta["extraction"]["injection_scale"], meta.get("injection_layer")) == expected
     data = yaml.safe_load((run_dir / "data" / "rl.parquet.nla_meta.yaml").read_text())
     assert data.get("injection_style", "residual_add") == "residual_add"  # the data keep theirs: the AV's differ
+
+
+def test_greedy_eval_scores_the_avs_after_sft_and_rl_again_by_argmax_on_the_same_rows_and_ars(tmp_path):
+    """greedy_eval (on in the real-model presets): the same rows as the evals after SFT and RL, decoded greedily,
+    through the same ARs, reported beside the sampled figures with their shares of the gold AR's."""
+    run_dir = tmp_path / "demo"
+    assert cli.main(["demo", "--tiny", "--run-dir", str(run_dir), "greedy_eval=true"]) == 0
+    report = json.loads((run_dir / "report.json").read_text())
+    for stage, name in (("after_sft", "after SFT"), ("after_rl", "after RL")):
+        greedy = json.loads((run_dir / "eval" / f"{stage}_greedy" / "eval_summary.json").read_text())
+        sampled = json.loads((run_dir / "eval" / stage / "eval_summary.json").read_text())
+        assert greedy["provenance"]["config"]["greedy"] and not sampled["provenance"]["config"]["greedy"]
+        assert greedy["n_rows"] == sampled["n_rows"] and greedy["gold/fve"] == sampled["gold/fve"]  # same rows, AR
+        assert greedy["provenance"]["av"] == sampled["provenance"]["av"]
+        assert greedy["provenance"]["ar"] == sampled["provenance"]["ar"]
+        rows = [json.loads(line) for line in (run_dir / "eval" / f"{stage}_greedy" / "eval_samples.jsonl").open()]
+        assert [r["context"] for r in rows] == [json.loads(line)["context"] for line in
+                                                 (run_dir / "eval" / stage / "eval_samples.jsonl").open()]
+        reported = report["fve"][f"AV+AR {name}, greedy decoding"]  # the tiny AV extracts nothing: NaN, null
+        assert reported == greedy["av/fve"] or (greedy["av/fve"] is None and math.isnan(reported))
+        assert f"{name}, greedy" in report["fraction_of_gold"]
+    assert "greedy decoding" in (run_dir / "report.md").read_text()
+    plain = tmp_path / "plain"  # off by default (the toy demo's settings)
+    assert cli.main(["demo", "--tiny", "--run-dir", str(plain)]) == 0
+    assert not (plain / "eval" / "after_sft_greedy").exists()

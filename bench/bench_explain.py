@@ -27,14 +27,14 @@ What is timed, for every engine of --engines on the same N vectors (--sites):
             HTTP and JSON work runs in their own process (`clients_process: "separate"`; the runs of
             2026-12-01 and run AN's of 2026-12-04 had the client threads in the server's process,
             sharing its interpreter lock).
-  --continuous  (--server-engine native) the server leg with `continuous_batching=true`: --batch
-            decode slots kept busy, sites admitted between decode steps as others end
-            (nla_shell.serving.continuous); the case records `continuous: true`, and under `batcher` the
+  --continuous  (--server-engine native or vllm) the server leg with `continuous_batching=true`: --batch
+            decode slots kept busy, sites admitted between steps as others end (nla_shell.serving.continuous;
+            with vllm, handed to vLLM's scheduler: not yet run on vLLM); the case records `continuous: true`, and under `batcher` the
             worker's seconds waiting with nothing in flight, admitting, decoding and answering (`idle_s`,
             `admit_s`, `step_s`, `answer_s`: beside the corpus leg's generate_s and score_s they say
             where a server round's extra time goes). The AR then scores
             the requests completed at each decode step together, and --close-explanations closes
-            the texts before that scoring, since the slot decoder does not go through the engine's
+            the texts before that scoring, since the stream decoders do not go through the engine's
             generate.
   corpus    (with server, timed before it) `nla explain --parquet` mode (`explain_corpus`) on the
             same reader over a parquet of the same N vectors: sites/s and generated tokens/s.
@@ -137,7 +137,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch-max-wait-ms", type=float, default=50.0,
                         help="server leg: nla serve's --batch-max-wait-ms (0: a batch gathers for --batch-wait-ms only)")
     parser.add_argument("--continuous", action="store_true",
-                        help="server leg: nla serve's continuous_batching (needs --server-engine native)")
+                        help="server leg: nla serve's continuous_batching (needs --server-engine native or vllm)")
     parser.add_argument("--close-explanations", action="store_true",
                         help="close the <explanation> tag at max tokens where a rollout has none (see above)")
     parser.add_argument("--vectors-per-request", type=int, default=None, help="vectors per POST (default 16; tiny 2)")
@@ -158,8 +158,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.vectors_per_request = args.vectors_per_request or (2 if tiny else 16)
     if args.server_engine and args.server_engine not in args.engines:
         args.engines.append(args.server_engine)  # the server leg runs on that engine's offline reader
-    if args.continuous and args.server_engine != "native":
-        parser.error("--continuous: continuous batching is nla serve's engine=native mode; add --server-engine native")
+    if args.continuous and args.server_engine not in ("native", "vllm"):
+        parser.error("--continuous: nla serve's continuous batching runs on engine=native or vllm; add "
+                     "--server-engine native (or vllm)")
     if args.repeats < 1:
         parser.error(f"--repeats {args.repeats}: use 1 or more")
     if bad := [e for e in args.engines if e not in ("hf", "native", "vllm")]:
@@ -442,8 +443,8 @@ def client_load(url: str, bodies: list[bytes], sizes: list[int], clients: int, e
 
 @contextlib.contextmanager
 def slot_reader(reader) -> Iterator[None]:
-    """The reader as the continuous server needs it, for the block: its own native engine (the slot decoder does not
-    call generate, so TimedEngine is set aside) and, with --close-explanations, the texts closed before the AR scores
+    """The reader as the continuous server needs it, for the block: its own engine (the stream decoders do not call
+    generate, so TimedEngine is set aside) and, with --close-explanations, the texts closed before the AR scores
     them (NLAReader.site_results, where the continuous server scores)."""
     timed = reader.engine
     reader.engine = timed.engine

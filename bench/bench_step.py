@@ -234,8 +234,7 @@ def make_engine(args, ctx: Context):
     if args.engine != "vllm":
         from nla_shell.training import setup
 
-        return setup.make_engine(ctx.cfg, ctx.actor, ctx.injector, ctx.tokenizer, layer_index=ctx.extraction_layer,
-                                 eos_ids=(ctx.tokenizer.eos_token_id,))
+        return setup.make_engine(ctx.cfg, ctx.actor, ctx.injector, ctx.tokenizer, eos_ids=(ctx.tokenizer.eos_token_id,))
     from nla_shell.engines.vllm import VLLMRolloutEngine, require_vllm
 
     require_vllm()  # says how to install it when it is missing
@@ -246,7 +245,7 @@ def make_engine(args, ctx: Context):
     largest = max(p * g for p, g in args.cases)
     engine = VLLMRolloutEngine(
         model_dir, ctx.tokenizer, marker_id=ctx.injector.marker_id, left_id=ctx.injector.left_id,
-        right_id=ctx.injector.right_id, injection_layer=1, gpu_memory_utilization=args.vllm_gpu_mem,
+        right_id=ctx.injector.right_id, injection_layer=ctx.injector.layer_index, gpu_memory_utilization=args.vllm_gpu_mem,
         max_model_len=args.prompt_len + args.new_tokens + 16, load_format="dummy",
         enable_prefix_caching=args.vllm_prefix_caching == "on",
         max_num_seqs=(ctx.cfg.vllm_max_seqs if args.vllm_max_seqs is None else args.vllm_max_seqs) or None,

@@ -293,14 +293,14 @@ TWO_CONCEPTS = ("cat", "river")
 
 
 def write_two_concept_split(path: Path, split: str, *, n_rows: int, seed: int, tokenizer=None) -> Path:
-    """A split in datagen's layout (nla_shell.pipeline.datagen.split_schema) whose activations are one
+    """A split in datagen's layout (nla_shell.pipeline.dataset_writer.split_schema) whose activations are one
     of two concepts, +-3 along a fixed unit direction plus N(0, 0.3^2) noise per dim, each explained
     by its concept's word. The direction is the same for every seed, so all splits share the concepts.
     """
     import numpy as np
 
     from nla_shell.io.sidecars import dataset_sidecar, write_sidecar
-    from nla_shell.pipeline.datagen import split_schema
+    from nla_shell.pipeline.dataset_writer import split_schema
 
     tokenizer = tokenizer or tiny_tokenizer()
     direction = np.random.default_rng(12345).standard_normal(D_MODEL).astype(np.float32)

@@ -50,9 +50,9 @@ from nla_shell.io.injection_chars import remember_injection_char
 from nla_shell.io.paths import require_file, require_model
 from nla_shell.io.progress import progress_bar, say_line
 from nla_shell.pipeline.datagen_config import DatagenConfig, _sidecar_scale
-from nla_shell.pipeline.dataset_writer import EXTRA_COLUMNS, SPLITS, _SplitWriter, split_schema
+from nla_shell.pipeline.dataset_writer import EXTRA_COLUMNS, SPLITS, _SplitWriter
 from nla_shell.pipeline.documents import (
-    Document, assign_split, count_documents, document_positions, read_documents, sample_positions,
+    Document, assign_split, count_documents, document_positions, read_documents,
 )
 from nla_shell.pipeline.markers import choose_injection_char, injection_char_candidates
 from nla_shell.io.sidecars import dataset_sidecar, write_sidecar
@@ -60,23 +60,14 @@ from nla_shell.models.common import pad_right
 from nla_shell.training.runtime import resolve_device, seed_everything
 
 __all__ = [
-    "EXTRA_COLUMNS",
-    "SPLITS",
     "TMP_DIR_NAME",
     "DatagenResult",
-    "Document",
-    "assign_split",
     "capture_activations",
-    "count_documents",
     "datagen",
     "datagen_sites",
     "dataset_marker",
-    "document_positions",
     "document_sites",
-    "read_documents",
-    "sample_positions",
     "split_fractions",
-    "split_schema",
     "tokenized_documents",
 ]
 

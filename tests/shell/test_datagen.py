@@ -18,13 +18,9 @@ from nla_shell.toy import builders as toy
 from nla_shell.io.config import ConfigError
 from nla_shell.io.data import DataError, check_tokenizer
 from nla_shell.io.sidecars import load_sidecar
-from nla_shell.pipeline.datagen import (
-    EXTRA_COLUMNS,
-    assign_split,
-    capture_activations,
-    datagen,
-    read_documents,
-)
+from nla_shell.pipeline.datagen import capture_activations, datagen
+from nla_shell.pipeline.dataset_writer import EXTRA_COLUMNS
+from nla_shell.pipeline.documents import assign_split, read_documents
 from nla_shell.pipeline.markers import choose_injection_char, injection_char_problem
 from nla_shell.explainers import Site
 from nla_shell.explainers.rule import RuleExplainer

@@ -65,6 +65,8 @@ class Batcher:
         # continuous: max_sites decode slots (rows: sites x samples), each as long as max_new_tokens at most
         self._scheduler = SlotScheduler(reader, slots=max_sites, max_new_tokens=max_new_tokens,
                                         stats=self.stats) if continuous else None
+        if continuous:
+            self.stats["idle_s"] = 0.0
         self._queue: queue.Queue[Job | None] = queue.Queue()
         self._submit_lock = threading.Lock()
         self._closing = False
@@ -88,9 +90,11 @@ class Batcher:
         return f"{waiting} requests are waiting (the limit, max_queue)"
 
     def counters(self) -> dict[str, float]:
-        """`stats` as of now: a wait of the worker still under way counts in idle_s up to this moment."""
+        """`stats` as of now: a wait of the worker still under way counts in idle_s up to this moment. (Copied
+        before `_idle_since` is read, and the worker clears that before it adds the wait: a wait is never counted
+        twice.)"""
         counters = dict(self.stats)
-        if (since := self._idle_since) is not None and "idle_s" in counters:
+        if (since := self._idle_since) is not None:
             counters["idle_s"] += time.perf_counter() - since
         return counters
 
@@ -140,12 +144,11 @@ class Batcher:
         seconds it waited so, beside the scheduler's admit_s, step_s and answer_s). `held` lists the jobs taken and
         not yet handed to the scheduler."""
         scheduler = self._scheduler
-        self.stats.setdefault("idle_s", 0)
         while True:
-            self._idle_since = time.perf_counter()
+            self._idle_since = since = time.perf_counter()
             first = self._queue.get()
-            self.stats["idle_s"] += time.perf_counter() - self._idle_since
             self._idle_since = None
+            self.stats["idle_s"] += time.perf_counter() - since
             if first is None:
                 return
             closing = False

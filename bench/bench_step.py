@@ -244,8 +244,7 @@ def make_engine(args, ctx: Context):
     config.save_pretrained(model_dir)
     largest = max(p * g for p, g in args.cases)
     engine = VLLMRolloutEngine(
-        model_dir, ctx.tokenizer, marker_id=ctx.injector.marker_id, left_id=ctx.injector.left_id,
-        right_id=ctx.injector.right_id, injection_layer=ctx.injector.layer_index, gpu_memory_utilization=args.vllm_gpu_mem,
+        model_dir, ctx.tokenizer, **ctx.injector.vllm_kwargs(), gpu_memory_utilization=args.vllm_gpu_mem,
         max_model_len=args.prompt_len + args.new_tokens + 16, load_format="dummy",
         enable_prefix_caching=args.vllm_prefix_caching == "on",
         max_num_seqs=(ctx.cfg.vllm_max_seqs if args.vllm_max_seqs is None else args.vllm_max_seqs) or None,

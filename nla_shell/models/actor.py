@@ -97,6 +97,12 @@ class Injector:
     def injection(self) -> Injection:
         return Injection(self.style, self.injection_norm, self.layer_index)
 
+    def vllm_kwargs(self) -> dict[str, object]:
+        """This injection as VLLMRolloutEngine's keywords: the marker and its neighbours, the block, style and norm
+        (the engine's steering plugin applies them in vLLM's graph)."""
+        return {"marker_id": self.marker_id, "left_id": self.left_id, "right_id": self.right_id,
+                "injection_layer": self.layer_index, "injection_style": self.style, "injection_norm": self.injection_norm}
+
     def remove(self) -> None:
         self._handle.remove()
 

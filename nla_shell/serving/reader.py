@@ -238,8 +238,8 @@ class NLAReader:
                 "engine": self.engine_name, "fve_baseline": self.rawvar}
 
 
-def make_engine(name: EngineName, actor, injector: Injector, tokenizer, *, av: str, max_batch: int, vllm_gpu_mem: float, vllm_max_len: int,
-                vllm_quantization: VLLMQuantization) -> RolloutEngine:
+def make_engine(name: EngineName, actor, injector: Injector, tokenizer, *, av: str, max_batch: int, vllm_gpu_mem: float,
+                vllm_max_len: int, vllm_quantization: VLLMQuantization) -> RolloutEngine:
     """The rollout engine `name` on the loaded AV; vLLM gets the LoRA-merged weights pushed once."""
     if name == "hf":
         from nla_shell.engines.hf import HFRolloutEngine
@@ -251,9 +251,7 @@ def make_engine(name: EngineName, actor, injector: Injector, tokenizer, *, av: s
         return NativeRolloutEngine(actor, injector, tokenizer, max_batch=max_batch)
     from nla_shell.engines.vllm import VLLMRolloutEngine
 
-    engine = VLLMRolloutEngine(base_model_dir(av), tokenizer, marker_id=injector.marker_id, left_id=injector.left_id,
-                               right_id=injector.right_id, injection_layer=injector.layer_index,
-                               injection_style=injector.style, injection_norm=injector.injection_norm,
+    engine = VLLMRolloutEngine(base_model_dir(av), tokenizer, **injector.vllm_kwargs(),
                                gpu_memory_utilization=vllm_gpu_mem, max_model_len=vllm_max_len, max_num_seqs=max_batch,
                                quantization=None if vllm_quantization == "none" else vllm_quantization)
     engine.sync_weights(actor)
@@ -293,8 +291,9 @@ def load_reader(settings: ReaderSettings, *, model: str | None, max_batch: int =
     actor = load_av(av, dtype=dtype_, device=device_)
     injector = Injector.for_sidecar(actor, nla, injection_settings(nla, av_dir=av))
     prompt = tuple(build_prompt_ids(av_prompt_messages(nla.actor_prompt_template), nla, tokenizer))
-    rollout_engine = make_engine(engine, actor, injector, tokenizer, av=av, max_batch=max_batch, vllm_gpu_mem=settings.vllm_gpu_mem,
-                                 vllm_max_len=settings.vllm_max_len, vllm_quantization=settings.vllm_quantization)
+    rollout_engine = make_engine(engine, actor, injector, tokenizer, av=av, max_batch=max_batch,
+                                 vllm_gpu_mem=settings.vllm_gpu_mem, vllm_max_len=settings.vllm_max_len,
+                                 vllm_quantization=settings.vllm_quantization)
     critic = ARModel.from_pretrained(ar, mse_scale=nla_core.resolve_target_scale(nla.mse_scale, nla.d_model),
                                      dtype=dtype_, device=device_).eval()
     return NLAReader(nla=nla, sidecar_path=sidecar_path, meta=read_sidecar(sidecar_path)[1], rawvar=rawvar,

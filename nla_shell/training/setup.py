@@ -59,12 +59,7 @@ def make_engine(cfg: TrainConfig, actor, injector: Injector, tokenizer, *, eos_i
     return VLLMRolloutEngine(
         base_model_dir(cfg.av_ckpt),
         tokenizer,
-        marker_id=injector.marker_id,
-        left_id=injector.left_id,
-        right_id=injector.right_id,
-        injection_layer=injector.layer_index,
-        injection_style=injector.style,
-        injection_norm=injector.injection_norm,
+        **injector.vllm_kwargs(),
         gpu_memory_utilization=cfg.vllm_gpu_mem,
         max_model_len=cfg.vllm_max_len,
         tensor_parallel_size=cfg.vllm_tp,

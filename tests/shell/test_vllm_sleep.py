@@ -29,6 +29,7 @@ from nla_shell.engines.base import RolloutRequest, held_awake
 from nla_shell.engines.vllm import VLLMRolloutEngine
 from nla_shell.engines.weight_sync import merged_weight_buckets
 from nla_shell.io.config import ConfigError
+from nla_shell.models import Injector
 from nla_shell.training.config import TrainConfig
 
 MARKER, LEFT, RIGHT = 7, 5, 6
@@ -639,12 +640,12 @@ def test_the_reader_builds_its_vllm_engine_with_the_quantization_asked(make_engi
 
     _, actor, log = make_engine
     actor.config.save_pretrained(tmp_path)  # the AV base dir vLLM would load (its generation config read here)
-    injector = SimpleNamespace(marker_id=MARKER, left_id=LEFT, right_id=RIGHT, style="residual_add", injection_norm=None,
-                               layer_index=1)
+    injector = Injector(actor, marker_id=MARKER, left_id=LEFT, right_id=RIGHT)
     tokenizer = SimpleNamespace(decode=lambda ids, **_: "text", eos_token_id=2)
     engine = reader.make_engine("vllm", actor, injector, tokenizer, av=str(tmp_path), max_batch=8,
                                 vllm_gpu_mem=0.5, vllm_max_len=64, vllm_quantization=setting)
     assert engine.llm.kwargs["quantization"] == (None if setting == "none" else setting)
+    assert (engine.marker_id, engine.injection_layer) == (MARKER, injector.layer_index)  # the injector's steering
     assert log.count("reload") == reloads and (log.count("push") > 0) == (reloads == 0)
     with pytest.raises(SystemExit):
         cli.main(["explain", "--help"])

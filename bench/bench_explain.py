@@ -29,11 +29,11 @@ What is timed, for every engine of --engines on the same N vectors (--sites):
             sharing its interpreter lock).
   --continuous  (--server-engine native or vllm) the server leg with `continuous_batching=true`: --batch
             decode slots kept busy, sites admitted between steps as others end (nla_shell.serving.continuous;
-            with vllm, handed to vLLM's scheduler: not yet run on vLLM); the case records `continuous: true`, and under `batcher` the
-            worker's seconds waiting with nothing in flight, admitting, decoding and answering (`idle_s`,
-            `admit_s`, `step_s`, `answer_s`: beside the corpus leg's generate_s and score_s they say
-            where a server round's extra time goes). The AR then scores
-            the requests completed at each decode step together, and --close-explanations closes
+            with vllm, handed to vLLM's scheduler: not yet run on vLLM); the case records
+            `continuous: true`, and under `batcher` the worker's seconds waiting with nothing in flight,
+            admitting, decoding and answering (`idle_s`, `admit_s`, `step_s`, `answer_s`: beside the
+            corpus leg's generate_s and score_s they say where a server round's extra time goes). The AR
+            then scores the requests completed at each decode step together, and --close-explanations closes
             the texts before that scoring, since the stream decoders do not go through the engine's
             generate.
   corpus    (with server, timed before it) `nla explain --parquet` mode (`explain_corpus`) on the
@@ -356,8 +356,8 @@ def time_server(reader, vectors: torch.Tensor, args: argparse.Namespace, engine:
         app.state.batcher.close()
         sock.close()
     latencies, seconds, (before, after) = sorted(load["latencies"]), load["seconds"], load["batching"]
-    batcher = {key: after[key] - before[key] for key in ("batches", "sites", "jobs", "decode_steps", "idle_s", "admit_s",
-                                                          "step_s", "answer_s") if key in after}
+    batcher = {key: after[key] - before[key] for key in ("batches", "sites", "jobs", "decode_steps", "idle_s",
+                                                          "admit_s", "step_s", "answer_s") if key in after}
     return {"seconds": seconds, "sites_per_s": sum(load["answered"]) / seconds, "requests": len(bodies),
             "encoding": args.server_encoding, "continuous": args.continuous, "clients_process": "separate",
             "clients": clients, "vectors_per_request": k, "sites_in_flight": clients * k,
@@ -487,7 +487,7 @@ def time_corpus(reader, vectors_parquet: Path, args: argparse.Namespace, engine:
     cfg = ExplainConfig(av=args.av, ar=args.ar, sidecar=args.sidecar, engine=engine, parquet=str(vectors_parquet),
                         out=str(out), batch_size=args.batch, max_new_tokens=args.new_tokens, overwrite=True,
                         device=args.device, vllm_gpu_mem=args.vllm_gpu_mem, progress_every_s=3600)
-    generated_before = reader.engine.seconds  # the TimedEngine's: the corpus leg's generate_s beside the server's phases
+    generated_before = reader.engine.seconds  # the TimedEngine's: this leg's generate_s, beside the server's phases
     seconds, _, memory = syn.measured(lambda: explain_corpus(cfg, reader), device)
     generate_s = reader.engine.seconds - generated_before
     tokens = pq.read_table(out, columns=["generated_tokens"]).column(0).to_pylist()

@@ -43,6 +43,10 @@ def sft_summary(checkpoint: Path) -> dict[str, Any]:
             "heldout": {key: points for key, points in curve.items() if points}}
 
 
+GREEDY_STAGES = {"after_sft": "after SFT", "after_rl": "after RL"}
+"""The stages the greedy evals score again, as the report names them."""
+
+
 def build_report(run_dir: Path, evals: Mapping[str, Any], *, environment: Mapping[str, Any],
                  length_ks: Sequence[int], times: Mapping[str, float], rl_dir: Path, curves: Path | None,
                  checkpoints: Mapping[str, Path], explain: str) -> dict[str, Any]:
@@ -54,7 +58,7 @@ def build_report(run_dir: Path, evals: Mapping[str, Any], *, environment: Mappin
     ends with."""
     gold, zero_shot = evals["gold"].metrics, evals["before_sft"].metrics
     after_sft, after_rl = evals["after_sft"].metrics, evals["after_rl"].metrics
-    greedy = {stage: evals[f"{stage}_greedy"].metrics["av/fve"] for stage in ("after_sft", "after_rl")
+    greedy = {stage: evals[f"{stage}_greedy"].metrics["av/fve"] for stage in GREEDY_STAGES
               if f"{stage}_greedy" in evals}
     return {
         "run_dir": str(run_dir),
@@ -96,10 +100,6 @@ def build_report(run_dir: Path, evals: Mapping[str, Any], *, environment: Mappin
         "samples": held_out_samples(evals["after_sft"].samples, evals["after_rl"].samples),
         "explain": explain,
     }
-
-
-GREEDY_STAGES = {"after_sft": "after SFT", "after_rl": "after RL"}
-"""The stages the greedy evals score again, as the report names them."""
 
 
 def _ratio(value: float, gold: float) -> float | None:

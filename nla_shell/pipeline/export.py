@@ -24,7 +24,9 @@ import torch
 import nla_core
 from nla_shell.io.config import ConfigError, normalize_fields
 from nla_shell.io.data import DataError
-from nla_shell.io.sidecars import MODEL_SIDECAR, Injection, find_sidecar, injection_settings, load_sidecar, model_sidecar, read_sidecar, write_sidecar
+from nla_shell.io.sidecars import (
+    MODEL_SIDECAR, Injection, find_sidecar, injection_settings, load_sidecar, model_sidecar, read_sidecar, write_sidecar,
+)
 from nla_shell.models import ARModel, base_model_dir, load_actor
 from nla_shell.pipeline.evaluate import tokenizer_dir
 

@@ -32,7 +32,9 @@ from nla_shell.training import run_identity
 from nla_shell.io.config import ConfigError, config_defaults, config_to_dict
 from nla_shell.training.config import TrainConfig
 from nla_shell.io.data import DataError, build_prompt_ids, check_tokenizer, stream_rows
-from nla_shell.io.sidecars import MODEL_SIDECAR, Injection, injection_settings, load_sidecar, model_sidecar, write_sidecar
+from nla_shell.io.sidecars import (
+    MODEL_SIDECAR, Injection, injection_settings, load_sidecar, model_sidecar, write_sidecar,
+)
 from nla_shell.io.logging import make_logger
 from nla_shell.io.paths import require_file, require_model
 from nla_shell.io.progress import progress_bar, say_line
@@ -154,7 +156,8 @@ def _setup(cfg: SFTConfig) -> _Run:
 
     # --- model, optimizer, and a resumed run's state -----------------------------------------
     seed_everything(cfg.seed)
-    model, injector = _build_model(cfg, model_dir, nla, resume_from, injection=injection, mse_scale=mse_scale, dtype=dtype, device=device)
+    model, injector = _build_model(cfg, model_dir, nla, resume_from, injection=injection, mse_scale=mse_scale,
+                                   dtype=dtype, device=device)
     model.train()
     optimizer = make_optimizer(trainable_parameters(model), cfg.lr, device=device, label=f"sft {cfg.mode}")
     order = DataOrder(len(examples), cfg.seed)
@@ -169,7 +172,8 @@ def _setup(cfg: SFTConfig) -> _Run:
         stopping = stopping.restored(state.extra.get("early_stop"))
         print(f"[resume] sft {cfg.mode} from {resume_from} at step {start_step}", flush=True)
     sidecar_out = model_sidecar(
-        nla, role=cfg.mode, stage="sft", base_checkpoint=str(model_dir), injection=injection, trained_on=[str(Path(cfg.parquet).resolve())], baselines=baselines,
+        nla, role=cfg.mode, stage="sft", base_checkpoint=str(model_dir), injection=injection,
+        trained_on=[str(Path(cfg.parquet).resolve())], baselines=baselines,
         provenance={"sft": {"mode": cfg.mode, "parquet": str(Path(cfg.parquet).resolve()), "base_model": str(model_dir)}},
     )
 
@@ -226,7 +230,8 @@ def _load_examples(cfg: SFTConfig, nla: nla_core.NLAConfig, tokenizer) -> tuple[
 
 
 def _build_model(cfg: SFTConfig, model_dir: Path, nla: nla_core.NLAConfig, resume_from: Path | None, *,
-                 injection: Injection, mse_scale: float | None, dtype: torch.dtype, device: torch.device) -> tuple[torch.nn.Module, Injector | None]:
+                 injection: Injection, mse_scale: float | None, dtype: torch.dtype,
+                 device: torch.device) -> tuple[torch.nn.Module, Injector | None]:
     """The AV (actor + LoRA, or the whole LM with av_lora=false; with its injector) or the AR, new or from the
     checkpoint a resumed run continues."""
     if cfg.mode == "av":

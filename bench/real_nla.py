@@ -247,6 +247,40 @@ def label_parts(run_dirs: list[str], out: str | None) -> dict[str, Any]:
     return _emit(result, out)
 
 
+def softmax_probe(x_train: Any, keys_train: Sequence[str | None], x_eval: Any, keys_eval: Sequence[str | None], *,
+                  min_count: int) -> dict[str, Any] | None:
+    """A linear probe of a label part from features: softmax regression on standardised features (300 full-batch
+    Adam steps), over the parts seen min_count+ times in training; its held-out accuracy beside the majority class's.
+    None when fewer than two parts are that frequent (the labels leave the part out)."""
+    import collections
+
+    import numpy as np
+    import torch
+
+    counts = collections.Counter(k for k in keys_train if k is not None)
+    vocab = {k: i for i, k in enumerate(k for k, c in counts.items() if c >= min_count)}
+    if len(vocab) < 2:
+        return None
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    mean, scale = x_train.mean(0), x_train.std(0) + 1e-6
+    rows_train = [i for i, k in enumerate(keys_train) if k in vocab]
+    rows_eval = [i for i, k in enumerate(keys_eval) if k in vocab]
+    a, b = (torch.tensor((np.asarray(x)[rows] - mean) / scale, dtype=torch.float32, device=device)
+            for x, rows in ((x_train, rows_train), (x_eval, rows_eval)))
+    ya, yb = (torch.tensor([vocab[keys[i]] for i in rows], device=device)
+              for keys, rows in ((keys_train, rows_train), (keys_eval, rows_eval)))
+    linear = torch.nn.Linear(a.shape[1], len(vocab)).to(device)
+    opt = torch.optim.Adam(linear.parameters(), lr=1e-2, weight_decay=1e-4)
+    for _ in range(300):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(linear(a), ya).backward()
+        opt.step()
+    with torch.no_grad():
+        accuracy = (linear(b).argmax(1) == yb).float().mean().item()
+    majority = (yb == torch.bincount(ya).argmax()).float().mean().item()
+    return {"classes": len(vocab), "eval_rows": len(rows_eval), "accuracy": accuracy, "majority": majority}
+
+
 def linear_parts(run_dir: str, out: str | None) -> dict[str, Any]:
     """See the module docstring. Parts seen fewer than twice in training share one "other" class (ridge, λ = 1);
     the probes (softmax regression on standardised vectors, 300 full-batch Adam steps) keep classes seen 5+ times."""
@@ -254,7 +288,6 @@ def linear_parts(run_dir: str, out: str | None) -> dict[str, Any]:
 
     import numpy as np
     import pyarrow.parquet as pq
-    import torch
 
     from nla_shell.explainers.context import parse
 
@@ -306,37 +339,14 @@ def linear_parts(run_dir: str, out: str | None) -> dict[str, Any]:
         predicted = sum(w[held_out] for _, held_out in blocks)
         return float(1 - ((x_eval - mean - predicted) ** 2).sum(1).mean() / total)
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    scale = x_train.std(0) + 1e-6
-
-    def probe(name: str) -> dict[str, Any] | None:
-        vocab = classes(name, 5)
-        if len(vocab) < 2:  # the labels leave this part out (context_parts=ending, say)
-            return None
-        rows = {split: [i for i, k in enumerate(keys) if k in vocab]
-                for split, keys in (("train", parts_train[name]), ("eval", parts_eval[name]))}
-        xs = {"train": x_train, "eval": x_eval}
-        keys = {"train": parts_train[name], "eval": parts_eval[name]}
-        a, b = (torch.tensor((xs[s][rows[s]] - mean) / scale, dtype=torch.float32, device=device) for s in ("train", "eval"))
-        ya, yb = (torch.tensor([vocab[keys[s][i]] for i in rows[s]], device=device) for s in ("train", "eval"))
-        linear = torch.nn.Linear(a.shape[1], len(vocab)).to(device)
-        opt = torch.optim.Adam(linear.parameters(), lr=1e-2, weight_decay=1e-4)
-        for _ in range(300):
-            opt.zero_grad()
-            torch.nn.functional.cross_entropy(linear(a), ya).backward()
-            opt.step()
-        with torch.no_grad():
-            accuracy = (linear(b).argmax(1) == yb).float().mean().item()
-        majority = (yb == torch.bincount(ya).argmax()).float().mean().item()
-        return {"classes": len(vocab), "eval_rows": len(rows["eval"]), "accuracy": accuracy, "majority": majority}
-
     result = {
         "rows": {"train": len(x_train), "eval": len(x_eval)},
         "mean_share_of_norm2": float((mean ** 2).sum() / (x_train ** 2).sum(1).mean()),
         "class_mean_fve": {" + ".join(names): class_mean_fve(names) for names in
                            (("play",), ("speaker",), ("last word",), ("play", "speaker"),
                             ("last word", "play", "speaker"))},
-        "probe": {name: probe(name) for name in part_of},
+        "probe": {name: softmax_probe(x_train, parts_train[name], x_eval, parts_eval[name], min_count=5)
+                  for name in part_of},
     }
     return _emit(result, out)
 

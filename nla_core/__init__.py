@@ -72,7 +72,7 @@ from nla_core.sidecar import (
 from nla_core.surrogates import Surrogate, cispo_surrogate, clip_range, onpolicy_surrogate, ppo_clip_surrogate
 from nla_core.tis import CappedRatio, ISWeights, capped_ratio, tis_weights
 from nla_core.splice import denormalize_activation, random_at_same_error
-from nla_core.splits import doc_disjoint_rows
+from nla_core.splits import HELDOUT_DOCS, doc_disjoint_rows, spread_rows
 from nla_core.weights import hf_param_name, layer_buckets, merge_lora_weight
 
 __all__ = [
@@ -87,6 +87,7 @@ __all__ = [
     "FAILED_EXTRACTION_REWARD",
     "FP8_DTYPE",
     "GRPOLossOutput",
+    "HELDOUT_DOCS",
     "INJECTION_CHAR_FIELD",
     "INJECTION_STYLES",
     "INJECT_PLACEHOLDER",
@@ -150,6 +151,7 @@ __all__ = [
     "reward_from_mse",
     "sample_tokens",
     "sequence_log_ratio",
+    "spread_rows",
     "tis_weights",
     "token_entropy",
     "token_logprobs",

@@ -21,7 +21,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
-from nla_core import INJECT_PLACEHOLDER, NLAConfig, canonical_neighbors, doc_disjoint_rows, marker_well_formed
+from nla_core import (
+    INJECT_PLACEHOLDER, NLAConfig, canonical_neighbors, doc_disjoint_rows, marker_well_formed, spread_rows,
+)
 
 __all__ = [
     "INJECT_PLACEHOLDER",
@@ -35,6 +37,7 @@ __all__ = [
     "check_tokenizer",
     "RowWindows",
     "load_eval_rows",
+    "load_heldout_rows",
     "load_rows",
     "parquet_num_rows",
     "row_windows",
@@ -421,19 +424,27 @@ def row_windows(n_rows: int, *, max_rows: int | None, eval_skip_rows: int | None
 
 
 def load_eval_rows(
-    path: str | Path, cfg: NLAConfig, *, skip_rows: int, n: int, train_doc_ids: Sequence[str], key: str = "eval_skip_rows"
+    path: str | Path, cfg: NLAConfig, *, skip_rows: int, n: int, train_doc_ids: Sequence[str],
+    docs: str | None = None, key: str = "eval_skip_rows",
 ) -> list[RLRow]:
     """Up to n held-out rows from [skip_rows, end) whose documents are not in `train_doc_ids`.
 
     Rows of a shuffled dataset share documents (in the reference's data about half the
     rows past the training window do), so eval takes only unseen documents. `path` is
-    the training parquet past its window, or a separate held-out file (skip_rows=0).
+    the training parquet past its window (docs None: the first such rows, as the reference
+    takes them), or a separate held-out file (skip_rows=0) with docs one of
+    nla_core.HELDOUT_DOCS: the rows spread over its documents (nla_core.spread_rows).
     DataError, naming `key`, when no such row exists.
     """
     pf = validate_parquet_schema(path, d_model=cfg.d_model, key=key)
     # The doc_id column alone is small next to the activations: read it whole, once.
     doc_ids = [str(d) for d in pf.read(columns=["doc_id"]).column("doc_id").to_pylist()]
-    picked = [skip_rows + i for i in doc_disjoint_rows(train_doc_ids, doc_ids[skip_rows:], n)]
+    candidates = doc_ids[skip_rows:]
+    if docs is None:
+        picked = [skip_rows + i for i in doc_disjoint_rows(train_doc_ids, candidates, n)]
+    else:
+        unseen = doc_disjoint_rows(train_doc_ids, candidates, len(candidates))
+        picked = [skip_rows + unseen[j] for j in spread_rows([candidates[i] for i in unseen], n, docs=docs)]
     if not picked:
         if n == 0:
             return []
@@ -442,3 +453,15 @@ def load_eval_rows(
             "outside the training rows; pass eval_parquet= a held-out file, lower max_rows, or add documents"
         )
     return list(_stream(pf, cfg, picked[0], picked[-1] + 1, set(picked), ()))
+
+
+def load_heldout_rows(path: str | Path, cfg: NLAConfig, *, n: int, docs: str, extra_columns: Sequence[str] = (),
+                      key: str) -> list[RLRow]:
+    """Up to n validated rows of a held-out file, spread over its documents (nla_core.spread_rows; `docs` one of
+    nla_core.HELDOUT_DOCS), in file order; `key` names the config key of the file in messages."""
+    pf = validate_parquet_schema(path, d_model=cfg.d_model, key=key)
+    doc_ids = [str(d) for d in pf.read(columns=["doc_id"]).column("doc_id").to_pylist()]
+    picked = spread_rows(doc_ids, n, docs=docs)
+    if not picked:
+        return []
+    return list(_stream(pf, cfg, picked[0], picked[-1] + 1, set(picked), extra_columns))

@@ -40,7 +40,7 @@ from nla_shell import families
 from nla_shell.engines.base import sample_explanations
 from nla_shell.engines.hf import HFRolloutEngine
 from nla_shell.io.config import ConfigError, normalize_fields
-from nla_shell.io.data import DataError, RLRow, build_prompt_ids, check_tokenizer, stream_rows
+from nla_shell.io.data import DataError, RLRow, build_prompt_ids, check_tokenizer, load_heldout_rows
 from nla_shell.io.paths import require_file, require_model
 from nla_shell.io.progress import progress_bar
 from nla_shell.io.sidecars import MODEL_SIDECAR, find_sidecar, injection_settings, load_sidecar, read_sidecar
@@ -64,7 +64,7 @@ class EvalConfig:
     ar: str
     """AR dir (from `nla sft --mode ar`, or a co-trained critic)."""
     parquet: str
-    """Held-out rows (e.g. datagen's eval.parquet); the first n_rows are used."""
+    """Held-out rows (e.g. datagen's eval.parquet); n_rows of them, spread over its documents (heldout_docs)."""
     out_dir: str
     """Where eval_samples.jsonl, eval_table.md, eval_controls.md and eval_summary.json go; must be new or empty."""
     overwrite: bool = False
@@ -79,6 +79,10 @@ class EvalConfig:
     """Tokenizer dir; None takes the AV's, its base model's, or the AR's, the first that has one."""
     n_rows: int = 256
     """Held-out rows to evaluate."""
+    heldout_docs: Literal["all", "select", "report"] = "report"
+    """Which of the parquet's documents the n_rows are spread over, a row of each before a second
+    (nla_core.spread_rows; an nla addition): "report", the half a hash of doc_id keeps for results, which `nla sft`'s
+    and `nla train`'s held-out evals ("select", their default) never see; "select"; or "all"."""
     max_new_tokens: int = 64
     """Longest AV explanation, in tokens."""
     max_explanation_tokens: int = 1024
@@ -116,7 +120,7 @@ class EvalConfig:
 @dataclass(frozen=True)
 class EvalResult:
     metrics: dict[str, float]
-    """Flat numbers: "av/…", "gold/…", "shuffled/…", "length/…", "splice/…", baselines, n_rows."""
+    """Flat numbers: "av/…", "gold/…", "shuffled/…", "length/…", "splice/…", baselines, n_rows, n_docs."""
     samples: list[dict[str, Any]]
     """One object per row, as in eval_samples.jsonl."""
     out_dir: Path
@@ -161,9 +165,8 @@ def evaluate(cfg: EvalConfig) -> EvalResult:
     if cfg.model is not None and "context" not in present:
         raise DataError(f"parquet: {cfg.parquet} has no 'context' column, which splice-KL (model=) needs to rerun "
                         "the LM; use a datagen parquet, or leave model unset")
-    rows: list[RLRow] = list(stream_rows(
-        cfg.parquet, nla, stop=cfg.n_rows, extra_columns=[c for c in OPTIONAL_COLUMNS if c in present], key="parquet",
-    ))
+    rows: list[RLRow] = load_heldout_rows(cfg.parquet, nla, n=cfg.n_rows, docs=cfg.heldout_docs,
+                                          extra_columns=[c for c in OPTIONAL_COLUMNS if c in present], key="parquet")
     if not rows:
         raise DataError(f"parquet: {cfg.parquet} has no rows to evaluate")
     golds = torch.stack([r.activation for r in rows])
@@ -172,7 +175,8 @@ def evaluate(cfg: EvalConfig) -> EvalResult:
     critic = ARModel.from_pretrained(cfg.ar, mse_scale=mse_scale, dtype=dtype, device=device).eval()
     score_kwargs = dict(template=nla.critic_prompt_template, mse_scale=mse_scale, reward_kind=cfg.reward,
                         max_tokens=cfg.max_explanation_tokens, micro_batch=cfg.micro_batch)
-    metrics: dict[str, float] = {"n_rows": len(rows), "baseline_rawvar": rawvar, "baseline_meannorm": meannorm}
+    metrics: dict[str, float] = {"n_rows": len(rows), "n_docs": len({r.doc_id for r in rows}),
+                                 "baseline_rawvar": rawvar, "baseline_meannorm": meannorm}
     samples = [
         {"idx": i, "doc_id": r.doc_id, "position": r.extras.get("position"), "context": r.extras.get("context"),
          "gold_explanation": r.extras.get("explanation")}
@@ -375,7 +379,8 @@ def controls_table(metrics: dict[str, float]) -> str:
         return "—" if value is None or (isinstance(value, float) and not math.isfinite(value)) else fmt.format(value)
 
     rawvar, meannorm = metrics["baseline_rawvar"], metrics["baseline_meannorm"]
-    lines = [f"Held-out controls on {metrics['n_rows']} rows (FVE: 1 - MSE / baseline; rawvar {rawvar:.4g} is the "
+    docs = f" of {metrics['n_docs']} documents" if "n_docs" in metrics else ""
+    lines = [f"Held-out controls on {metrics['n_rows']} rows{docs} (FVE: 1 - MSE / baseline; rawvar {rawvar:.4g} is the "
              f"headline, meannorm {meannorm:.4g} beside it; splice-KL in nats):", "",
              "| | FVE (rawvar) | FVE (meannorm) | MSE | extraction rate | splice-KL |", "|---|---|---|---|---|---|"]
     for title, prefix in CONTROL_ROWS:

@@ -142,8 +142,8 @@ def _setup(cfg: SFTConfig) -> _Run:
     rows, examples = _load_examples(cfg, nla, tokenizer)
     baselines = nla_core.predict_mean_baselines(torch.stack([r.activation for r in rows]), scale=mse_scale)
     heldout = None if cfg.eval_parquet is None else sft_eval.load_heldout(
-        cfg.eval_parquet, nla, tokenizer, n_rows=cfg.eval_rows, seed=cfg.seed, mse_scale=mse_scale,
-        need_response=cfg.mode == "av")
+        cfg.eval_parquet, nla, tokenizer, n_rows=cfg.eval_rows, docs=cfg.heldout_docs, seed=cfg.seed,
+        mse_scale=mse_scale, need_response=cfg.mode == "av")
     num_steps = cfg.num_steps if cfg.epochs is None else max(1, math.ceil(cfg.epochs * len(examples) / cfg.batch_size))
 
     save_dir = Path(cfg.save_dir)

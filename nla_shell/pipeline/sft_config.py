@@ -70,7 +70,12 @@ class SFTConfig:
     eval_every: int = 100
     """Steps between held-out evaluations (and one at the last step)."""
     eval_rows: int = 256
-    """Held-out rows scored at each evaluation (the first rows of eval_parquet)."""
+    """Held-out rows scored at each evaluation, spread over eval_parquet's documents (heldout_docs)."""
+    heldout_docs: Literal["all", "select", "report"] = "select"
+    """Which of eval_parquet's documents the eval_rows are spread over, a row of each before a second
+    (nla_core.spread_rows; an nla addition): "select", the half a hash of doc_id gives checkpoint selection;
+    "report", the other half, which `nla eval` scores by default; "all". The checkpoint is then chosen on
+    documents the reported result never sees."""
     eval_ar: str | None = None
     """AV only: an AR dir (`nla sft --mode ar`) that scores the AV's sampled held-out explanations: the round-trip
     FVE, which the run then selects on (without it, the held-out NLL, lower is better)."""

@@ -27,7 +27,7 @@ import torch
 import nla_core
 from nla_shell.engines.base import sample_explanations
 from nla_shell.engines.hf import HFRolloutEngine
-from nla_shell.io.data import DataError, build_prompt_ids, stream_rows
+from nla_shell.io.data import DataError, build_prompt_ids, load_heldout_rows
 from nla_shell.metrics import finite_mean
 from nla_shell.models import ARModel, Injector
 from nla_shell.pipeline.sft_loss import AVExample, av_response_nll
@@ -55,9 +55,10 @@ class HeldOut:
     """The held-out predict-the-mean baseline that FVE divides by."""
 
 
-def load_heldout(path: str, nla: nla_core.NLAConfig, tokenizer, *, n_rows: int, seed: int, mse_scale: float | None,
-                 need_response: bool) -> HeldOut:
-    """The first n_rows rows of `path` (datagen's eval.parquet: prompt, activation, explanation, response).
+def load_heldout(path: str, nla: nla_core.NLAConfig, tokenizer, *, n_rows: int, docs: str, seed: int,
+                 mse_scale: float | None, need_response: bool) -> HeldOut:
+    """n_rows rows of `path` (datagen's eval.parquet: prompt, activation, explanation, response), spread over the
+    documents of its `docs` half (io.data.load_heldout_rows).
 
     Raises DataError, naming the file and the column, when `explanation` (or, for the AV, `response`) is missing.
     """
@@ -69,7 +70,7 @@ def load_heldout(path: str, nla: nla_core.NLAConfig, tokenizer, *, n_rows: int, 
         if column not in present:
             raise DataError(f"eval_parquet: {path} has no '{column}' column; give held-out rows with gold "
                             "explanations (datagen's eval.parquet)")
-    rows = list(stream_rows(path, nla, stop=n_rows, extra_columns=needed, key="eval_parquet"))
+    rows = load_heldout_rows(path, nla, n=n_rows, docs=docs, extra_columns=needed, key="eval_parquet")
     if len(rows) < 2:
         raise DataError(f"eval_parquet: {path} yields {len(rows)} rows; the held-out evaluation needs at least 2")
     eos = (tokenizer.eos_token_id,)

@@ -222,6 +222,11 @@ class TrainConfig:
     eval_parquet: str | None = None
     """Held-out parquet for the eval, e.g. datagen's eval.parquet (its rows from documents seen in training are
     dropped); None holds rows of rl_parquet out (see eval_skip_rows). An nla addition."""
+    heldout_docs: Literal["all", "select", "report"] = "select"
+    """With eval_parquet (an nla addition): which of its documents the eval_n_prompts rows are spread over, a row
+    of each before a second (nla_core.spread_rows): "select", the half a hash of doc_id gives checkpoint
+    selection; "report", the other half, which `nla eval` scores by default; "all". The training curve then
+    shares no document with the reported result."""
     eval_skip_rows: int | None = None
     """Without eval_parquet: eval rows come from rl_parquet rows at or past this index (the reference's window,
     30000 there); None holds out the last tenth of the rows (at least eval_n_prompts, at most half), for any size."""

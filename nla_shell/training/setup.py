@@ -93,8 +93,8 @@ def load_train_and_eval_rows(cfg: TrainConfig, nla: nla_core.NLAConfig) -> tuple
     if cfg.eval_parquet is not None:
         check_same_geometry(nla, cfg.eval_parquet)
         eval_rows = load_eval_rows(cfg.eval_parquet, nla, skip_rows=0, n=cfg.eval_n_prompts, train_doc_ids=train_docs,
-                                   key="eval_parquet")
-        where = cfg.eval_parquet
+                                   docs=cfg.heldout_docs, key="eval_parquet")
+        where = f"{cfg.eval_parquet} ({cfg.heldout_docs} documents)"
     else:
         eval_rows = load_eval_rows(cfg.rl_parquet, nla, skip_rows=windows.eval_start, n=cfg.eval_n_prompts,
                                    train_doc_ids=train_docs)

@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from nla_core import resolve_target_scale
+from nla_core import resolve_target_scale, spread_rows
 from nla_shell import cli
 from nla_shell.io.sidecars import load_sidecar
 from nla_shell.serving.explain import ExplainConfig, explain
@@ -40,7 +40,7 @@ def test_an_exact_ar_scores_fve_one(tmp_path, toy_sft, toy_datasets):
     shutil.copy(toy_datasets / "eval.parquet.nla_meta.yaml", tmp_path / "exact.parquet.nla_meta.yaml")
 
     assert cli.main(["eval", "--ar", str(ar), "--parquet", str(parquet), "--out-dir", str(tmp_path / "out"),
-                     "device=cpu"]) == 0
+                     "heldout_docs=all", "device=cpu"]) == 0
     summary = json.loads((tmp_path / "out" / "eval_summary.json").read_text())
     assert summary["n_rows"] == 6 and summary["baseline_rawvar"] > 0
     assert summary["gold/fve"] == pytest.approx(1.0, abs=1e-6)
@@ -144,10 +144,14 @@ def test_eval_of_an_av_writes_samples_table_and_summary(tmp_path, toy_sft, toy_d
     assert {"av/fve", "av/fve_meannorm", "av/reward_mean", "av/extraction_rate", "gold/fve"} <= set(summary)
     assert 0.0 <= summary["av/extraction_rate"] <= 1.0
     samples = [json.loads(line) for line in (tmp_path / "a" / "eval_samples.jsonl").read_text().splitlines()]
-    eval_rows = pq.read_table(toy_datasets / "eval.parquet").slice(0, 5).to_pylist()
+    # The rows: 5 spread over the report half's documents (a row of each before a second), in file order.
+    all_rows = pq.read_table(toy_datasets / "eval.parquet").to_pylist()
+    eval_rows = [all_rows[i] for i in spread_rows([r["doc_id"] for r in all_rows], 5, docs="report")]
     assert [(s["doc_id"], s["position"], s["gold_explanation"]) for s in samples] == [
         (r["doc_id"], r["position"], r["explanation"]) for r in eval_rows
     ]
+    half = {all_rows[i]["doc_id"] for i in spread_rows([r["doc_id"] for r in all_rows], 10**6, docs="report")}
+    assert summary["n_docs"] == len({r["doc_id"] for r in eval_rows}) == min(5, len(half)) > 2  # the file's first 5: 2
     assert all({"explanation", "reward", "mse", "fve", "gold_fve"} <= set(s) for s in samples)
     table = (tmp_path / "a" / "eval_table.md").read_text().splitlines()
     assert table[0].startswith("| context (tail) | gold |") and len(table) == 2 + 3

@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -156,3 +157,46 @@ def test_cli_refuses_a_held_out_setting_it_cannot_serve(tmp_path, tiny_av_dir, t
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and f"'{key}'" in err
     assert not (tmp_path / "ar").exists()
+
+
+# --------------------------------------------------------------------------- which held-out rows
+
+
+def test_selection_and_the_reported_result_share_no_document_by_default(toy_datasets, tiny_av_dir):
+    """nla sft selects its checkpoint, and nla train draws its curve, on held-out documents that nla eval never
+    reports on; each spreads its rows over its documents, a row of each before a second."""
+    from transformers import AutoTokenizer
+
+    from nla_core import spread_rows
+    from nla_shell.io.data import load_heldout_rows
+    from nla_shell.io.sidecars import load_sidecar
+    from nla_shell.pipeline.evaluate import EvalConfig
+    from nla_shell.pipeline.sft_config import SFTConfig
+    from nla_shell.pipeline.sft_eval import load_heldout
+    from nla_shell.training.config import TrainConfig
+    from nla_shell.training.setup import load_train_and_eval_rows
+
+    path = toy_datasets / "eval.parquet"
+    nla = load_sidecar(toy_datasets / "eval.parquet.nla_meta.yaml")
+    doc_ids = [r.doc_id for r in load_heldout_rows(path, nla, n=10**6, docs="all", key="eval_parquet")]
+    sft_docs = SFTConfig(mode="av", model="m", parquet="p", save_dir="s").heldout_docs
+    train_cfg = TrainConfig(av_ckpt="a", ar_ckpt="b", rl_parquet=str(toy_datasets / "rl.parquet"), save_dir="s",
+                            eval_parquet=str(path), eval_n_prompts=6)
+    eval_docs = EvalConfig(ar="a", parquet=str(path), out_dir="o").heldout_docs
+
+    # nla sft: its held-out vectors are those of the rows spread over its half
+    held = load_heldout(str(path), nla, AutoTokenizer.from_pretrained(tiny_av_dir), n_rows=6, docs=sft_docs, seed=0,
+                        mse_scale=None, need_response=True)
+    sft_rows = load_heldout_rows(path, nla, n=6, docs=sft_docs, key="eval_parquet")
+    assert [r.index for r in sft_rows] == spread_rows(doc_ids, 6, docs=sft_docs)
+    assert torch.equal(held.golds, torch.stack([r.activation for r in sft_rows]))
+    # nla train: its eval rows, minus documents seen in training (none here: the splits are document-disjoint)
+    _, train_rows = load_train_and_eval_rows(train_cfg, nla)
+    assert [r.index for r in train_rows] == spread_rows(doc_ids, 6, docs=train_cfg.heldout_docs)
+    # nla eval: the other half
+    report = {doc_ids[i] for i in spread_rows(doc_ids, len(doc_ids), docs=eval_docs)}
+    selecting = {r.doc_id for r in sft_rows} | {r.doc_id for r in train_rows}
+    assert report and selecting and not report & selecting
+    # spread: six rows from as many documents as the half holds, where the file's first six rows are two documents
+    half = {doc_ids[i] for i in spread_rows(doc_ids, len(doc_ids), docs=sft_docs)}
+    assert len({r.doc_id for r in sft_rows}) == min(6, len(half)) > len(set(doc_ids[:6])) == 2

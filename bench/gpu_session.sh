@@ -217,7 +217,9 @@ case $stage in
     # EXPLAIN_ENCODINGS (default json; e.g. "base64 json"), EXPLAIN_REPEATS rounds (default 3) of corpus and server
     # legs; EXPLAIN_BASELINE=1 adds the server without it (JSON).
     # The server's libraries travel as wheels (carry .device-carry/serve: fastapi, uvicorn, pydantic, opentelemetry-api
-    # and their needs the image lacks, as `pip download` fetched them for Python 3.12).
+    # and their needs, for the image's Python 3.12; 3.5 MB), fetched here by
+    #   python3 -m pip download --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
+    #     --implementation cp -d .device-carry/serve fastapi==0.165.0 uvicorn==0.55.0 opentelemetry-api==1.45.2
     if ls .device-carry/serve/*.whl > /dev/null 2>&1; then
       python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/serve .device-carry/serve/*.whl
       export PYTHONPATH=/tmp/serve:$PYTHONPATH

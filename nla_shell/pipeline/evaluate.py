@@ -380,8 +380,8 @@ def controls_table(metrics: dict[str, float]) -> str:
 
     rawvar, meannorm = metrics["baseline_rawvar"], metrics["baseline_meannorm"]
     docs = f" of {metrics['n_docs']} documents" if "n_docs" in metrics else ""
-    lines = [f"Held-out controls on {metrics['n_rows']} rows{docs} (FVE: 1 - MSE / baseline; rawvar {rawvar:.4g} is the "
-             f"headline, meannorm {meannorm:.4g} beside it; splice-KL in nats):", "",
+    lines = [f"Held-out controls on {metrics['n_rows']} rows{docs} (FVE: 1 - MSE / baseline; rawvar {rawvar:.4g} is "
+             f"the headline, meannorm {meannorm:.4g} beside it; splice-KL in nats):", "",
              "| | FVE (rawvar) | FVE (meannorm) | MSE | extraction rate | splice-KL |", "|---|---|---|---|---|---|"]
     for title, prefix in CONTROL_ROWS:
         if prefix is not None:

@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from nla_shell import families  # noqa: E402
 from nla_shell.explainers.context import parse  # noqa: E402
 from nla_shell.io.data import av_prompt_messages, build_prompt_ids  # noqa: E402
-from nla_shell.io.sidecars import load_sidecar  # noqa: E402
+from nla_shell.io.sidecars import Injection, load_sidecar  # noqa: E402
 from nla_shell.models import Injector  # noqa: E402
 from real_nla import softmax_probe  # noqa: E402
 
@@ -127,14 +127,12 @@ def reach(data_dir: str, model_dir: str, *, blocks: list[int], embedding_replace
         "rows": {"train": len(x_train), "eval": len(x_eval)}, "prompt_tokens": len(prompt), "marker_position": marker,
         "vector": {"last_word": probe(x_train, x_eval)}, "injections": {},
     }
-    settings = [(f"residual_add block {k}", "residual_add", None, k) for k in blocks]
+    settings = [(f"residual_add block {k}", Injection("residual_add", None, k)) for k in blocks]
     if embedding_replace:
-        settings.append(("embedding_replace norm sqrt(D)", "embedding_replace", math.sqrt(d_model), 1))
-    for name, style, norm, block in settings:
+        settings.append(("embedding_replace norm sqrt(D)", Injection("embedding_replace", math.sqrt(d_model), 1)))
+    for name, injection in settings:
         start = time.perf_counter()
-        injector = Injector(model, marker_id=nla.injection_token_id, left_id=nla.injection_left_neighbor_id,
-                            right_id=nla.injection_right_neighbor_id, style=style, injection_norm=norm,
-                            layer_index=block)
+        injector = Injector.for_sidecar(model, nla, injection)
         try:
             f_train = features(model, injector, prompt, marker, x_train, batch=batch)
             f_eval = features(model, injector, prompt, marker, x_eval, batch=batch)

@@ -72,7 +72,7 @@ from nla_core.sidecar import (
 from nla_core.surrogates import Surrogate, cispo_surrogate, clip_range, onpolicy_surrogate, ppo_clip_surrogate
 from nla_core.tis import CappedRatio, ISWeights, capped_ratio, tis_weights
 from nla_core.splice import denormalize_activation, random_at_same_error
-from nla_core.splits import HELDOUT_DOCS, doc_disjoint_rows, spread_rows
+from nla_core.splits import HELDOUT_DOCS, HeldoutDocs, doc_disjoint_rows, spread_rows
 from nla_core.weights import hf_param_name, layer_buckets, merge_lora_weight
 
 __all__ = [
@@ -88,6 +88,7 @@ __all__ = [
     "FP8_DTYPE",
     "GRPOLossOutput",
     "HELDOUT_DOCS",
+    "HeldoutDocs",
     "INJECTION_CHAR_FIELD",
     "INJECTION_STYLES",
     "INJECT_PLACEHOLDER",

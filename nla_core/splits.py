@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import hashlib
-from typing import Hashable, Iterable, Literal, Sequence
+from typing import Hashable, Iterable, Literal, Sequence, get_args
 
 __all__ = [
     "HELDOUT_DOCS",
+    "HeldoutDocs",
     "doc_disjoint_rows",
     "spread_rows",
 ]
 
-HELDOUT_DOCS = ("all", "select", "report")
+HeldoutDocs = Literal["all", "select", "report"]
 """Which of a held-out file's documents spread_rows draws on: every one, the half that selects checkpoints, or the
-other half, which reports the result."""
+other half, which reports the result (the type of every command's `heldout_docs`)."""
+HELDOUT_DOCS: tuple[str, ...] = get_args(HeldoutDocs)
+"""HeldoutDocs' choices."""
 
 
 def doc_disjoint_rows(train_doc_ids: Iterable[Hashable], candidate_doc_ids: Sequence[Hashable], n: int) -> list[int]:
@@ -34,7 +37,7 @@ def doc_disjoint_rows(train_doc_ids: Iterable[Hashable], candidate_doc_ids: Sequ
     return picked
 
 
-def spread_rows(doc_ids: Sequence[str], n: int, *, docs: Literal["all", "select", "report"] = "all") -> list[int]:
+def spread_rows(doc_ids: Sequence[str], n: int, *, docs: HeldoutDocs = "all") -> list[int]:
     """Indices (ascending) of up to n rows spread over as many documents as the rows hold.
 
     A datagen file keeps each document's sites together (32 a passage in the real demo), so its first 512 rows

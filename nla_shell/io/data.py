@@ -22,7 +22,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
 from nla_core import (
-    INJECT_PLACEHOLDER, NLAConfig, canonical_neighbors, doc_disjoint_rows, marker_well_formed, spread_rows,
+    INJECT_PLACEHOLDER, HeldoutDocs, NLAConfig, canonical_neighbors, doc_disjoint_rows, marker_well_formed, spread_rows,
 )
 
 __all__ = [
@@ -425,7 +425,7 @@ def row_windows(n_rows: int, *, max_rows: int | None, eval_skip_rows: int | None
 
 def load_eval_rows(
     path: str | Path, cfg: NLAConfig, *, skip_rows: int, n: int, train_doc_ids: Sequence[str],
-    docs: str | None = None, key: str = "eval_skip_rows",
+    docs: HeldoutDocs | None = None, key: str = "eval_skip_rows",
 ) -> list[RLRow]:
     """Up to n held-out rows from [skip_rows, end) whose documents are not in `train_doc_ids`.
 
@@ -437,8 +437,7 @@ def load_eval_rows(
     DataError, naming `key`, when no such row exists.
     """
     pf = validate_parquet_schema(path, d_model=cfg.d_model, key=key)
-    # The doc_id column alone is small next to the activations: read it whole, once.
-    doc_ids = [str(d) for d in pf.read(columns=["doc_id"]).column("doc_id").to_pylist()]
+    doc_ids = _doc_ids(pf)
     candidates = doc_ids[skip_rows:]
     if docs is None:
         picked = [skip_rows + i for i in doc_disjoint_rows(train_doc_ids, candidates, n)]
@@ -452,16 +451,25 @@ def load_eval_rows(
             f"{key}: no row past row {skip_rows} of {path} ({len(doc_ids)} rows) comes from a document "
             "outside the training rows; pass eval_parquet= a held-out file, lower max_rows, or add documents"
         )
-    return list(_stream(pf, cfg, picked[0], picked[-1] + 1, set(picked), ()))
+    return _picked_rows(pf, cfg, picked, ())
 
 
-def load_heldout_rows(path: str | Path, cfg: NLAConfig, *, n: int, docs: str, extra_columns: Sequence[str] = (),
-                      key: str) -> list[RLRow]:
+def load_heldout_rows(path: str | Path, cfg: NLAConfig, *, n: int, docs: HeldoutDocs,
+                      extra_columns: Sequence[str] = (), key: str) -> list[RLRow]:
     """Up to n validated rows of a held-out file, spread over its documents (nla_core.spread_rows; `docs` one of
     nla_core.HELDOUT_DOCS), in file order; `key` names the config key of the file in messages."""
     pf = validate_parquet_schema(path, d_model=cfg.d_model, key=key)
-    doc_ids = [str(d) for d in pf.read(columns=["doc_id"]).column("doc_id").to_pylist()]
-    picked = spread_rows(doc_ids, n, docs=docs)
+    return _picked_rows(pf, cfg, spread_rows(_doc_ids(pf), n, docs=docs), extra_columns)
+
+
+def _doc_ids(pf: pq.ParquetFile) -> list[str]:
+    """Every row's doc_id: the column alone is small next to the activations, so it is read whole, once."""
+    return [str(d) for d in pf.read(columns=["doc_id"]).column("doc_id").to_pylist()]
+
+
+def _picked_rows(pf: pq.ParquetFile, cfg: NLAConfig, picked: list[int], extra_columns: Sequence[str]) -> list[RLRow]:
+    """The validated rows at the ascending indices `picked` (none: an empty list), read from the row groups that
+    hold them."""
     if not picked:
         return []
     return list(_stream(pf, cfg, picked[0], picked[-1] + 1, set(picked), extra_columns))

@@ -79,7 +79,7 @@ class EvalConfig:
     """Tokenizer dir; None takes the AV's, its base model's, or the AR's, the first that has one."""
     n_rows: int = 256
     """Held-out rows to evaluate."""
-    heldout_docs: Literal["all", "select", "report"] = "report"
+    heldout_docs: nla_core.HeldoutDocs = "report"
     """Which of the parquet's documents the n_rows are spread over, a row of each before a second
     (nla_core.spread_rows; an nla addition): "report", the half a hash of doc_id keeps for results, which `nla sft`'s
     and `nla train`'s held-out evals ("select", their default) never see; "select"; or "all"."""

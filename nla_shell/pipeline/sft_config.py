@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from nla_core import HeldoutDocs
 from nla_shell.io.config import ConfigError, normalize_fields
 
 __all__ = ["SFT_RESUME_MUTABLE_KEYS", "SFTConfig"]
@@ -71,7 +72,7 @@ class SFTConfig:
     """Steps between held-out evaluations (and one at the last step)."""
     eval_rows: int = 256
     """Held-out rows scored at each evaluation, spread over eval_parquet's documents (heldout_docs)."""
-    heldout_docs: Literal["all", "select", "report"] = "select"
+    heldout_docs: HeldoutDocs = "select"
     """Which of eval_parquet's documents the eval_rows are spread over, a row of each before a second
     (nla_core.spread_rows; an nla addition): "select", the half a hash of doc_id gives checkpoint selection;
     "report", the other half, which `nla eval` scores by default; "all". The checkpoint is then chosen on

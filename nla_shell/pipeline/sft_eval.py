@@ -55,7 +55,7 @@ class HeldOut:
     """The held-out predict-the-mean baseline that FVE divides by."""
 
 
-def load_heldout(path: str, nla: nla_core.NLAConfig, tokenizer, *, n_rows: int, docs: str, seed: int,
+def load_heldout(path: str, nla: nla_core.NLAConfig, tokenizer, *, n_rows: int, docs: nla_core.HeldoutDocs, seed: int,
                  mse_scale: float | None, need_response: bool) -> HeldOut:
     """n_rows rows of `path` (datagen's eval.parquet: prompt, activation, explanation, response), spread over the
     documents of its `docs` half (io.data.load_heldout_rows).

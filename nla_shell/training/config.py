@@ -9,6 +9,7 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
+from nla_core import HeldoutDocs
 from nla_shell.io.config import normalize_fields, require
 
 VLLMQuantization = Literal["none", "fp8", "fp8_per_channel", "fp8_per_block"]
@@ -222,7 +223,7 @@ class TrainConfig:
     eval_parquet: str | None = None
     """Held-out parquet for the eval, e.g. datagen's eval.parquet (its rows from documents seen in training are
     dropped); None holds rows of rl_parquet out (see eval_skip_rows). An nla addition."""
-    heldout_docs: Literal["all", "select", "report"] = "select"
+    heldout_docs: HeldoutDocs = "select"
     """With eval_parquet (an nla addition): which of its documents the eval_n_prompts rows are spread over, a row
     of each before a second (nla_core.spread_rows): "select", the half a hash of doc_id gives checkpoint
     selection; "report", the other half, which `nla eval` scores by default; "all". The training curve then
